@@ -1,0 +1,3 @@
+from collab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""The `collab` command: one module per subcommand in collab/commands/.
+
+Every user error ends as one line on stderr and exit code 2; nothing prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from collab.errors import InternalError, UserError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line that names it and points at --help."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from collab.commands import join, simulate, status
+
+    parser = OneLineParser(prog="collab", description="Train one model together over the internet.")
+    parser.add_argument("--version", action="version", version=f"collab {__import__('collab').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for module in (join, status, simulate):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    # hivemind logs every matchmaking step at INFO; a volunteer needs the progress bar, not that
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        code = int(args.run(args) or 0)
+    except (UserError, InternalError) as e:
+        print(f"collab {args.command}: error: {e}", file=sys.stderr, flush=True)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        code = 130
+    if getattr(args, "hard_exit", False):
+        # hivemind can leave non-daemon threads behind (its ProgressTracker after a failed start); once our
+        # children are reaped nothing is left to flush, so do not let them hold the process open
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -1,0 +1,98 @@
+"""`collab join`: run a trainer peer in a collaborative run."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from pathlib import Path
+
+from collab.config import DEFAULT_CONFIG_NAME, FLAG_TO_FIELD
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("join", help="train with a swarm (or start a new one)",
+                       description="Join a collaborative run as a trainer. Without --initial-peers, start a "
+                                   "new swarm and print the command others use to join it.")
+    p.add_argument("--run-id", required=True, help="name of the run; all peers of a run use the same one")
+    p.add_argument("--initial-peers", action="extend", nargs="+", default=[], metavar="MADDR",
+                   help="multiaddr of any peer already in the run (/ip4/…/tcp/…/p2p/…); repeatable")
+    p.add_argument("--config", type=Path, default=None,
+                   help=f"run config: a YAML file or the name of a shipped one (default: {DEFAULT_CONFIG_NAME}; "
+                        "see configs/); all peers of a run must use the same one")
+    p.add_argument("--host-maddrs", nargs="+", default=None, metavar="MADDR",
+                   help="addresses to listen on (default /ip4/0.0.0.0/tcp/0: all interfaces, a free port)")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
+                   help="addresses others should dial, e.g. your public IP and forwarded port")
+    p.add_argument("--client-mode", action="store_true",
+                   help="for peers behind NAT or a firewall: connect out only, accept no connections")
+    p.add_argument("--identity", type=Path, default=None, metavar="PATH",
+                   help="private key file that keeps your peer id across restarts (created if missing)")
+    p.add_argument("--max-epochs", type=int, default=None, metavar="N", help="leave once the run reaches epoch N")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here and resume from them")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N epochs")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="samples per local step (config: training)")
+    p.add_argument("--target-batch-size", type=int, default=None, help="swarm-wide batch per optimizer step")
+    p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--dataset", default=None,
+                   help="'embedded', local text files/folders (comma-separated), or hf:NAME (a Hugging Face dataset)")
+    p.add_argument("--tokenizer", default=None, help="'embedded', a tokenizer.json, a tokenizer folder, or a hub name")
+    p.add_argument("--compression", default=None, choices=["none", "fp16", "uniform8bit", "quantile8bit"],
+                   help="how gradients travel (default fp16)")
+    p.add_argument("--matchmaking-time", type=float, default=None, help="seconds to form an averaging group")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="MBPS",
+                   help="your upload bandwidth in Mbit/s; slow peers get a smaller share of the all-reduce")
+    p.add_argument("--summary-json", type=Path, default=None, help="write a JSON summary here when the peer exits")
+    p.add_argument("--no-live", action="store_true", help="print one line per epoch instead of a live bar")
+    p.set_defaults(run=run, hard_exit=True)
+
+
+def raise_internal_error(error: Exception):
+    """A bug, not a user mistake: one line on the terminal, the traceback in a file to attach to a report."""
+    import tempfile
+    import traceback
+
+    from collab.errors import InternalError
+
+    fd, path = tempfile.mkstemp(prefix="collab-crash-", suffix=".log")
+    with open(fd, "w") as f:
+        traceback.print_exception(error, file=f)
+    raise InternalError(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
+                        f"(traceback in {path}; please report it)") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from collab.config import load_config
+    from collab.errors import UserError
+    from collab.lifecycle import StopOnSignal, reap_children
+    from collab.swarm import peer_config_from_flags
+
+    if args.max_epochs is not None and args.max_epochs < 0:
+        raise UserError(f"--max-epochs {args.max_epochs} is negative; pass a whole number >= 0")
+    overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}
+    config = load_config(args.config, overrides)
+    peer_flags = dict(run_id=args.run_id, initial_peers=args.initial_peers, announce_maddrs=args.announce_maddrs,
+                      client_mode=args.client_mode, identity=args.identity)
+    if args.host_maddrs:
+        peer_flags["host_maddrs"] = args.host_maddrs
+    peer = peer_config_from_flags(**peer_flags)
+
+    from collab import trainer
+
+    stop = threading.Event()
+    guard = StopOnSignal(stop).install()
+    options = trainer.JoinOptions(config_path=args.config, max_epochs=args.max_epochs,
+                                  summary_path=args.summary_json, live_display=False if args.no_live else None)
+    try:
+        summary = trainer.run(config, peer, options, stop)
+    except UserError:
+        raise
+    except Exception as e:
+        raise_internal_error(e)
+    finally:
+        guard.cancel()
+        reap_children()
+    losses = list(summary.loss_by_epoch.values())
+    trend = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) >= 2 else ""
+    print(f"Left the run at epoch {summary.final_epoch} ({summary.exit_reason}): contributed "
+          f"{summary.samples_contributed} samples, averaged in {summary.rounds_joined} rounds{trend}", flush=True)
+    return 0

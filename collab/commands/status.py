@@ -1,0 +1,60 @@
+"""`collab status`: read the swarm once and print the run state."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("status", help="show a run's progress and peers",
+                       description="Connect to a run as a client, read every peer's records once, print the state.")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--initial-peers", action="extend", nargs="+", required=True, metavar="MADDR",
+                   help="multiaddr of any peer in the run")
+    p.add_argument("--json", action="store_true", help="print the run state as one JSON object")
+    p.add_argument("--wait", type=float, default=3.0, metavar="S",
+                   help="seconds to let the DHT connect before reading (default 3)")
+    p.set_defaults(run=run, hard_exit=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from collab.lifecycle import reap_children
+    from collab.state import read_run_state
+    from collab.swarm import PeerConfig, Swarm, peer_config_from_flags
+
+    peer: PeerConfig = peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers, client_mode=True,
+                                              host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    swarm = Swarm(peer)
+    try:
+        time.sleep(max(0.0, args.wait))
+        state = read_run_state(swarm.dht, args.run_id)
+    finally:
+        swarm.shutdown()
+        reap_children()
+    if args.json:
+        print(json.dumps(state.model_dump()))
+    else:
+        print(format_state(state))
+    return 0
+
+
+def format_state(state) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    eta = f"{state.eta_seconds:.0f} s" if state.eta_seconds is not None else "unknown"
+    target = state.target_batch_size or "?"
+    table = Table(title=f"run {state.run_id}: epoch {state.global_epoch}, {state.samples_accumulated}/{target} samples "
+                        f"toward the next step, {state.samples_per_second:.1f} samples/s, ETA {eta}")
+    for column in ("peer", "client", "samples/s", "epoch", "loss", "contributed", "last seen"):
+        table.add_column(column)
+    for p in state.peers:
+        table.add_row(p.peer_id[-12:], "yes" if p.client_mode else "no", f"{p.samples_per_second:.1f}", str(p.epoch),
+                      f"{p.loss:.3f}" if p.loss is not None else "-",
+                      f"{p.samples_contributed} ({p.contribution:.0%})", f"{p.last_seen:.0f} s ago")
+    console = Console(width=140, record=True)
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get()

@@ -1,0 +1,179 @@
+"""The run config: YAML file, then CLI flags over it, then defaults; validated in one place.
+
+Every section is a pydantic model with `extra="forbid"`, so a typo is an error that names the
+key instead of a silently ignored setting. Task-specific sections live next to their task
+(collab/tasks/*.py); this module only assembles them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from collab.errors import UserError
+from collab.tasks.albert import AlbertTaskConfig
+
+DEFAULT_CONFIG_NAME = "albert-tiny"
+
+
+def configs_dir() -> Path:
+    """configs/ of a clone (editable install), else the copy a wheel installs as the collab.configs package."""
+    clone = Path(__file__).resolve().parent.parent / "configs"
+    if clone.is_dir():
+        return clone
+    from importlib.resources import files
+
+    return Path(str(files("collab.configs")))
+
+
+def shipped_config(name: str) -> Optional[Path]:
+    candidate = configs_dir() / f"{name.removesuffix('.yaml')}.yaml"
+    return candidate if candidate.is_file() else None
+
+
+def shipped_config_names() -> list[str]:
+    return sorted(p.stem for p in configs_dir().glob("*.yaml"))
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainingConfig(Section):
+    micro_batch_size: int = Field(8, gt=0, description="samples per local forward/backward")
+    target_batch_size: int = Field(256, gt=0, description="samples the whole swarm accumulates per optimizer step")
+    learning_rate: float = Field(1.76e-3, gt=0)
+    warmup_steps: int = Field(50, ge=0, description="linear warm-up, in collaborative steps (epochs)")
+    total_steps: int = Field(10_000, gt=0, description="length of the linear decay, in collaborative steps")
+    weight_decay: float = Field(0.01, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="LAMB's gradient clipping")
+    seed: int = Field(0, ge=0, description="model initialisation seed, shared by all peers")
+
+    @model_validator(mode="after")
+    def _target_holds_a_micro_batch(self):
+        if self.target_batch_size < self.micro_batch_size:
+            raise ValueError(
+                f"target_batch_size ({self.target_batch_size}) is smaller than micro_batch_size "
+                f"({self.micro_batch_size}); raise training.target_batch_size or lower training.micro_batch_size"
+            )
+        return self
+
+
+class AveragingConfig(Section):
+    matchmaking_time: float = Field(5.0, gt=0, description="seconds spent forming an averaging group")
+    averaging_timeout: float = Field(60.0, gt=0, description="give up an averaging round after this many seconds")
+    load_state_timeout: float = Field(120.0, gt=0, description="seconds to download state from a peer")
+    compression: Literal["none", "fp16", "uniform8bit", "quantile8bit"] = "fp16"
+    overlap: bool = Field(True, description="average gradients and step the optimizer in the background")
+    average_state_every: int = Field(5, gt=0, description="also average parameters every N epochs (repairs drift)")
+    bandwidth: Optional[float] = Field(None, gt=0, description="announced upload bandwidth, Mbit/s")
+
+
+class CheckpointConfig(Section):
+    dir: Optional[Path] = None
+    every_epochs: int = Field(10, gt=0)
+    keep: int = Field(2, ge=1, description="how many checkpoints to keep")
+
+
+class RunConfig(Section):
+    task: AlbertTaskConfig = Field(default_factory=AlbertTaskConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    averaging: AveragingConfig = Field(default_factory=AveragingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+
+# CLI flag -> dotted config path. The flag wins over the file, the file over the defaults.
+FLAG_TO_FIELD = {
+    "micro_batch_size": "training.micro_batch_size",
+    "target_batch_size": "training.target_batch_size",
+    "learning_rate": "training.learning_rate",
+    "dataset": "task.data.dataset",
+    "tokenizer": "task.data.tokenizer",
+    "compression": "averaging.compression",
+    "matchmaking_time": "averaging.matchmaking_time",
+    "bandwidth": "averaging.bandwidth",
+    "checkpoint_dir": "checkpoint.dir",
+    "checkpoint_every": "checkpoint.every_epochs",
+}
+FIELD_TO_FLAG = {field: "--" + flag.replace("_", "-") for flag, field in FLAG_TO_FIELD.items()}
+
+
+def load_config(path: Optional[Path] = None, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
+    """Read `path` (a file, or the name of a shipped config; default albert-tiny), apply `overrides`."""
+    path = resolve_config_path(path)
+    raw = _read_yaml(path)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(raw, dotted, value)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(f"config error in {path}: {describe_validation_error(e)}") from None
+
+
+def resolve_config_path(path: Optional[Path]) -> Path:
+    if path is None:
+        return shipped_config(DEFAULT_CONFIG_NAME)
+    path = Path(path)
+    if path.is_file():
+        return path
+    shipped = shipped_config(path.name) if path.parent == Path(".") else None
+    if shipped is not None:
+        return shipped
+    raise UserError(f"config file {path} does not exist; pass a YAML file or a shipped config name with --config "
+                    f"({', '.join(shipped_config_names())})")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"config file {path} is not valid YAML{where}; fix the syntax") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections (task, training, ...), not {type(raw).__name__}")
+    return raw
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for key in parents:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = node[key] = {}
+        node = child
+    node[leaf] = str(value) if isinstance(value, Path) else value
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """The first problem of a pydantic error, as one line that names the field and the fix."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"] if part not in ("albert",))
+    flag = FIELD_TO_FLAG.get(field)
+    fix = f"fix it in the file or with {flag}" if flag else "fix it in the file"
+    if first["type"] == "extra_forbidden":
+        parent, _, key = field.rpartition(".")
+        known = _known_keys(parent)
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
+        return f"unknown key '{field}'; remove it or correct it ({hint})"
+    if first["type"] == "value_error":
+        return f"{field or 'config'}: {first['msg'].removeprefix('Value error, ')}"
+    more = f" (and {len(error.errors()) - 1} more)" if len(error.errors()) > 1 else ""
+    return f"{field}: {first['msg'].lower()}, got {first.get('input')!r}; {fix}{more}"
+
+
+def _known_keys(dotted_parent: str) -> list[str]:
+    model: Any = RunConfig
+    for key in filter(None, dotted_parent.split(".")):
+        annotation = model.model_fields[key].annotation
+        model = annotation
+    return list(model.model_fields)

@@ -1,0 +1,135 @@
+"""Text sources and the sentence-order windows ALBERT trains on.
+
+A source is the embedded corpus, local text files (a file, a folder of *.txt, or several,
+comma-separated), or `hf:NAME` for a Hugging Face dataset (streamed; a local dataset folder
+works too). Small sources are tokenized once into one tensor and sampled at random offsets;
+hub datasets are streamed and shuffled through a buffer. Each peer draws with its own seed,
+so no two peers see the data in the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from collab.data.cache import cache_dir, write_atomically
+from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
+from collab.errors import UserError
+
+HF_PREFIX = "hf:"
+
+
+def local_text_files(spec: str) -> list[Path]:
+    if spec == "embedded":
+        return [embedded_corpus_path()]
+    files: list[Path] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        path = Path(part).expanduser()
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".text")))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UserError(
+                f"dataset path {part} does not exist; pass --dataset embedded, text files or folders, or hf:NAME"
+            )
+    if not files:
+        raise UserError(f"dataset '{spec}' holds no .txt/.md files; point --dataset at text files")
+    return files
+
+
+def tokenize_files(files: list[Path], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """All files as one 1-D tensor of token ids (paragraph boundaries are simply concatenated)."""
+    key = hashlib.sha1(_tokenizer_fingerprint(tokenizer))
+    for file in files:
+        key.update(str(file.resolve()).encode())
+        key.update(corpus_fingerprint(file).encode())
+    cached = cache_dir() / f"tokens-{key.hexdigest()[:16]}.pt"
+    if cached.is_file():
+        return torch.load(cached)
+    paragraphs = [p for file in files for p in file.read_text(encoding="utf-8", errors="replace").split("\n\n") if p.strip()]
+    ids: list[int] = []
+    for start in range(0, len(paragraphs), 1000):
+        for row in tokenizer(paragraphs[start : start + 1000], add_special_tokens=False)["input_ids"]:
+            ids.extend(row)
+    tokens = torch.tensor(ids, dtype=torch.int32)
+    buffer = io.BytesIO()
+    torch.save(tokens, buffer)
+    write_atomically(cached, buffer.getvalue())
+    return tokens
+
+
+def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> bytes:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.to_str().encode()
+    return repr(sorted(tokenizer.get_vocab().items())).encode()
+
+
+def random_windows(tokens: torch.Tensor, length: int, seed: int) -> Iterator[torch.Tensor]:
+    if len(tokens) <= length:
+        raise UserError(f"the dataset has only {len(tokens)} tokens, fewer than one sequence ({length}); add text")
+    rng = random.Random(seed)
+    while True:
+        start = rng.randrange(0, len(tokens) - length)
+        yield tokens[start : start + length].long()
+
+
+def streamed_windows(name: str, tokenizer: PreTrainedTokenizerBase, length: int, seed: int,
+                     text_column: str = "text", buffer_size: int = 10_000) -> Iterator[torch.Tensor]:
+    """Windows from a Hugging Face dataset, streamed: a real run's corpus does not fit in memory."""
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("hf: datasets need the 'datasets' package; pip install 'collab[hf]'") from None
+    try:
+        dataset = datasets.load_dataset(name, split="train", streaming=True)
+    except Exception as e:  # datasets raises many types: missing, private, offline, bad config
+        raise UserError(f"cannot load dataset '{name}' ({str(e).splitlines()[0]}); check --dataset hf:NAME") from None
+    epoch = 0
+    pending: list[int] = []
+    while True:
+        for row in dataset.shuffle(seed=seed + epoch, buffer_size=buffer_size):
+            text: Optional[str] = row.get(text_column)
+            if not text:
+                continue
+            pending.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+            while len(pending) >= length:
+                yield torch.tensor(pending[:length], dtype=torch.long)
+                del pending[:length]
+        epoch += 1
+
+
+def token_windows(spec: str, tokenizer: PreTrainedTokenizerBase, length: int, seed: int) -> Iterator[torch.Tensor]:
+    if spec.startswith(HF_PREFIX):
+        return streamed_windows(spec[len(HF_PREFIX):], tokenizer, length, seed)
+    return random_windows(tokenize_files(local_text_files(spec), tokenizer), length, seed)
+
+
+def sentence_order_example(window: torch.Tensor, cls_id: int, sep_id: int, rng: random.Random) -> dict:
+    """[CLS] A [SEP] B [SEP] from one window; half the time A and B are swapped (label 1).
+
+    ALBERT's sentence-order prediction: both segments are consecutive text, so the only signal
+    is their order, unlike BERT's next-sentence task that a topic shift gives away.
+    """
+    n = len(window)
+    cut = rng.randint(n // 4, 3 * n // 4)
+    first, second = window[:cut], window[cut:]
+    swapped = rng.random() < 0.5
+    if swapped:
+        first, second = second, first
+    cls, sep = torch.tensor([cls_id]), torch.tensor([sep_id])
+    input_ids = torch.cat([cls, first, sep, second, sep])
+    token_type_ids = torch.cat([torch.zeros(len(first) + 2, dtype=torch.long), torch.ones(len(second) + 1, dtype=torch.long)])
+    return {
+        "input_ids": input_ids,
+        "token_type_ids": token_type_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "sentence_order_label": torch.tensor(int(swapped)),
+    }

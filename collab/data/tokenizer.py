@@ -1,0 +1,81 @@
+"""Tokenizers: the embedded one (BPE trained once on the embedded corpus) or a user's.
+
+`spec` is "embedded", a path to a tokenizer.json, a local tokenizer folder, or a Hugging Face
+hub name (real runs). ALBERT needs [CLS], [SEP], [MASK] and [PAD]; a tokenizer without them is
+rejected with a clear message rather than failing deep inside the collator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from collab.data.cache import cache_dir, write_atomically
+from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
+from collab.errors import UserError
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+MODEL_INPUT_NAMES = ["input_ids", "token_type_ids", "attention_mask"]
+
+
+def load_tokenizer(spec: str, vocab_size: int) -> PreTrainedTokenizerBase:
+    if spec == "embedded":
+        tokenizer = _wrap(embedded_tokenizer_file(vocab_size))
+    elif spec.endswith(".json"):
+        if not Path(spec).is_file():
+            raise UserError(f"tokenizer file {spec} does not exist; pass an existing tokenizer.json with --tokenizer")
+        tokenizer = _wrap(Path(spec))
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(spec, model_input_names=MODEL_INPUT_NAMES)
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"cannot load tokenizer '{spec}' ({str(e).splitlines()[0]}); pass --tokenizer embedded, "
+                "a tokenizer.json, a local tokenizer folder or a reachable hub name"
+            ) from None
+    missing = [name for name in ("cls_token", "sep_token", "mask_token", "pad_token") if getattr(tokenizer, name) is None]
+    if missing:
+        raise UserError(f"tokenizer '{spec}' lacks {', '.join(missing)}; ALBERT needs [CLS], [SEP], [MASK] and [PAD]")
+    return tokenizer
+
+
+def embedded_tokenizer_file(vocab_size: int) -> Path:
+    corpus = embedded_corpus_path()
+    path = cache_dir() / f"tokenizer-bpe{vocab_size}-{corpus_fingerprint(corpus)}.json"
+    if not path.is_file():
+        write_atomically(path, _train_bpe(corpus, vocab_size).to_str().encode())
+    return path
+
+
+def _train_bpe(corpus: Path, vocab_size: int):
+    # BPE trains in seconds on the ~1 MB corpus (Unigram, ALBERT's original choice, is 10-20x slower).
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2)
+    tokenizer.train([str(corpus)], trainer)
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    # the ALBERT layout, so that a saved checkpoint's tokenizer(a, b) produces what the model was trained on
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    return tokenizer
+
+
+def _wrap(file: Path) -> PreTrainedTokenizerFast:
+    # without model_input_names, transformers 5 returns no token_type_ids
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(file),
+        model_input_names=MODEL_INPUT_NAMES,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )

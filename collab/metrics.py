@@ -1,0 +1,89 @@
+"""What a peer publishes: one signed, schema-checked metrics record per peer, refreshed every epoch.
+
+The wire schema uses pydantic.v1 because hivemind's SchemaValidator is built on it; the DHT
+drops a record that fails it (or the signature) before it reaches any reader. Readers re-check
+anyway (a peer may run another collab version) and count what they reject.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, Literal, Optional
+
+from hivemind.dht.schema import BytesWithPublicKey
+from hivemind.utils.timed_storage import get_dht_time
+from pydantic import v1 as pydantic
+
+from collab import __version__
+
+METRICS_SUFFIX = "_metrics"
+PROGRESS_SUFFIX = "_progress"  # written by hivemind's ProgressTracker
+_LARGE = 1e9
+
+
+class PeerMetricsRecord(pydantic.BaseModel):
+    """One peer's view of itself. Bounds reject absurd values (NaN, negative, 1e30) at the schema."""
+
+    peer_id: pydantic.constr(min_length=1, max_length=128, strict=True)
+    role: Literal["trainer", "auxiliary", "monitor"]
+    version: pydantic.constr(max_length=32, strict=True) = __version__
+    epoch: pydantic.conint(ge=0, le=10**9, strict=True)
+    loss: Optional[pydantic.confloat(ge=0, le=1e6, strict=True)]
+    samples_per_second: pydantic.confloat(ge=0, le=_LARGE, strict=True)
+    samples_contributed: pydantic.conint(ge=0, le=10**15, strict=True)
+    target_batch_size: pydantic.conint(gt=0, le=10**9, strict=True)
+    client_mode: pydantic.StrictBool
+    bandwidth_mbps: Optional[pydantic.confloat(gt=0, le=_LARGE, strict=True)]
+    rounds_joined: pydantic.conint(ge=0, strict=True)
+    rounds_failed: pydantic.conint(ge=0, strict=True)
+    last_group_size: pydantic.conint(ge=0, le=100_000, strict=True)
+    time: pydantic.confloat(ge=0, strict=True)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class MetricsSchema(pydantic.BaseModel):
+    metrics: Dict[BytesWithPublicKey, Optional[PeerMetricsRecord]]
+
+
+@dataclass
+class AveragingLog:
+    """Outcomes of gradient-averaging rounds, as hivemind returned them (group sizes), not log text."""
+
+    joined: int = 0
+    failed: int = 0
+    last_group_size: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def success(self, group_size: int) -> None:
+        with self._lock:
+            self.joined += 1
+            self.last_group_size = group_size
+            self.group_sizes.append(group_size)
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failed += 1
+
+
+def metrics_key(run_id: str) -> str:
+    return run_id + METRICS_SUFFIX
+
+
+def finite_or_none(value: Optional[float]) -> Optional[float]:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def publish(dht, run_id: str, public_key: bytes, record: PeerMetricsRecord, expiration: float) -> None:
+    """Store without waiting: a slow DHT must never stall training."""
+    dht.store(
+        key=metrics_key(run_id),
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )

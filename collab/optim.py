@@ -1,0 +1,99 @@
+"""Building the collaborative optimizer: hivemind.Optimizer with collab's defaults and guards.
+
+DeDLOC's recipe: gradients accumulate locally toward the swarm's target batch, are averaged in
+one all-reduce per epoch, and every peer applies the same LAMB step. With `overlap`, the
+all-reduce and the optimizer step run in a background thread while the next micro-batches are
+computed (hivemind's delayed gradient averaging / delayed optimizer step, one step of staleness).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+import torch
+from hivemind import Optimizer
+from hivemind.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    Quantile8BitQuantization,
+    Uniform8BitQuantization,
+)
+from hivemind.optim.grad_averager import GradientAverager
+
+from collab.config import RunConfig
+from collab.metrics import AveragingLog
+from collab.tasks import Task
+
+COMPRESSION: dict[str, type[CompressionBase]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "uniform8bit": Uniform8BitQuantization,
+    "quantile8bit": Quantile8BitQuantization,
+}
+
+
+class CollabOptimizer(Optimizer):
+    """hivemind.Optimizer that records each gradient-averaging round and refuses non-finite averages.
+
+    hivemind applies whatever the group returned; one faulty or malicious peer can send NaN/inf,
+    which would poison every model in the group. Here such an average is discarded and the peer
+    steps with its own gradients for that epoch (state averaging later pulls it back in line).
+    """
+
+    def __init__(self, *, averaging_log: AveragingLog, **kwargs):
+        self.averaging_log = averaging_log
+        super().__init__(**kwargs)
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+        averaged = False
+        if maybe_step_control is not None:
+            try:
+                group = maybe_step_control.result(self.averaging_timeout)
+                if self._averaged_gradients_are_finite():
+                    self._load_averaged_gradients_into_optimizer_()
+                    self.averaging_log.success(len(group))
+                    averaged = True
+                else:
+                    self.averaging_log.failure()
+            except BaseException:  # timeouts, a peer that vanished mid-round: fall back to local gradients
+                self.averaging_log.failure()
+        if not averaged:
+            self._load_local_gradients_into_optimizer()
+
+    def _averaged_gradients_are_finite(self) -> bool:
+        with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
+            return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
+                    client_mode: bool = False) -> CollabOptimizer:
+    avg = config.averaging
+    compression = COMPRESSION[avg.compression]()
+    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
+    averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2))
+    return CollabOptimizer(
+        averaging_log=averaging_log,
+        dht=dht,
+        run_id=run_id,
+        target_batch_size=config.training.target_batch_size,
+        batch_size_per_step=config.training.micro_batch_size,
+        params=task.parameter_groups(),
+        optimizer=task.optimizer_factory(),
+        scheduler=task.scheduler_factory(),
+        matchmaking_time=avg.matchmaking_time,
+        averaging_timeout=avg.averaging_timeout,
+        load_state_timeout=avg.load_state_timeout,
+        offload_optimizer=True,
+        delay_optimizer_step=avg.overlap,
+        delay_grad_averaging=avg.overlap,
+        average_state_every=avg.average_state_every,
+        client_mode=client_mode,
+        grad_compression=compression,
+        state_averaging_compression=compression,
+        # a joining peer must start from the exact parameters of the swarm, so state downloads are lossless
+        load_state_compression=NoCompression(),
+        grad_averager_factory=partial(GradientAverager, **averager_opts),
+        averager_opts=averager_opts,
+        tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
+        shutdown_timeout=3,
+    )

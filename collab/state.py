@@ -1,0 +1,121 @@
+"""The run state: one JSON object built from every peer's records in the DHT.
+
+`collab status --json` and the dashboard's `GET /api/run` both return `RunState`. Global
+progress follows hivemind's ProgressTracker: the global epoch is the highest epoch among
+non-client peers, and only peers at that epoch count toward the target batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Optional
+
+from pydantic import BaseModel
+
+from collab.metrics import PROGRESS_SUFFIX, PeerMetricsRecord, metrics_key
+
+
+class PeerState(BaseModel):
+    peer_id: str
+    role: str
+    client_mode: bool
+    samples_per_second: float
+    epoch: int
+    loss: Optional[float]
+    samples_contributed: int
+    contribution: float  # share of all samples contributed by current peers, 0..1
+    samples_accumulated: int  # toward the current epoch's target
+    bandwidth_mbps: Optional[float]
+    rounds_joined: int
+    rounds_failed: int
+    last_seen: float  # seconds since the peer last published
+    online: bool
+
+
+class RunState(BaseModel):
+    run_id: str
+    global_epoch: int
+    samples_accumulated: int
+    target_batch_size: Optional[int]
+    samples_per_second: float
+    eta_seconds: Optional[float]
+    num_peers: int
+    num_clients: int
+    rejected_records: int
+    peers: list[PeerState]
+    time: float
+
+
+def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
+    """One snapshot of the run, from this node's DHT (any node: a trainer, a client, the dashboard)."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.p2p import PeerID
+
+    rejected = 0
+    progress: dict[str, LocalTrainingProgress] = {}
+    for entry in _subkey_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)):
+        try:
+            item = LocalTrainingProgress.parse_obj(entry)
+            progress[PeerID(item.peer_id).to_base58()] = item
+        except Exception:
+            rejected += 1
+
+    records: dict[str, PeerMetricsRecord] = {}
+    for entry in _subkey_values(dht.get(metrics_key(run_id), latest=True)):
+        try:
+            record = PeerMetricsRecord.parse_obj(entry)
+            records[record.peer_id] = record
+        except Exception:
+            rejected += 1
+
+    now = time.time()
+    trainers = [p for p in progress.values() if not p.client_mode] or list(progress.values())
+    global_epoch = max((p.epoch for p in trainers), default=max((r.epoch for r in records.values()), default=0))
+    accumulated = sum(p.samples_accumulated for p in progress.values() if p.epoch == global_epoch)
+    throughput = sum(p.samples_per_second for p in progress.values())
+    targets = Counter(r.target_batch_size for r in records.values())
+    target = targets.most_common(1)[0][0] if targets else None
+    eta = max(0.0, target - accumulated) / throughput if target and throughput > 0 else None
+    total_contributed = sum(r.samples_contributed for r in records.values()) or 1
+
+    peers = []
+    for peer_id in sorted(set(progress) | set(records)):
+        p, r = progress.get(peer_id), records.get(peer_id)
+        seen = max(p.time if p else 0.0, r.time if r else 0.0)
+        peers.append(PeerState(
+            peer_id=peer_id,
+            role=r.role if r else ("client" if p and p.client_mode else "trainer"),
+            client_mode=r.client_mode if r else bool(p and p.client_mode),
+            samples_per_second=p.samples_per_second if p else (r.samples_per_second if r else 0.0),
+            epoch=max(p.epoch if p else 0, r.epoch if r else 0),
+            loss=r.loss if r else None,
+            samples_contributed=r.samples_contributed if r else 0,
+            contribution=(r.samples_contributed / total_contributed) if r else 0.0,
+            samples_accumulated=p.samples_accumulated if p and p.epoch == global_epoch else 0,
+            bandwidth_mbps=r.bandwidth_mbps if r else None,
+            rounds_joined=r.rounds_joined if r else 0,
+            rounds_failed=r.rounds_failed if r else 0,
+            last_seen=max(0.0, now - seen),
+            online=now - seen < stale_after,
+        ))
+    return RunState(
+        run_id=run_id,
+        global_epoch=global_epoch,
+        samples_accumulated=accumulated,
+        target_batch_size=target,
+        samples_per_second=throughput,
+        eta_seconds=eta,
+        num_peers=len(progress),
+        num_clients=sum(p.client_mode for p in progress.values()),
+        rejected_records=rejected,
+        peers=peers,
+        time=now,
+    )
+
+
+def _subkey_values(found):
+    """The values under a dictionary key, whatever shape another peer stored there."""
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [item.value for item in found.value.values() if hasattr(item, "value") and item.value is not None]

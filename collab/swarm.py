@@ -1,0 +1,155 @@
+"""Joining the swarm: identity, the DHT with signed and schema-checked records, the join command.
+
+A peer's identity is two keys kept side by side: the libp2p key (its peer id, `--identity PATH`)
+and the RSA key that signs its DHT records (`PATH.rsa`). Keeping both lets a peer that restarts
+come back as itself: same peer id, and its old metrics record is overwritten, not duplicated.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Iterable, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from collab.errors import UserError
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class PeerConfig(BaseModel):
+    """How this peer connects: everything here comes from CLI flags, none of it from the run config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field(pattern=RUN_ID_PATTERN)
+    initial_peers: list[str] = Field(default_factory=list)
+    host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = Field(default_factory=list)
+    client_mode: bool = False
+    identity: Optional[Path] = None
+    startup_timeout: float = Field(60.0, gt=0, description="p2pd can need more than 15 s on a busy machine")
+
+    @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
+    @classmethod
+    def _valid_multiaddrs(cls, values: list[str], info):
+        from hivemind.utils.multiaddr import Multiaddr
+
+        flag = "--" + info.field_name.replace("_", "-")
+        for value in values:
+            try:
+                Multiaddr(value)
+            except Exception:
+                raise ValueError(f"{flag} {value!r} is not a multiaddr; expected e.g. /ip4/1.2.3.4/tcp/31337") from None
+            if info.field_name == "initial_peers" and "/p2p/" not in value:
+                raise ValueError(f"{flag} {value!r} lacks the peer id; copy the full /ip4/…/tcp/…/p2p/… address")
+        return values
+
+
+def peer_config_from_flags(**flags) -> PeerConfig:
+    from pydantic import ValidationError
+
+    try:
+        return PeerConfig(**flags)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["loc"] == ("run_id",):
+            raise UserError(
+                f"--run-id {flags.get('run_id')!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'"
+            ) from None
+        raise UserError(err["msg"].removeprefix("Value error, ")) from None
+
+
+def load_or_create_signing_key(identity: Optional[Path]):
+    """The RSA key that signs this peer's DHT records; persisted next to the libp2p identity if given."""
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    if identity is None:
+        return RSAPrivateKey()
+    path = Path(str(identity) + ".rsa")
+    if path.is_file():
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        try:
+            key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
+        except ValueError:
+            raise UserError(f"{path} is not a valid key; delete it (and {identity}) to start a new identity") from None
+        return key
+    key = RSAPrivateKey()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(key.to_bytes())
+    path.chmod(0o600)
+    return key
+
+
+class Swarm:
+    """This peer's DHT node, its signing key and the run's record validators."""
+
+    def __init__(self, peer: PeerConfig, extra_validators: Iterable = ()):
+        import hivemind
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.dht.schema import SchemaValidator
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        from collab.lifecycle import quiet_orphaned_requests
+        from collab.metrics import MetricsSchema
+
+        quiet_orphaned_requests()
+
+        self.peer = peer
+        self.signing_key = load_or_create_signing_key(peer.identity)
+        # hivemind's ProgressTracker signs with the process-wide key and RSASignatureValidator merges all
+        # instances into the first one: make them one key, so every record this peer writes is signed alike.
+        RSAPrivateKey._process_wide_key = self.signing_key
+        signature = RSASignatureValidator(self.signing_key)
+        self.public_key: bytes = signature.local_public_key
+        validators = [SchemaValidator(MetricsSchema, prefix=peer.run_id), signature, *extra_validators]
+        p2p_options = dict(
+            host_maddrs=peer.host_maddrs,
+            announce_maddrs=peer.announce_maddrs or None,
+            startup_timeout=peer.startup_timeout,
+        )
+        if peer.identity is not None:
+            peer.identity.parent.mkdir(parents=True, exist_ok=True)
+            p2p_options["identity_path"] = str(peer.identity)
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=peer.initial_peers or None,
+                client_mode=peer.client_mode,
+                record_validators=validators,
+                start=True,
+                **p2p_options,
+            )
+        except Exception as e:
+            raise UserError(_explain_dht_failure(e, peer)) from None
+        self.peer_id: str = self.dht.peer_id.to_base58()
+
+    def join_command(self, config_path: Optional[Path] = None) -> str:
+        """The exact command another participant runs to join this swarm."""
+        words = ["collab", "join", "--run-id", self.peer.run_id, "--initial-peers", self.best_maddr()]
+        if config_path is not None:
+            words += ["--config", str(config_path)]
+        return shlex.join(words)
+
+    def best_maddr(self) -> str:
+        """A multiaddr others can dial: announced first, then a non-loopback address, then loopback."""
+        addrs = [str(a) for a in self.dht.get_visible_maddrs()]
+        if self.peer.announce_maddrs:
+            ours = [a for a in addrs if any(a.startswith(m) for m in self.peer.announce_maddrs)]
+            addrs = ours or addrs
+        tcp = [a for a in addrs if "/tcp/" in a and "/p2p-circuit" not in a] or addrs
+        public = [a for a in tcp if not re.match(r"/ip4/127\.|/ip6/::1/", a)]
+        return (public or tcp)[0]
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+
+
+def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if peer.initial_peers:
+        return (f"could not join the swarm through {', '.join(peer.initial_peers)} ({text}); "
+                "check that the address is current and reachable, or start a new swarm without --initial-peers")
+    return f"could not start the DHT node ({text}); check --host-maddrs (is the port free?)"

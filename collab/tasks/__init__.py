@@ -1,0 +1,60 @@
+"""Tasks: what a peer trains. Each task owns its model, data, loss, optimizer and export format.
+
+The daemon (collab.trainer), the optimizer wrapper, metrics and checkpoints only speak to this
+interface, so a new task (SwAV, ...) needs no second copy of the training loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+class Task(ABC):
+    """A model plus everything needed to train and export it."""
+
+    model: torch.nn.Module
+
+    @abstractmethod
+    def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
+        """An endless stream of micro-batches, in an order that depends on `seed`."""
+
+    @abstractmethod
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """Forward pass; returns the scalar loss to backpropagate."""
+
+    @abstractmethod
+    def parameter_groups(self) -> list[dict]:
+        """The model's parameters as optimizer groups (e.g. no weight decay on norms and biases)."""
+
+    @abstractmethod
+    def optimizer_factory(self) -> OptimizerFactory:
+        """Builds the local optimizer hivemind wraps (it must be a factory: hivemind offloads the params)."""
+
+    @abstractmethod
+    def scheduler_factory(self) -> SchedulerFactory:
+        """Learning-rate schedule; it advances once per collaborative step (epoch)."""
+
+    @abstractmethod
+    def save_pretrained(self, directory: Path) -> None:
+        """Export the model in the standard Hugging Face layout (`from_pretrained` loads it)."""
+
+    @abstractmethod
+    def load_pretrained(self, directory: Path) -> None:
+        """Load weights written by save_pretrained into self.model."""
+
+
+def build_task(config) -> Task:
+    """Build the task named in `config.task.name` (config: collab.config.RunConfig)."""
+    if config.task.name == "albert":
+        from collab.tasks.albert import AlbertTask
+
+        return AlbertTask(config.task, config.training)
+    raise ValueError(f"unknown task {config.task.name!r}")  # unreachable: the config schema lists the tasks

@@ -1,0 +1,121 @@
+"""ALBERT pretraining (masked LM + sentence-order prediction), as in DeDLOC.
+
+The model is built from its config (no hub download); LAMB comes from pytorch-optimizer and
+the schedule is linear warm-up then linear decay, both counted in collaborative steps.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import AlbertConfig, AlbertForPreTraining, DataCollatorForLanguageModeling
+
+from collab.tasks import Batch, OptimizerFactory, SchedulerFactory, Task
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AlbertModelConfig(_Section):
+    embedding_size: int = Field(128, gt=0)
+    hidden_size: int = Field(256, gt=0)
+    num_hidden_layers: int = Field(4, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(1024, gt=0)
+    max_position_embeddings: int = Field(128, ge=16)
+    hidden_dropout_prob: float = Field(0.0, ge=0, lt=1)
+    attention_probs_dropout_prob: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); change task.model.num_attention_heads"
+            )
+        return self
+
+
+class AlbertDataConfig(_Section):
+    dataset: str = Field("embedded", min_length=1, description="embedded | text files/folders | hf:NAME")
+    tokenizer: str = Field("embedded", min_length=1, description="embedded | tokenizer.json | folder | hub name")
+    vocab_size: int = Field(8000, ge=100, description="vocabulary of the embedded tokenizer")
+    seq_length: int = Field(128, ge=16)
+    mlm_probability: float = Field(0.15, gt=0, lt=1)
+
+
+class AlbertTaskConfig(_Section):
+    name: Literal["albert"] = "albert"
+    model: AlbertModelConfig = Field(default_factory=AlbertModelConfig)
+    data: AlbertDataConfig = Field(default_factory=AlbertDataConfig)
+
+    @model_validator(mode="after")
+    def _sequence_fits_positions(self):
+        if self.data.seq_length > self.model.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_length ({self.data.seq_length}) exceeds model.max_position_embeddings "
+                f"({self.model.max_position_embeddings}); lower task.data.seq_length"
+            )
+        return self
+
+
+class AlbertTask(Task):
+    def __init__(self, config: AlbertTaskConfig, training):
+        from collab.data.tokenizer import load_tokenizer
+
+        self.config, self.training = config, training
+        self.tokenizer = load_tokenizer(config.data.tokenizer, config.data.vocab_size)
+        model_config = AlbertConfig(vocab_size=len(self.tokenizer), **config.model.model_dump(),
+                                    pad_token_id=self.tokenizer.pad_token_id)
+        # the same seed on every peer: all start from identical weights, so averaged gradients apply cleanly
+        with torch.random.fork_rng():
+            torch.manual_seed(training.seed)
+            self.model = AlbertForPreTraining(model_config)
+
+    def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
+        from collab.data.text import sentence_order_example, token_windows
+
+        collator = DataCollatorForLanguageModeling(self.tokenizer, mlm_probability=self.config.data.mlm_probability,
+                                                   return_tensors="pt", seed=seed)
+        rng = random.Random(seed)
+        windows = token_windows(self.config.data.dataset, self.tokenizer, self.config.data.seq_length - 3, seed)
+        cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        while True:
+            examples = [sentence_order_example(next(windows), cls_id, sep_id, rng) for _ in range(micro_batch_size)]
+            yield collator(examples)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def parameter_groups(self) -> list[dict]:
+        # the usual BERT/ALBERT recipe: no weight decay on biases and LayerNorm
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            (no_decay if name.endswith(("bias", "LayerNorm.weight")) else decay).append(param)
+        return [{"params": decay, "weight_decay": self.training.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def optimizer_factory(self) -> OptimizerFactory:
+        from pytorch_optimizer import Lamb
+
+        lr, clip = self.training.learning_rate, self.training.max_grad_norm
+        return lambda groups: Lamb(groups, lr=lr, max_grad_norm=clip)
+
+    def scheduler_factory(self) -> SchedulerFactory:
+        from transformers import get_linear_schedule_with_warmup
+
+        warmup, total = self.training.warmup_steps, self.training.total_steps
+        return lambda opt: get_linear_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=total)
+
+    def save_pretrained(self, directory: Path) -> None:
+        self.model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+
+    def load_pretrained(self, directory: Path) -> None:
+        loaded = AlbertForPreTraining.from_pretrained(directory)
+        self.model.load_state_dict(loaded.state_dict())

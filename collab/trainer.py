@@ -1,0 +1,187 @@
+"""A trainer peer, top to bottom: build the task, join the swarm, catch up, train, leave cleanly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from collab.checkpoint import load_model_weights, restore_training_state, save_checkpoint
+from collab.config import RunConfig
+from collab.metrics import AveragingLog, PeerMetricsRecord, finite_or_none, publish
+from collab.progress import ProgressDisplay, Snapshot
+from collab.swarm import PeerConfig, Swarm
+from collab.tasks import build_task
+
+PUBLISH_EVERY = 10.0  # seconds; also at every epoch
+RECORD_EXPIRATION = 300.0
+
+
+@dataclass
+class JoinOptions:
+    config_path: Optional[Path] = None  # shown in the join command printed for others
+    max_epochs: Optional[int] = None
+    summary_path: Optional[Path] = None  # a JSON summary written at exit (used by `collab simulate`)
+    live_display: Optional[bool] = None  # None: a live bar only on a terminal
+
+
+@dataclass
+class Summary:
+    peer_id: str = ""
+    start_epoch: int = 0
+    final_epoch: int = 0
+    samples_contributed: int = 0
+    rounds_joined: int = 0
+    rounds_failed: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+    loss_by_epoch: dict[int, float] = field(default_factory=dict)
+    loaded_state_from_peers: bool = False
+    checkpoint: Optional[str] = None
+    exit_reason: str = ""
+
+
+class EpochLoss:
+    """Mean local loss over the micro-batches of each epoch."""
+
+    def __init__(self):
+        self.total, self.count, self.last_mean = 0.0, 0, None
+
+    def add(self, loss: float) -> None:
+        self.total += loss
+        self.count += 1
+
+    def close(self) -> Optional[float]:
+        if self.count:
+            self.last_mean = self.total / self.count
+        self.total, self.count = 0.0, 0
+        return self.last_mean
+
+
+def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threading.Event) -> Summary:
+    summary = Summary()
+    task = build_task(config)
+    ckpt_dir = config.checkpoint.dir
+    resume = load_model_weights(ckpt_dir, task) if ckpt_dir else None  # before the optimizer copies the weights
+
+    display = ProgressDisplay(live=options.live_display)
+    swarm = Swarm(peer)
+    summary.peer_id = swarm.peer_id
+    log = AveragingLog()
+    opt = None
+    try:
+        if not peer.initial_peers:
+            print(f"Started a new swarm. Others join with:\n{swarm.join_command(options.config_path)}", flush=True)
+        opt = _build_optimizer(config, task, swarm, log)
+        if resume is not None:
+            restore_training_state(opt, resume)
+            print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
+        if peer.initial_peers:
+            summary.loaded_state_from_peers = _catch_up(opt, display, stop)
+        summary.start_epoch = opt.local_epoch
+
+        # each peer draws its own data order: the seed depends on who it is
+        seed = int.from_bytes(hashlib.sha256(swarm.public_key).digest()[:4], "little")
+        batches = task.batches(config.training.micro_batch_size, seed)
+        micro = config.training.micro_batch_size
+        epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
+        summary.exit_reason = "stopped by signal"
+        with display:
+            while not stop.is_set():
+                if options.max_epochs is not None and opt.local_epoch >= options.max_epochs:
+                    summary.exit_reason = f"reached epoch {options.max_epochs}"
+                    break
+                loss = task.loss(next(batches))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                epoch_loss.add(loss.item())
+                summary.samples_contributed += micro
+
+                new_epoch = opt.local_epoch != last_epoch
+                if new_epoch:
+                    mean = epoch_loss.close()
+                    if mean is not None:
+                        summary.loss_by_epoch[last_epoch] = mean
+                    last_epoch = opt.local_epoch
+                    if ckpt_dir and opt.local_epoch % config.checkpoint.every_epochs == 0:
+                        _checkpoint(opt, task, config, summary)
+                if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
+                    _publish(swarm, opt, config, summary, log, epoch_loss.last_mean)
+                    last_publish = time.monotonic()
+                display.update(_snapshot(opt, summary, epoch_loss.last_mean, log))
+    finally:
+        if opt is not None:
+            opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
+            summary.final_epoch = opt.local_epoch
+            summary.rounds_joined, summary.rounds_failed = log.joined, log.failed
+            summary.group_sizes = list(log.group_sizes)
+            if ckpt_dir and summary.final_epoch > summary.start_epoch:
+                _checkpoint(opt, task, config, summary)
+        swarm.shutdown()
+        if options.summary_path is not None:
+            options.summary_path.write_text(json.dumps(asdict(summary), indent=1))
+    return summary
+
+
+def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog):
+    from collab.optim import build_optimizer
+
+    return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode)
+
+
+def _catch_up(opt, display: ProgressDisplay, stop: threading.Event, wait: float = 30.0) -> bool:
+    """A late peer first downloads the swarm's parameters and optimizer state, then trains at its epoch."""
+    deadline = time.monotonic() + wait
+    while not opt.tracker.fetched_global_progress_this_epoch.is_set() and time.monotonic() < deadline:
+        if stop.wait(0.1):
+            return False
+    if opt.tracker.global_epoch <= opt.local_epoch:
+        return False
+    display.message(f"Swarm is at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}: "
+                    "loading state from peers...")
+    opt.load_state_from_peers()
+    display.message(f"Caught up: now at epoch {opt.local_epoch}")
+    return True
+
+
+def _checkpoint(opt, task, config: RunConfig, summary: Summary) -> None:
+    opt.state_averager.step(wait_for_delayed_updates=True)  # never save a half-applied step
+    path = save_checkpoint(config.checkpoint.dir, opt.local_epoch, task, opt, config.checkpoint.keep)
+    summary.checkpoint = str(path)
+
+
+def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: AveragingLog, loss) -> None:
+    record = PeerMetricsRecord(
+        peer_id=swarm.peer_id,
+        role="trainer",
+        epoch=opt.local_epoch,
+        loss=finite_or_none(loss),
+        samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
+        samples_contributed=summary.samples_contributed,
+        target_batch_size=config.training.target_batch_size,
+        client_mode=swarm.peer.client_mode,
+        bandwidth_mbps=config.averaging.bandwidth,
+        rounds_joined=log.joined,
+        rounds_failed=log.failed,
+        last_group_size=log.last_group_size,
+        time=time.time(),
+    )
+    publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
+
+
+def _snapshot(opt, summary: Summary, loss, log: AveragingLog) -> Snapshot:
+    progress = opt.tracker.global_progress
+    return Snapshot(
+        epoch=opt.local_epoch,
+        swarm_samples=progress.samples_accumulated,
+        target_batch_size=progress.target_batch_size,
+        num_peers=max(progress.num_peers, 1),
+        local_samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
+        loss=loss,
+        samples_contributed=summary.samples_contributed,
+        rounds_joined=log.joined,
+    )

@@ -1,0 +1,1 @@
+"""Local multi-peer simulation: launch real `collab join` peers on one machine and report on them."""
