@@ -67,8 +67,12 @@ class AveragingConfig(Section):
     matchmaking_time: float = Field(5.0, gt=0, description="seconds spent forming an averaging group")
     averaging_timeout: float = Field(60.0, gt=0, description="give up an averaging round after this many seconds")
     load_state_timeout: float = Field(120.0, gt=0, description="seconds to download state from a peer")
+    next_chunk_timeout: float = Field(
+        10.0, gt=0, description="exclude a peer from a round if its next chunk takes longer (busy CPUs, slow links)")
     compression: Literal["none", "fp16", "uniform8bit", "quantile8bit"] = "fp16"
-    overlap: bool = Field(True, description="average gradients and step the optimizer in the background")
+    overlap: Literal["none", "optimizer", "full"] = Field(
+        "optimizer", description="what runs in the background while the next micro-batches compute: nothing; "
+        "the optimizer step; or the gradient all-reduce too (one step of staleness)")
     average_state_every: int = Field(5, gt=0, description="also average parameters every N epochs (repairs drift)")
     bandwidth: Optional[float] = Field(None, gt=0, description="announced upload bandwidth, Mbit/s")
 

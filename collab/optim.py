@@ -82,15 +82,18 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         scheduler=task.scheduler_factory(),
         matchmaking_time=avg.matchmaking_time,
         averaging_timeout=avg.averaging_timeout,
+        next_chunk_timeout=avg.next_chunk_timeout,
         load_state_timeout=avg.load_state_timeout,
         offload_optimizer=True,
-        delay_optimizer_step=avg.overlap,
-        delay_grad_averaging=avg.overlap,
+        delay_optimizer_step=avg.overlap in ("optimizer", "full"),
+        delay_grad_averaging=avg.overlap == "full",
         average_state_every=avg.average_state_every,
         client_mode=client_mode,
         grad_compression=compression,
-        state_averaging_compression=compression,
-        # a joining peer must start from the exact parameters of the swarm, so state downloads are lossless
+        # parameters travel exactly: state averaging exists to make replicas identical, and fp16 would
+        # leave them 2^-11 apart (LayerNorm weights ~1.0); it runs only every `average_state_every` epochs.
+        # Likewise a joining peer starts from the swarm's exact parameters.
+        state_averaging_compression=NoCompression(),
         load_state_compression=NoCompression(),
         grad_averager_factory=partial(GradientAverager, **averager_opts),
         averager_opts=averager_opts,

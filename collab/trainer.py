@@ -6,6 +6,7 @@ import hashlib
 import json
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,8 @@ class JoinOptions:
     max_epochs: Optional[int] = None
     summary_path: Optional[Path] = None  # a JSON summary written at exit (used by `collab simulate`)
     live_display: Optional[bool] = None  # None: a live bar only on a terminal
+    wait_peers: int = 1  # do not start training until this many peers are in the run
+    wait_peers_timeout: float = 180.0
 
 
 @dataclass
@@ -62,6 +65,8 @@ class EpochLoss:
 
 
 def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threading.Event) -> Summary:
+    # hivemind advances a downloaded schedule before the first optimizer step; that is intended
+    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
     summary = Summary()
     task = build_task(config)
     ckpt_dir = config.checkpoint.dir
@@ -81,11 +86,19 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
         if peer.initial_peers:
             summary.loaded_state_from_peers = _catch_up(opt, display, stop)
-        summary.start_epoch = opt.local_epoch
 
         # each peer draws its own data order: the seed depends on who it is
         seed = int.from_bytes(hashlib.sha256(swarm.public_key).digest()[:4], "little")
         batches = task.batches(config.training.micro_batch_size, seed)
+        # one throw-away forward/backward first: the first step of a process is several times slower
+        # (allocator, data pipeline), and a peer announced before it would look stalled to the swarm
+        task.loss(next(batches)).backward()
+        opt.zero_grad()
+
+        _publish(swarm, opt, config, summary, log, None)  # announces this peer (and lets --wait-peers count it)
+        if options.wait_peers > 1:
+            _wait_for_peers(swarm, options, display, stop)
+        summary.start_epoch = opt.local_epoch
         micro = config.training.micro_batch_size
         epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
         summary.exit_reason = "stopped by signal"
@@ -131,6 +144,22 @@ def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog):
     from collab.optim import build_optimizer
 
     return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode)
+
+
+def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay, stop: threading.Event) -> None:
+    """Hold step 0 until the expected peers have published, so a simulated swarm starts together."""
+    from collab.state import read_run_state
+
+    display.message(f"Waiting for {options.wait_peers} peers to join...")
+    deadline = time.monotonic() + options.wait_peers_timeout
+    while not stop.is_set() and time.monotonic() < deadline:
+        present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id).peers)
+        if present >= options.wait_peers:
+            return
+        stop.wait(0.25)
+    if not stop.is_set():
+        display.message(f"Only {present} of {options.wait_peers} peers after {options.wait_peers_timeout:.0f} s; "
+                        "training anyway")
 
 
 def _catch_up(opt, display: ProgressDisplay, stop: threading.Event, wait: float = 30.0) -> bool:

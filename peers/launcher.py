@@ -48,8 +48,8 @@ class PeerProcess:
     def checkpoint_dir(self) -> Path:
         return self.workdir / f"peer{self.index}-checkpoints"
 
-    def start(self, extra: list[str] = ()) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def start(self, extra: list[str] = (), env: Optional[dict] = None) -> None:
+        env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1")
         command = [sys.executable, "-m", "collab", "join", *self.args, *extra,
                    "--identity", str(self.identity_path), "--summary-json", str(self.summary_path), "--no-live"]
         log = open(self.log_path, "ab")
@@ -92,10 +92,12 @@ class LocalSwarm:
     """A context manager: on exit (normal, exception or Ctrl-C) every peer's process group is gone."""
 
     def __init__(self, num_peers: int, run_id: str, workdir: Path, join_args: list[str] = (),
-                 per_peer_args: Optional[dict[int, list[str]]] = None, startup_timeout: float = 180.0):
+                 per_peer_args: Optional[dict[int, list[str]]] = None, startup_timeout: float = 180.0,
+                 env: Optional[dict] = None):
         if num_peers < 1:
             raise ValueError("num_peers must be at least 1")
         self.run_id, self.workdir, self.startup_timeout = run_id, Path(workdir), startup_timeout
+        self.env = env
         self.workdir.mkdir(parents=True, exist_ok=True)
         per_peer_args = per_peer_args or {}
         base = ["--run-id", run_id, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *join_args]
@@ -109,15 +111,20 @@ class LocalSwarm:
         self.stop()
 
     def start(self, count: Optional[int] = None) -> None:
-        """Start the first peer, wait for its join line, then start the others (or only `count` peers)."""
+        """Start the first peer, wait for its join line, then start the others (or only `count` peers).
+
+        All of them wait until `count` peers are in the run before their first step, so none trains
+        alone through the first epochs while the others are still importing torch.
+        """
+        count = len(self.peers) if count is None else count
         first = self.peers[0]
-        first.start()
+        first.start(["--wait-peers", str(count)], env=self.env)
         self.initial_peer = self._wait_for_join_line(first)
         for peer in self.peers[1:count]:
-            self.start_peer(peer.index)
+            self.start_peer(peer.index, ["--wait-peers", str(count)])
 
-    def start_peer(self, index: int) -> None:
-        self.peers[index].start(["--initial-peers", self.initial_peer])
+    def start_peer(self, index: int, extra: list[str] = ()) -> None:
+        self.peers[index].start(["--initial-peers", self.initial_peer, *extra], env=self.env)
 
     def _wait_for_join_line(self, peer: PeerProcess) -> str:
         deadline = time.monotonic() + self.startup_timeout

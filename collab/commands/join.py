@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--matchmaking-time", type=float, default=None, help="seconds to form an averaging group")
     p.add_argument("--bandwidth", type=float, default=None, metavar="MBPS",
                    help="your upload bandwidth in Mbit/s; slow peers get a smaller share of the all-reduce")
+    p.add_argument("--wait-peers", type=int, default=1, metavar="N",
+                   help="wait (up to 3 minutes) until N peers are in the run before training; for simulations")
     p.add_argument("--summary-json", type=Path, default=None, help="write a JSON summary here when the peer exits")
     p.add_argument("--no-live", action="store_true", help="print one line per epoch instead of a live bar")
     p.set_defaults(run=run, hard_exit=True)
@@ -68,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_epochs is not None and args.max_epochs < 0:
         raise UserError(f"--max-epochs {args.max_epochs} is negative; pass a whole number >= 0")
+    if args.wait_peers < 1:
+        raise UserError(f"--wait-peers {args.wait_peers} must be at least 1")
     overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}
     config = load_config(args.config, overrides)
     peer_flags = dict(run_id=args.run_id, initial_peers=args.initial_peers, announce_maddrs=args.announce_maddrs,
@@ -81,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     guard = StopOnSignal(stop).install()
     options = trainer.JoinOptions(config_path=args.config, max_epochs=args.max_epochs,
-                                  summary_path=args.summary_json, live_display=False if args.no_live else None)
+                                  summary_path=args.summary_json, live_display=False if args.no_live else None,
+                                  wait_peers=args.wait_peers)
     try:
         summary = trainer.run(config, peer, options, stop)
     except UserError:

@@ -1,0 +1,124 @@
+"""Shared fixtures: a micro ALBERT config, an isolated cache, and swarms that are always reaped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+MICRO_CONFIG = {
+    "task": {
+        "name": "albert",
+        "model": {"embedding_size": 32, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "intermediate_size": 128, "max_position_embeddings": 64},
+        "data": {"dataset": "embedded", "tokenizer": "embedded", "vocab_size": 1000, "seq_length": 64},
+    },
+    "training": {"micro_batch_size": 8, "target_batch_size": 2048, "learning_rate": 0.01, "warmup_steps": 1,
+                 "total_steps": 1000},
+    # 3 peers x 5 processes share 2 cores: shorter matchmaking than 5 s misses peers and forms partial groups
+    "averaging": {"matchmaking_time": 5.0, "averaging_timeout": 40.0, "load_state_timeout": 30.0,
+                  "average_state_every": 3},
+    "checkpoint": {"every_epochs": 100, "keep": 1},
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def collab_cache(tmp_path_factory) -> Path:
+    """One cache per test session: the corpus and tokenizer are built here once, before any peer starts."""
+    cache = tmp_path_factory.mktemp("collab-cache")
+    os.environ["COLLAB_CACHE_DIR"] = str(cache)
+    from collab.data.tokenizer import embedded_tokenizer_file
+
+    embedded_tokenizer_file(MICRO_CONFIG["task"]["data"]["vocab_size"])
+    return cache
+
+
+@pytest.fixture()
+def micro_config(tmp_path) -> Path:
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(MICRO_CONFIG))
+    return path
+
+
+def write_config(tmp_path: Path, changes: dict, name: str = "custom.yaml") -> Path:
+    """MICRO_CONFIG with `changes` (dotted keys) applied."""
+    import copy
+
+    data = copy.deepcopy(MICRO_CONFIG)
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture()
+def run_id() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture()
+def no_leftover_processes():
+    """Fails the test if any process started during it (p2pd included) outlives it."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and _alive(p)]
+        if not left:
+            return
+        time.sleep(0.5)
+    names = [f"{p.pid}:{p.name()}" for p in left if _alive(p)]
+    for p in left:
+        p.kill()
+    pytest.fail(f"processes outlived the test: {names}")
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def peer_env() -> dict:
+    # several peers share 2 cores: one torch thread each avoids oversubscription
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "collab", *args], capture_output=True, text=True,
+                          timeout=timeout, env=peer_env(), stdin=subprocess.DEVNULL)
+
+
+def read_summary(peer) -> dict:
+    assert peer.summary_path.exists(), f"peer {peer.index} wrote no summary; log:\n{peer.log_text()[-3000:]}"
+    return json.loads(peer.summary_path.read_text())
+
+
+def status_json(run_id: str, initial_peer: str) -> dict:
+    result = run_cli("status", "--run-id", run_id, "--initial-peers", initial_peer, "--json", "--wait", "2")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
