@@ -87,7 +87,7 @@ def load_or_create_signing_key(identity: Optional[Path]):
 class Swarm:
     """This peer's DHT node, its signing key and the run's record validators."""
 
-    def __init__(self, peer: PeerConfig, extra_validators: Iterable = ()):
+    def __init__(self, peer: PeerConfig, signing_key=None, extra_validators: Iterable = ()):
         import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.schema import SchemaValidator
@@ -99,7 +99,7 @@ class Swarm:
         quiet_orphaned_requests()
 
         self.peer = peer
-        self.signing_key = load_or_create_signing_key(peer.identity)
+        self.signing_key = signing_key if signing_key is not None else load_or_create_signing_key(peer.identity)
         # hivemind's ProgressTracker signs with the process-wide key and RSASignatureValidator merges all
         # instances into the first one: make them one key, so every record this peer writes is signed alike.
         RSAPrivateKey._process_wide_key = self.signing_key

@@ -15,7 +15,7 @@ from collab.checkpoint import load_model_weights, restore_training_state, save_c
 from collab.config import RunConfig
 from collab.metrics import AveragingLog, PeerMetricsRecord, finite_or_none, publish
 from collab.progress import ProgressDisplay, Snapshot
-from collab.swarm import PeerConfig, Swarm
+from collab.swarm import PeerConfig, Swarm, load_or_create_signing_key
 from collab.tasks import build_task
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
@@ -72,8 +72,18 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     ckpt_dir = config.checkpoint.dir
     resume = load_model_weights(ckpt_dir, task) if ckpt_dir else None  # before the optimizer copies the weights
 
+    # the data source is opened before joining: a bad --dataset fails here, before any process starts.
+    # Each peer draws its own data order: the seed comes from its signing key, i.e. from who it is.
+    signing_key = load_or_create_signing_key(peer.identity)
+    seed = int.from_bytes(hashlib.sha256(signing_key.to_bytes()).digest()[:4], "little")
+    batches = task.batches(config.training.micro_batch_size, seed)
+    # one throw-away forward/backward: the first step of a process is several times slower (allocator,
+    # data pipeline), and a peer that announced itself before it would look stalled to the swarm
+    task.loss(next(batches)).backward()
+    task.model.zero_grad(set_to_none=True)
+
     display = ProgressDisplay(live=options.live_display)
-    swarm = Swarm(peer)
+    swarm = Swarm(peer, signing_key)
     summary.peer_id = swarm.peer_id
     log = AveragingLog()
     opt = None
@@ -86,14 +96,6 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
         if peer.initial_peers:
             summary.loaded_state_from_peers = _catch_up(opt, display, stop)
-
-        # each peer draws its own data order: the seed depends on who it is
-        seed = int.from_bytes(hashlib.sha256(swarm.public_key).digest()[:4], "little")
-        batches = task.batches(config.training.micro_batch_size, seed)
-        # one throw-away forward/backward first: the first step of a process is several times slower
-        # (allocator, data pipeline), and a peer announced before it would look stalled to the swarm
-        task.loss(next(batches)).backward()
-        opt.zero_grad()
 
         _publish(swarm, opt, config, summary, log, None)  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:

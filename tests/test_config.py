@@ -1,0 +1,86 @@
+"""Config and flag validation: every mistake is one line that names the field and the fix, exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from collab.config import RunConfig, load_config
+from collab.errors import UserError
+from tests.conftest import run_cli, write_config
+
+
+def test_shipped_configs_are_valid():
+    for name in ("albert-tiny", "albert-base", "albert-large"):
+        config = load_config(name)
+        assert config.training.target_batch_size >= config.training.micro_batch_size
+
+
+def test_cli_flags_override_the_file(micro_config):
+    config = load_config(micro_config, {"training.target_batch_size": 4096, "task.data.dataset": "/data"})
+    assert config.training.target_batch_size == 4096
+    assert config.task.data.dataset == "/data"
+    assert config.training.micro_batch_size == 8  # from the file, not the default
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"training.micro_batch_sise": 4}, "unknown key 'training.micro_batch_sise'; remove it or correct it "
+                                       "(did you mean 'micro_batch_size'?)"),
+    ({"training.target_batch_size": 4}, "target_batch_size (4) is smaller than micro_batch_size (8)"),
+    ({"training.learning_rate": "fast"}, "training.learning_rate: input should be a valid number"),
+    ({"training.learning_rate": -1.0}, "training.learning_rate: input should be greater than 0, got -1.0; "
+                                       "fix it in the file or with --learning-rate"),
+    ({"averaging.compression": "zip"}, "averaging.compression: input should be 'none', 'fp16'"),
+    ({"task.model.num_attention_heads": 3}, "hidden_size (64) is not divisible by num_attention_heads (3)"),
+    ({"task.data.seq_length": 512}, "data.seq_length (512) exceeds model.max_position_embeddings (64)"),
+    ({"task.name": "gpt"}, "task.name: input should be 'albert'"),
+])
+def test_bad_config_names_the_field(tmp_path, changes, expected):
+    path = write_config(tmp_path, changes)
+    with pytest.raises(UserError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert expected in message, message
+    assert "\n" not in message
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [unclosed\n")
+    with pytest.raises(UserError, match=r"not valid YAML at line \d+; fix the syntax"):
+        load_config(bad)
+    with pytest.raises(UserError, match="does not exist; pass a YAML file or a shipped config name"):
+        load_config(tmp_path / "missing.yaml")
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(UserError, match="must hold a mapping of sections"):
+        load_config(listy)
+
+
+def test_defaults_are_a_complete_config():
+    assert RunConfig().task.name == "albert"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["join", "--run-id", "r", "--config", "{bad}"], "collab join: error: config error in {bad}: "
+                                                     "training: target_batch_size (4) is smaller"),
+    (["join", "--run-id", "bad id!"], "--run-id 'bad id!' is invalid; use 1-64 letters"),
+    (["join", "--run-id", "r", "--initial-peers", "not-an-addr"], "--initial-peers 'not-an-addr' is not a multiaddr"),
+    (["join", "--run-id", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1"], "lacks the peer id"),
+    (["join", "--run-id", "r", "--micro-batch-size", "lots"], "argument --micro-batch-size: invalid int value"),
+    (["join"], "the following arguments are required: --run-id"),
+    (["join", "--run-id", "r", "--target-batch-size", "2"], "target_batch_size (2) is smaller than micro_batch_size"),
+    (["join", "--run-id", "r", "--max-epochs", "-1"], "--max-epochs -1 is negative"),
+    (["join", "--run-id", "r", "--dataset", "/nonexistent/corpus"], "dataset path /nonexistent/corpus does not exist"),
+    (["join", "--run-id", "r", "--tokenizer", "/nonexistent/tok.json"], "tokenizer file /nonexistent/tok.json"),
+    (["simulate", "--peers", "0"], "--peers 0 must be at least 1"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
+    bad = write_config(tmp_path, {"training.target_batch_size": 4}, "bad.yaml")
+    args = [str(bad) if a == "{bad}" else a for a in args]
+    expected = expected.replace("{bad}", str(bad))
+    result = run_cli(*args, timeout=180)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0], lines[0]

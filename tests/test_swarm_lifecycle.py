@@ -1,0 +1,77 @@
+"""A run's life on real peers: status from outside, a late peer catching up, a peer leaving on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from peers.launcher import LocalSwarm
+from tests.conftest import peer_env, read_summary, status_json, wait_for
+
+pytestmark = pytest.mark.swarm
+
+PEER_FIELDS = {"peer_id", "role", "client_mode", "samples_per_second", "epoch", "loss", "samples_contributed",
+               "contribution", "last_seen"}
+RUN_FIELDS = {"run_id", "global_epoch", "samples_accumulated", "target_batch_size", "eta_seconds", "peers"}
+
+
+def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path, micro_config, run_id,
+                                                                          no_leftover_processes):
+    max_epochs = 14
+    with LocalSwarm(3, run_id, tmp_path, ["--config", str(micro_config), "--max-epochs", str(max_epochs)],
+                    env=peer_env()) as swarm:
+        swarm.start(count=2)
+
+        # collab status --json against the live swarm
+        state = wait_for(lambda: _state_at_epoch(run_id, swarm.initial_peer, 3), timeout=240, what="global epoch 3")
+        assert RUN_FIELDS <= set(state), state
+        assert state["run_id"] == run_id and state["target_batch_size"] == 2048
+        assert 0 <= state["samples_accumulated"] <= 2048 * 2
+        trainers = [p for p in state["peers"] if p["role"] == "trainer"]
+        assert len(trainers) == 2, state["peers"]
+        for peer in trainers:
+            assert PEER_FIELDS <= set(peer), peer
+            assert peer["samples_contributed"] > 0 and peer["epoch"] >= 2 and peer["client_mode"] is False
+            assert peer["loss"] is not None and 0 < peer["loss"] < 20
+            assert 0 <= peer["last_seen"] < 60
+        assert abs(sum(p["contribution"] for p in trainers) - 1.0) < 1e-6
+
+        # a peer that joins now downloads the state and trains at the swarm's epoch
+        epoch_at_join = state["global_epoch"]
+        swarm.start_peer(2)
+
+        # SIGTERM to peer 1 once the late peer is in: it leaves within 10 s with its whole process tree
+        wait_for(lambda: "epoch " in swarm.peers[2].log_text(), timeout=120, what="the late peer to train")
+        leaving = swarm.peers[1]
+        tree = [psutil.Process(leaving.popen.pid), *psutil.Process(leaving.popen.pid).children(recursive=True)]
+        assert any("p2pd" in p.name() for p in tree), [p.name() for p in tree]
+        epoch_at_sigterm = status_json(run_id, swarm.initial_peer)["global_epoch"]
+        started = time.monotonic()
+        leaving.signal(signal.SIGTERM)
+        code = leaving.wait(timeout=10)
+        took = time.monotonic() - started
+        assert code == 0, f"SIGTERM exit code {code} after {took:.1f} s\n{leaving.log_text()[-3000:]}"
+        time.sleep(1)
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind after SIGTERM: {[(p.pid, p.name()) for p in alive]}"
+
+        # the others go on advancing without it, to the end
+        finished = swarm.wait(timeout=300)
+        logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
+        assert finished, f"the remaining peers did not finish\n{logs}"
+        first, late, left = read_summary(swarm.peers[0]), read_summary(swarm.peers[2]), read_summary(leaving)
+
+    assert left["exit_reason"] == "stopped by signal"
+    assert first["final_epoch"] == max_epochs and first["final_epoch"] > epoch_at_sigterm + 1
+    assert late["loaded_state_from_peers"], late
+    assert late["start_epoch"] >= epoch_at_join, (late, epoch_at_join)
+    assert late["final_epoch"] == max_epochs
+    assert late["samples_contributed"] > 0 and late["rounds_joined"] >= 1, late
+
+
+def _state_at_epoch(run_id: str, initial_peer: str, epoch: int):
+    state = status_json(run_id, initial_peer)
+    return state if state["global_epoch"] >= epoch else None
