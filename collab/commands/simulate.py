@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -16,11 +17,37 @@ def add_parser(sub) -> None:
                                    "they reach --max-epochs (or --duration runs out), then print a report.")
     p.add_argument("--peers", type=int, default=2, metavar="N", help="number of peers (default 2)")
     p.add_argument("--config", default=None, help="run config for every peer (default: albert-tiny)")
-    p.add_argument("--max-epochs", type=int, default=10, metavar="N", help="stop at this global epoch (default 10)")
+    p.add_argument("--max-epochs", type=int, default=15, metavar="N", help="stop at this global epoch (default 15)")
     p.add_argument("--duration", type=float, default=600.0, metavar="S", help="stop after S seconds at most")
     p.add_argument("--workdir", type=Path, default=None, help="where peer logs and summaries go (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
+
+
+def _follow(swarm, duration: float) -> bool:
+    """Wait for the peers to finish, printing one line whenever the swarm reaches a new epoch."""
+    deadline, shown = time.monotonic() + duration, -1
+    while time.monotonic() < deadline:
+        if swarm.wait(timeout=2.0):
+            return True
+        lines = [_last_epoch_line(peer.log_text()) for peer in swarm.peers]
+        epochs = [int(line.split()[1]) for line in lines if line]
+        if epochs and max(epochs) > shown:
+            shown = max(epochs)
+            print("  " + "   ".join(f"peer {i}: {line}" for i, line in enumerate(lines) if line), flush=True)
+    return False
+
+
+def _last_epoch_line(log: str) -> str:
+    lines = [line for line in log.splitlines() if line.startswith("epoch ")]
+    if not lines:
+        return ""
+    # "epoch 3 | peers 2 | local 14.1 samples/s | contributed 376 | averaging rounds 5 | loss 9.602"
+    match = re.match(r"epoch (\d+) .*local ([\d.]+) samples/s .*averaging rounds (\d+) \| loss (\S+)", lines[-1])
+    if not match:
+        return ""
+    epoch, speed, rounds, loss = match.groups()
+    return f"epoch {epoch}, {speed} samples/s, {rounds} rounds, loss {loss}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             swarm.start()
             print(f"Peer 0 started the swarm at {swarm.initial_peer}; watch it with:\n"
                   f"  collab status --run-id {run_id} --initial-peers {swarm.initial_peer}", flush=True)
-            finished = swarm.wait(args.duration)
+            finished = _follow(swarm, args.duration)
         except LaunchError as e:
             raise UserError(str(e)) from None
         if not finished:

