@@ -38,6 +38,7 @@ class Summary:
     start_epoch: int = 0
     final_epoch: int = 0
     samples_contributed: int = 0
+    train_seconds: float = 0.0  # time in the training loop (excludes start-up and shutdown)
     rounds_joined: int = 0
     rounds_failed: int = 0
     group_sizes: list[int] = field(default_factory=list)
@@ -104,6 +105,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         micro = config.training.micro_batch_size
         epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
         summary.exit_reason = "stopped by signal"
+        loop_started = time.monotonic()
         with display:
             while not stop.is_set():
                 if options.max_epochs is not None and opt.local_epoch >= options.max_epochs:
@@ -128,6 +130,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     _publish(swarm, opt, config, summary, log, epoch_loss.last_mean)
                     last_publish = time.monotonic()
                 display.update(_snapshot(opt, summary, epoch_loss.last_mean, log))
+        summary.train_seconds = time.monotonic() - loop_started
     finally:
         if opt is not None:
             opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
