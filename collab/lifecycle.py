@@ -70,11 +70,20 @@ class StopOnSignal:
         self._signals = 0
         self._watchdog = None
 
+    _active: "StopOnSignal | None" = None
+
     def install(self) -> "StopOnSignal":
         self._owner = os.getpid()
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        StopOnSignal._active = self
         return self
+
+    @classmethod
+    def reinstall(cls) -> None:
+        """hivemind's averagers set SIGINT to SIG_IGN in the *calling* process when they start; undo that."""
+        if cls._active is not None and cls._active._owner == os.getpid():
+            cls._active.install()
 
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._owner:

@@ -7,11 +7,13 @@ come back as itself: same peer id, and its old metrics record is overwritten, no
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
 from typing import Iterable, Optional
 
+import hivemind
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from collab.errors import UserError
@@ -84,11 +86,23 @@ def load_or_create_signing_key(identity: Optional[Path]):
     return key
 
 
+class OwnGroupDHT(hivemind.DHT):
+    """A DHT whose process (and the p2pd it spawns) leaves the terminal's process group.
+
+    Ctrl-C sends SIGINT to the whole foreground group; p2pd would die at once and the peer could
+    not say goodbye to the swarm. In a group of its own it stays up until this peer shuts it down.
+    It is still our child: collab.lifecycle and peers.launcher reap it by parentage and session.
+    """
+
+    def run(self) -> None:
+        os.setpgid(0, 0)
+        super().run()
+
+
 class Swarm:
     """This peer's DHT node, its signing key and the run's record validators."""
 
     def __init__(self, peer: PeerConfig, signing_key=None, extra_validators: Iterable = ()):
-        import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.schema import SchemaValidator
         from hivemind.utils.crypto import RSAPrivateKey
@@ -115,7 +129,7 @@ class Swarm:
             peer.identity.parent.mkdir(parents=True, exist_ok=True)
             p2p_options["identity_path"] = str(peer.identity)
         try:
-            self.dht = hivemind.DHT(
+            self.dht = OwnGroupDHT(
                 initial_peers=peer.initial_peers or None,
                 client_mode=peer.client_mode,
                 record_validators=validators,

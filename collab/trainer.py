@@ -13,6 +13,7 @@ from typing import Optional
 
 from collab.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.config import RunConfig
+from collab.lifecycle import StopOnSignal
 from collab.metrics import AveragingLog, PeerMetricsRecord, finite_or_none, publish
 from collab.progress import ProgressDisplay, Snapshot
 from collab.swarm import PeerConfig, Swarm, load_or_create_signing_key
@@ -92,6 +93,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         if not peer.initial_peers:
             print(f"Started a new swarm. Others join with:\n{swarm.join_command(options.config_path)}", flush=True)
         opt = _build_optimizer(config, task, swarm, log)
+        StopOnSignal.reinstall()  # starting hivemind's averagers made this process ignore Ctrl-C
         if resume is not None:
             restore_training_state(opt, resume)
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 
 
@@ -72,13 +74,19 @@ class PeerProcess:
         return code
 
     def kill_group(self) -> None:
-        """Kill the peer's whole process group (p2pd and hivemind's processes included)."""
+        """Kill every process of the peer's session (p2pd and hivemind's processes included).
+
+        The peer's DHT moves itself and p2pd into a process group of its own (see collab.swarm), so
+        killing the peer's group is not enough: everything that shares its session goes.
+        """
         if self.popen is None:
             return
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for proc in psutil.process_iter():
+            try:
+                if os.getsid(proc.pid) == self.popen.pid:
+                    proc.kill()
+            except (ProcessLookupError, PermissionError, psutil.Error, OSError):
+                pass
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
