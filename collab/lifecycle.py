@@ -20,10 +20,20 @@ GRACE_SECONDS = 7.0
 
 
 def descendants() -> list[psutil.Process]:
+    """Our process tree, less torch_shm_manager: killing it breaks torch's pipe to it and aborts
+    this process (std::system_error); it exits by itself once its last client is gone."""
     try:
-        return psutil.Process().children(recursive=True)
+        children = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
+    kept = []
+    for child in children:
+        try:
+            if child.name() != "torch_shm_manager":
+                kept.append(child)
+        except psutil.Error:
+            pass
+    return kept
 
 
 def reap_children(timeout: float = 2.0) -> None:
@@ -106,6 +116,13 @@ class StopOnSignal:
 
     @staticmethod
     def _force_exit(reason: str) -> None:
-        print(f"{reason}; stopping hivemind processes", file=sys.stderr, flush=True)
+        import faulthandler
+        import tempfile
+
+        # where it hung is what a bug report needs: every thread's stack, in a file
+        fd, path = tempfile.mkstemp(prefix="collab-shutdown-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        print(f"{reason}; stopping hivemind processes (stacks in {path})", file=sys.stderr, flush=True)
         reap_children(timeout=1.0)
         os._exit(1)

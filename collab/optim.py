@@ -8,7 +8,11 @@ computed (hivemind's delayed gradient averaging / delayed optimizer step, one st
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
+from typing import Optional
 import torch
 from hivemind import Optimizer
 from hivemind.compression import (
@@ -40,15 +44,27 @@ class CollabOptimizer(Optimizer):
     steps with its own gradients for that epoch (state averaging later pulls it back in line).
     """
 
-    def __init__(self, *, averaging_log: AveragingLog, **kwargs):
+    def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None, **kwargs):
         self.averaging_log = averaging_log
+        self.stop = stop if stop is not None else threading.Event()
         super().__init__(**kwargs)
+
+    def _wait_for_round(self, control):
+        """The round's result, waiting in short slices: a peer asked to leave must not sit out a whole
+        averaging_timeout (up to minutes) inside an all-reduce before it can say goodbye."""
+        deadline = time.monotonic() + self.averaging_timeout
+        while True:
+            try:
+                return control.result(timeout=0.25)
+            except FutureTimeout:
+                if self.stop.is_set() or time.monotonic() > deadline:
+                    raise
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         averaged = False
         if maybe_step_control is not None:
             try:
-                group = maybe_step_control.result(self.averaging_timeout)
+                group = self._wait_for_round(maybe_step_control)
                 if self._averaged_gradients_are_finite():
                     self._load_averaged_gradients_into_optimizer_()
                     self.averaging_log.success(len(group))
@@ -59,6 +75,15 @@ class CollabOptimizer(Optimizer):
                 self.averaging_log.failure()
         if not averaged:
             self._load_local_gradients_into_optimizer()
+
+    def _tag_along_with_zero_weight(self, control) -> None:
+        # on the way out, hivemind would sit through a running round (up to averaging_timeout) with zero
+        # weight; a leaving peer cancels instead, and the group finishes without it
+        if self.stop.is_set():
+            if not control.done():
+                control.cancel()
+            return
+        super()._tag_along_with_zero_weight(control)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # with reuse_grad_buffers hivemind accumulates in .grad itself and clears it after each epoch
@@ -82,13 +107,14 @@ class CollabOptimizer(Optimizer):
 
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
-                    client_mode: bool = False) -> CollabOptimizer:
+                    client_mode: bool = False, stop: Optional[threading.Event] = None) -> CollabOptimizer:
     avg = config.averaging
     compression = COMPRESSION[avg.compression]()
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
     averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2))
     return CollabOptimizer(
         averaging_log=averaging_log,
+        stop=stop,
         dht=dht,
         run_id=run_id,
         target_batch_size=config.training.target_batch_size,
@@ -117,5 +143,5 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         grad_averager_factory=partial(GradientAverager, **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
-        shutdown_timeout=3,
+        shutdown_timeout=2,
     )

@@ -133,6 +133,8 @@ class Swarm:
                 initial_peers=peer.initial_peers or None,
                 client_mode=peer.client_mode,
                 record_validators=validators,
+                # by the time the DHT is shut down the goodbyes are sent; do not wait 3 s for a busy loop
+                shutdown_timeout=1.0,
                 start=True,
                 **p2p_options,
             )

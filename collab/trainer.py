@@ -92,7 +92,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     try:
         if not peer.initial_peers:
             print(f"Started a new swarm. Others join with:\n{swarm.join_command(options.config_path)}", flush=True)
-        opt = _build_optimizer(config, task, swarm, log)
+        opt = _build_optimizer(config, task, swarm, log, stop)
         StopOnSignal.reinstall()  # starting hivemind's averagers made this process ignore Ctrl-C
         if resume is not None:
             restore_training_state(opt, resume)
@@ -147,10 +147,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     return summary
 
 
-def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog):
+def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event):
     from collab.optim import build_optimizer
 
-    return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode)
+    return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode,
+                           stop=stop)
 
 
 def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay, stop: threading.Event) -> None:
