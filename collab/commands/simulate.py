@@ -9,6 +9,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 
 def add_parser(sub) -> None:
@@ -30,24 +31,25 @@ def _follow(swarm, duration: float) -> bool:
     while time.monotonic() < deadline:
         if swarm.wait(timeout=2.0):
             return True
-        lines = [_last_epoch_line(peer.log_text()) for peer in swarm.peers]
-        epochs = [int(line.split()[1]) for line in lines if line]
+        progress = [_last_epoch_line(peer.log_text()) for peer in swarm.peers]
+        epochs = [epoch for epoch, _ in filter(None, progress)]
         if epochs and max(epochs) > shown:
             shown = max(epochs)
-            print("  " + "   ".join(f"peer {i}: {line}" for i, line in enumerate(lines) if line), flush=True)
+            print("  " + "   ".join(f"peer {i}: {p[1]}" for i, p in enumerate(progress) if p), flush=True)
     return False
 
 
-def _last_epoch_line(log: str) -> str:
+def _last_epoch_line(log: str) -> Optional[tuple[int, str]]:
+    """(epoch, short text) from a peer's last per-epoch line, or None before its first."""
     lines = [line for line in log.splitlines() if line.startswith("epoch ")]
     if not lines:
-        return ""
+        return None
     # "epoch 3 | peers 2 | local 14.1 samples/s | contributed 376 | averaging rounds 5 | loss 9.602"
     match = re.match(r"epoch (\d+) .*local ([\d.]+) samples/s .*averaging rounds (\d+) \| loss (\S+)", lines[-1])
     if not match:
-        return ""
+        return None
     epoch, speed, rounds, loss = match.groups()
-    return f"epoch {epoch}, {speed} samples/s, {rounds} rounds, loss {loss}"
+    return int(epoch), f"epoch {epoch}, {speed} samples/s, {rounds} rounds, loss {loss}"
 
 
 def run(args: argparse.Namespace) -> int:
