@@ -61,3 +61,14 @@ def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftov
     torch.manual_seed(0)
     moved = max((reference[n] - p).abs().max().item() for n, p in initial.named_parameters())
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
+
+
+def test_client_mode_peer_averages_and_is_reported_as_client(tmp_path, micro_config, run_id, no_leftover_processes):
+    """A volunteer behind NAT (--client-mode accepts no connections) still takes part in every round."""
+    with LocalSwarm(2, run_id, tmp_path, ["--config", str(micro_config), "--max-epochs", "4"],
+                    per_peer_args={1: ["--client-mode"]}, env=peer_env()) as swarm:
+        swarm.start()
+        assert swarm.wait(timeout=240), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
+        server, client = read_summary(swarm.peers[0]), read_summary(swarm.peers[1])
+    for s in (server, client):
+        assert s["final_epoch"] == 4 and s["rounds_joined"] >= 3 and set(s["group_sizes"]) == {2}, s
