@@ -31,6 +31,7 @@ class PeerState(BaseModel):
     rounds_failed: int
     last_seen: float  # seconds since the peer last published
     online: bool
+    straggler: bool  # online but an epoch or more behind, or under a quarter of the median speed
 
 
 class RunState(BaseModel):
@@ -98,7 +99,9 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
             rounds_failed=r.rounds_failed if r else 0,
             last_seen=max(0.0, now - seen),
             online=now - seen < stale_after,
+            straggler=False,
         ))
+    _flag_stragglers(peers, global_epoch)
     return RunState(
         run_id=run_id,
         global_epoch=global_epoch,
@@ -112,6 +115,16 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
         peers=peers,
         time=now,
     )
+
+
+def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:
+    online = [p for p in peers if p.online]
+    speeds = sorted(p.samples_per_second for p in online if p.role == "trainer")
+    median = speeds[len(speeds) // 2] if speeds else 0.0
+    for p in online:
+        if p.role != "trainer":
+            continue
+        p.straggler = p.epoch < global_epoch - 1 or (median > 0 and p.samples_per_second < 0.25 * median)
 
 
 def _subkey_values(found):

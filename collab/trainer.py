@@ -31,6 +31,7 @@ class JoinOptions:
     live_display: Optional[bool] = None  # None: a live bar only on a terminal
     wait_peers: int = 1  # do not start training until this many peers are in the run
     wait_peers_timeout: float = 180.0
+    dashboard_port: Optional[int] = None  # serve the dashboard from this peer's own DHT node
 
 
 @dataclass
@@ -88,8 +89,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     swarm = Swarm(peer, signing_key)
     summary.peer_id = swarm.peer_id
     log = AveragingLog()
-    opt = None
+    opt = dashboard = None
     try:
+        if options.dashboard_port is not None:
+            dashboard = _start_dashboard(swarm, options.dashboard_port)
+            print(f"Dashboard: {dashboard.url}", flush=True)
         if not peer.initial_peers:
             print(f"Started a new swarm. Others join with:\n{swarm.join_command(options.config_path)}", flush=True)
         opt = _build_optimizer(config, task, swarm, log, stop)
@@ -141,6 +145,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.group_sizes = list(log.group_sizes)
             if ckpt_dir and summary.final_epoch > summary.start_epoch:
                 _checkpoint(opt, task, config, summary)
+        if dashboard is not None:
+            dashboard.stop()
         swarm.shutdown()
         if options.summary_path is not None:
             options.summary_path.write_text(json.dumps(asdict(summary), indent=1))
@@ -152,6 +158,14 @@ def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: thread
 
     return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode,
                            stop=stop)
+
+
+def _start_dashboard(swarm: Swarm, port: int):
+    from dashboard.collector import Collector
+    from dashboard.server import BackgroundDashboard
+
+    collector = Collector(swarm.peer.run_id, dht=swarm.dht)  # reads through this peer's node: no second DHT
+    return BackgroundDashboard(collector, port=port).start()
 
 
 def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay, stop: threading.Event) -> None:

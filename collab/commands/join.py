@@ -43,6 +43,8 @@ def add_parser(sub) -> None:
                    help="your upload bandwidth in Mbit/s; slow peers get a smaller share of the all-reduce")
     p.add_argument("--wait-peers", type=int, default=1, metavar="N",
                    help="wait (up to 3 minutes) until N peers are in the run before training; for simulations")
+    p.add_argument("--dashboard-port", type=int, default=None, metavar="P",
+                   help="also serve the run's dashboard from this peer on 127.0.0.1:P")
     p.add_argument("--summary-json", type=Path, default=None, help="write a JSON summary here when the peer exits")
     p.add_argument("--no-live", action="store_true", help="print one line per epoch instead of a live bar")
     p.set_defaults(run=run, hard_exit=True)
@@ -70,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_epochs is not None and args.max_epochs < 0:
         raise UserError(f"--max-epochs {args.max_epochs} is negative; pass a whole number >= 0")
+    if args.dashboard_port is not None and not 0 < args.dashboard_port < 65536:
+        raise UserError(f"--dashboard-port {args.dashboard_port} is not a TCP port; pass 1-65535")
     if args.wait_peers < 1:
         raise UserError(f"--wait-peers {args.wait_peers} must be at least 1")
     overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     guard = StopOnSignal(stop).install()
     options = trainer.JoinOptions(config_path=args.config, max_epochs=args.max_epochs,
                                   summary_path=args.summary_json, live_display=False if args.no_live else None,
-                                  wait_peers=args.wait_peers)
+                                  wait_peers=args.wait_peers, dashboard_port=args.dashboard_port)
     try:
         summary = trainer.run(config, peer, options, stop)
     except UserError:

@@ -22,7 +22,20 @@ def add_parser(sub) -> None:
     p.add_argument("--duration", type=float, default=600.0, metavar="S", help="stop after S seconds at most")
     p.add_argument("--workdir", type=Path, default=None, help="where peer logs and summaries go (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--dashboard-port", type=int, default=None, metavar="P",
+                   help="serve the swarm's dashboard on 127.0.0.1:P while it runs")
     p.set_defaults(run=run)
+
+
+def _start_dashboard(run_id: str, initial_peer: str, port: Optional[int]):
+    if port is None:
+        return None
+    from dashboard.collector import Collector
+    from dashboard.server import BackgroundDashboard
+
+    dashboard = BackgroundDashboard(Collector(run_id, [initial_peer]), port=port).start()
+    print(f"  dashboard: {dashboard.url}", flush=True)
+    return dashboard
 
 
 def _follow(swarm, duration: float) -> bool:
@@ -75,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
             swarm.start()
             print(f"Peer 0 started the swarm at {swarm.initial_peer}; watch it with:\n"
                   f"  collab status --run-id {run_id} --initial-peers {swarm.initial_peer}", flush=True)
-            finished = _follow(swarm, args.duration)
+            dashboard = _start_dashboard(run_id, swarm.initial_peer, args.dashboard_port)
+            try:
+                finished = _follow(swarm, args.duration)
+            finally:
+                if dashboard is not None:
+                    dashboard.stop()
         except LaunchError as e:
             raise UserError(str(e)) from None
         if not finished:

@@ -1,0 +1,40 @@
+"""`collab dashboard`: the run in a browser (collector -> cache -> page, JSON API, Prometheus)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("dashboard", help="serve the run's dashboard in a browser",
+                       description="Join a run as a client, read every peer's records every few seconds, and serve "
+                                   "the page (/), the JSON API (/api/run, /api/history, /api/peers/ID), /metrics "
+                                   "and /docs.")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--initial-peers", action="extend", nargs="+", required=True, metavar="MADDR",
+                   help="multiaddr of any peer in the run")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
+    p.add_argument("--interval", type=float, default=3.0, help="seconds between reads of the swarm (default 3)")
+    p.set_defaults(run=run, hard_exit=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from collab.errors import UserError
+    from collab.lifecycle import reap_children
+    from collab.swarm import peer_config_from_flags
+    from dashboard.collector import Collector
+    from dashboard.server import serve_forever
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port} is not a TCP port; pass 1-65535")
+    if args.interval <= 0:
+        raise UserError(f"--interval {args.interval} must be positive")
+    peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers)  # validates the flags
+    collector = Collector(args.run_id, args.initial_peers, interval=args.interval)
+    print(f"Dashboard for run {args.run_id} at http://{args.host}:{args.port}/", flush=True)
+    try:
+        serve_forever(collector, args.host, args.port)
+    finally:
+        reap_children()
+    return 0

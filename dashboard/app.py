@@ -1,0 +1,114 @@
+"""Serve: the page, the JSON API and Prometheus metrics, all read from the collector's cache."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from collab.state import RunState
+from dashboard.collector import Collector
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+class RunMetrics:
+    """A prometheus-client collector that renders the current snapshot at scrape time."""
+
+    def __init__(self, collector: Collector):
+        self.collector = collector
+
+    def collect(self):
+        s: RunState = self.collector.snapshot
+        if s is None:
+            return
+        labels = ["run_id"]
+        for name, doc, value in (
+            ("collab_global_epoch", "Global epoch (collaborative optimizer steps) of the run", s.global_epoch),
+            ("collab_samples_accumulated", "Samples accumulated toward the next step", s.samples_accumulated),
+            ("collab_target_batch_size", "Samples per collaborative step", s.target_batch_size or 0),
+            ("collab_samples_per_second", "Swarm throughput", s.samples_per_second),
+            ("collab_peers_online", "Peers that published recently", sum(p.online for p in s.peers)),
+            ("collab_rejected_records", "Records that failed the schema in the last read", s.rejected_records),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric([s.run_id], float(value))
+            yield family
+        per_peer = {
+            "collab_peer_samples_per_second": ("Peer throughput", lambda p: p.samples_per_second),
+            "collab_peer_epoch": ("Peer's local epoch", lambda p: p.epoch),
+            "collab_peer_samples_contributed": ("Samples a peer contributed", lambda p: p.samples_contributed),
+            "collab_peer_loss": ("Peer's mean loss over its last epoch", lambda p: p.loss),
+        }
+        for name, (doc, get) in per_peer.items():
+            family = GaugeMetricFamily(name, doc, labels=["run_id", "peer_id", "client_mode"])
+            for p in s.peers:
+                value = get(p)
+                if value is not None:
+                    family.add_metric([s.run_id, p.peer_id, str(p.client_mode).lower()], float(value))
+            yield family
+
+
+def create_app(collector: Collector, manage_collector: bool = True) -> FastAPI:
+    """The dashboard app. With manage_collector, the app starts and stops the collector with itself."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_collector:
+            collector.start()
+        try:
+            yield
+        finally:
+            if manage_collector:
+                collector.stop()
+
+    app = FastAPI(title="collab dashboard", description="Who trains, how fast, and how far the run has come.",
+                  lifespan=lifespan)
+    registry = CollectorRegistry()
+    registry.register(RunMetrics(collector))
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    def not_ready() -> JSONResponse:
+        detail = "no snapshot of the run yet: the collector is still reading the swarm; retry in a few seconds"
+        if collector.last_error:
+            detail += f" (last error: {collector.last_error})"
+        return JSONResponse({"detail": detail}, status_code=503)
+
+    @app.get("/", include_in_schema=False)
+    def page():
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/api/run", response_model=RunState, summary="The run state (same as `collab status --json`)")
+    def run_state():
+        return collector.snapshot if collector.snapshot is not None else not_ready()
+
+    @app.get("/api/history", summary="The run over time: epoch, samples/s, peers online, median loss")
+    def history():
+        return {"run_id": collector.run_id, "interval_seconds": collector.interval, "points": collector.history_json()}
+
+    @app.get("/api/peers/{peer_id}", summary="One peer over time")
+    def peer(peer_id: str):
+        points = collector.peer_json(peer_id)
+        if points is None:
+            return JSONResponse({"detail": f"unknown peer id '{peer_id[:80]}'; GET /api/run lists the run's peers"},
+                                status_code=404)
+        current = next((p for p in collector.snapshot.peers if p.peer_id == peer_id), None) if collector.snapshot else None
+        return {"peer_id": peer_id, "current": current.model_dump() if current else None, "points": points}
+
+    @app.get("/metrics", summary="Prometheus exposition format")
+    def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz", summary="Liveness, and how old the snapshot is")
+    def healthz():
+        age = None if collector.snapshot_time is None else time.time() - collector.snapshot_time
+        return {"status": "ok", "snapshot_age_seconds": age, "collections": collector.collections,
+                "last_error": collector.last_error}
+
+    return app

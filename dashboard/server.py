@@ -1,0 +1,47 @@
+"""Running the dashboard: in the foreground (`collab dashboard`) or beside a peer or a simulation."""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import uvicorn
+
+from dashboard.app import create_app
+from dashboard.collector import Collector
+
+
+class BackgroundDashboard:
+    """uvicorn in a thread, with a collector on an existing DHT (a peer's) or its own client node."""
+
+    def __init__(self, collector: Collector, host: str = "127.0.0.1", port: int = 8000):
+        self.collector = collector
+        config = uvicorn.Config(create_app(collector), host=host, port=port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # the owner (a peer) handles signals itself
+        self._thread: Optional[threading.Thread] = None
+        self.url = f"http://{host}:{port}/"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundDashboard":
+        self._thread = threading.Thread(target=self.server.run, name="dashboard", daemon=True)
+        self._thread.start()
+        started = threading.Event()
+        for _ in range(int(timeout / 0.1)):
+            if self.server.started or not self._thread.is_alive():
+                break
+            started.wait(0.1)
+        if not self.server.started:
+            from collab.errors import UserError
+
+            raise UserError(f"the dashboard could not listen on {self.url} (is the port free?); pick another port")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def serve_forever(collector: Collector, host: str, port: int) -> None:
+    """The foreground server of `collab dashboard`; Ctrl-C stops uvicorn, which stops the collector."""
+    uvicorn.run(create_app(collector), host=host, port=port, log_level="warning")

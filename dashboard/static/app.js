@@ -1,0 +1,107 @@
+// The dashboard page: polls the JSON API and redraws. No framework, no CDN: it works offline.
+"use strict";
+
+const REFRESH_MS = 3000;
+const $ = (id) => document.getElementById(id);
+const finite = (x) => typeof x === "number" && Number.isFinite(x);
+const fmt = (x, digits = 1) => (finite(x) ? x.toFixed(digits) : "–");
+
+function duration(seconds) {
+  if (!finite(seconds)) return "–";
+  if (seconds < 90) return `${Math.round(seconds)} s`;
+  if (seconds < 5400) return `${Math.round(seconds / 60)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
+}
+
+function text(el, value) { el.textContent = value; }
+
+function renderRun(run) {
+  text($("run-id"), run.run_id);
+  text($("epoch"), run.global_epoch);
+  const target = run.target_batch_size;
+  const done = finite(target) && target > 0 ? Math.min(1, Math.max(0, run.samples_accumulated / target)) : 0;
+  $("progress-fill").style.width = `${(done * 100).toFixed(1)}%`;
+  text($("progress-text"), finite(target) ? `${run.samples_accumulated} / ${target} samples` : "");
+  text($("eta"), duration(run.eta_seconds));
+  const online = run.peers.filter((p) => p.online);
+  text($("peers-online"), online.length);
+  text($("sps"), fmt(run.samples_per_second));
+  text($("rejected"), run.rejected_records);
+  text($("status"), `updated ${new Date(run.time * 1000).toLocaleTimeString()}`);
+
+  const body = $("peers").querySelector("tbody");
+  body.replaceChildren(...run.peers.map((p) => {
+    const row = document.createElement("tr");
+    row.dataset.peerId = p.peer_id;
+    row.className = !p.online ? "stale" : p.straggler ? "straggler" : "";
+    const state = !p.online ? "stale" : p.straggler ? "straggler" : "online";
+    const cells = [p.peer_id.slice(-10), p.client_mode ? "client / NAT" : "full", fmt(p.samples_per_second),
+      `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), p.epoch, `${duration(p.last_seen)} ago`, state];
+    for (const value of cells) {
+      const cell = document.createElement("td");
+      cell.textContent = value;
+      row.appendChild(cell);
+    }
+    row.firstChild.title = p.peer_id;
+    return row;
+  }));
+
+  const ranked = [...run.peers].sort((a, b) => b.samples_contributed - a.samples_contributed).slice(0, 10);
+  $("leaderboard").replaceChildren(...ranked.map((p) => {
+    const item = document.createElement("li");
+    item.textContent = `${p.peer_id.slice(-10)} — ${p.samples_contributed} samples`;
+    return item;
+  }));
+}
+
+// A line chart in plain SVG. Non-finite values are gaps; the scale ignores them, so one absurd
+// value cannot flatten the chart (the API already rejects NaN and 1e30 at the schema).
+function drawChart(svg, points, key) {
+  const values = points.map((p) => (finite(p[key]) ? p[key] : null));
+  const present = values.filter((v) => v !== null);
+  const ns = "http://www.w3.org/2000/svg";
+  svg.replaceChildren();
+  if (present.length < 2) return;
+  const [w, h, pad] = [400, 140, 18];
+  let lo = Math.min(...present), hi = Math.max(...present);
+  if (hi === lo) { hi += 1; lo -= 1; }
+  const x = (i) => pad + (i / (values.length - 1)) * (w - 2 * pad);
+  const y = (v) => h - pad - ((v - lo) / (hi - lo)) * (h - 2 * pad);
+  let d = "", pen = "M";
+  values.forEach((v, i) => {
+    if (v === null) { pen = "M"; return; }
+    d += `${pen}${x(i).toFixed(1)},${y(v).toFixed(1)} `;
+    pen = "L";
+  });
+  const path = document.createElementNS(ns, "path");
+  path.setAttribute("class", "line");
+  path.setAttribute("d", d.trim());
+  svg.appendChild(path);
+  for (const [v, yy] of [[hi, pad - 4], [lo, h - 4]]) {
+    const label = document.createElementNS(ns, "text");
+    label.setAttribute("class", "axis");
+    label.setAttribute("x", 2);
+    label.setAttribute("y", yy + 8);
+    label.textContent = Math.abs(v) >= 100 ? v.toFixed(0) : v.toFixed(2);
+    svg.appendChild(label);
+  }
+}
+
+async function refresh() {
+  try {
+    const [runResponse, historyResponse] = await Promise.all([fetch("/api/run"), fetch("/api/history")]);
+    if (runResponse.ok) renderRun(await runResponse.json());
+    else text($("status"), (await runResponse.json()).detail || `HTTP ${runResponse.status}`);
+    if (historyResponse.ok) {
+      const history = await historyResponse.json();
+      drawChart($("chart-loss"), history.points, "loss");
+      drawChart($("chart-sps"), history.points, "samples_per_second");
+      drawChart($("chart-peers"), history.points, "peers_online");
+    }
+  } catch (error) {
+    text($("status"), `dashboard unreachable: ${error}`);
+  }
+}
+
+refresh();
+setInterval(refresh, REFRESH_MS);

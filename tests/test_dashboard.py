@@ -1,0 +1,143 @@
+"""The dashboard against a real 2-peer swarm: API, Prometheus, a real browser, and hostile records."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hivemind.utils.timed_storage import get_dht_time
+from prometheus_client.parser import text_string_to_metric_families
+
+from dashboard.collector import Collector
+from dashboard.server import BackgroundDashboard
+from peers.launcher import LocalSwarm
+from tests.conftest import peer_env, wait_for, write_config
+
+pytestmark = pytest.mark.swarm
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """Two real peers training, and a dashboard (its own client DHT node) serving them over HTTP."""
+    from tests.conftest import MICRO_CONFIG  # noqa: F401  (the session cache fixture has built the tokenizer)
+
+    tmp = tmp_path_factory.mktemp("dashboard")
+    config = write_config(tmp, {}, "micro.yaml")
+    run_id = f"dash-{int(time.time())}"
+    with LocalSwarm(2, run_id, tmp, ["--config", str(config), "--max-epochs", "1000"], env=peer_env()) as swarm:
+        swarm.start()
+        dashboard = BackgroundDashboard(Collector(run_id, [swarm.initial_peer], interval=1.0), port=free_port())
+        dashboard.start()
+        try:
+            yield swarm, dashboard
+        finally:
+            dashboard.stop()
+
+
+def get(dashboard, path: str) -> httpx.Response:
+    return httpx.get(dashboard.url.rstrip("/") + path, timeout=10)
+
+
+def two_peers_training(dashboard):
+    response = get(dashboard, "/api/run")
+    if response.status_code != 200:
+        return None
+    run = response.json()
+    trainers = [p for p in run["peers"] if p["role"] == "trainer" and p["online"]]
+    return run if len(trainers) == 2 and run["global_epoch"] >= 2 and all(p["loss"] for p in trainers) else None
+
+
+def test_api_serves_the_live_run(live):
+    swarm, dashboard = live
+    run = wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers on /api/run")
+    assert run["run_id"] == swarm.run_id and run["target_batch_size"] == 2048
+    for key in ("global_epoch", "samples_accumulated", "eta_seconds", "samples_per_second", "rejected_records"):
+        assert key in run
+
+    history = get(dashboard, "/api/history").json()
+    assert len(history["points"]) >= 2
+    assert max(p["global_epoch"] for p in history["points"]) >= 2
+
+    peer_id = run["peers"][0]["peer_id"]
+    one = get(dashboard, f"/api/peers/{peer_id}")
+    assert one.status_code == 200 and one.json()["points"] and one.json()["current"]["peer_id"] == peer_id
+    unknown = get(dashboard, "/api/peers/QmNotAPeer")
+    assert unknown.status_code == 404
+    assert unknown.json()["detail"] == "unknown peer id 'QmNotAPeer'; GET /api/run lists the run's peers"
+
+    metrics = get(dashboard, "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
+    assert families["collab_global_epoch"].samples[0].value >= 2
+    assert len(families["collab_peer_samples_per_second"].samples) == 2
+    if shutil.which("promtool"):
+        import subprocess
+
+        check = subprocess.run(["promtool", "check", "metrics"], input=metrics.text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+    health = get(dashboard, "/healthz").json()
+    assert health["status"] == "ok" and health["snapshot_age_seconds"] < 10
+    assert get(dashboard, "/docs").status_code == 200
+    assert "/api/run" in get(dashboard, "/openapi.json").json()["paths"]
+
+
+def test_page_in_a_real_browser(live):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    swarm, dashboard = live
+    wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(dashboard.url)
+            page.wait_for_function("document.querySelectorAll('#peers tbody tr').length === 2", timeout=30_000)
+            # a drawn chart: a path with at least two points, updated live without a reload
+            page.wait_for_function("(document.querySelector('#chart-sps path.line')?.getAttribute('d') || '')"
+                                   ".includes('L')", timeout=30_000)
+            epoch_before = int(page.inner_text("#epoch"))
+            page.wait_for_function(f"parseInt(document.querySelector('#epoch').textContent) > {epoch_before}",
+                                   timeout=60_000)
+            assert page.inner_text("#run-id") == swarm.run_id
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+
+def test_rogue_records_are_refused_and_the_page_survives(live):
+    """A rogue node (no validators) tries to store records that break the schema: honest nodes refuse them."""
+    import hivemind
+
+    swarm, dashboard = live
+    wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers")
+    rogue = hivemind.DHT(initial_peers=[swarm.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        expiration = get_dht_time() + 120
+        for i, value in enumerate([{"loss": 1e30, "epoch": -1}, "not a record", {"peer_id": "x", "role": "boss"}]):
+            # stored on the rogue itself, refused by every node that checks the schema
+            assert rogue.store(f"{swarm.run_id}_metrics", value, expiration, subkey=f"rogue-{i}".encode()) is False
+        time.sleep(3)
+        run = get(dashboard, "/api/run").json()
+        assert sorted(p["role"] for p in run["peers"]) == ["trainer", "trainer"], run["peers"]
+        assert get(dashboard, "/").status_code == 200 and get(dashboard, "/metrics").status_code == 200
+    finally:
+        rogue.shutdown()
