@@ -50,6 +50,7 @@ class Collector:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.snapshot: Optional[RunState] = None
+        self.snapshot_json: Optional[bytes] = None  # serialised once per collection, served as is
         self.snapshot_time: Optional[float] = None
         self.history: deque[RunPoint] = deque(maxlen=history_size)
         self.peer_history: dict[str, deque[PeerPoint]] = {}
@@ -94,8 +95,9 @@ class Collector:
         losses = [p.loss for p in online if p.loss is not None and math.isfinite(p.loss)]
         point = RunPoint(state.time, state.global_epoch, state.samples_per_second, len(online),
                          statistics.median(losses) if losses else None)
+        encoded = state.model_dump_json().encode()
         with self._lock:
-            self.snapshot, self.snapshot_time = state, time.time()
+            self.snapshot, self.snapshot_json, self.snapshot_time = state, encoded, time.time()
             self.history.append(point)
             for p in state.peers:
                 series = self.peer_history.setdefault(p.peer_id, deque(maxlen=self.history_size))
