@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # hivemind logs every matchmaking step at INFO; a volunteer needs the progress bar, not that
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    # hivemind shares tensors between its processes through files by default, which starts a
+    # torch_shm_manager that can outlive the peer; file descriptors need no manager process
+    os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -85,6 +85,22 @@ class CollabOptimizer(Optimizer):
             return
         super()._tag_along_with_zero_weight(control)
 
+    def shutdown(self) -> None:
+        if not self.stop.is_set():
+            return super().shutdown()  # leaving at --max-epochs: finish the delayed step, then go
+        # leaving on a signal: say goodbye and go, without waiting up to averaging_timeout for a
+        # background state-averaging round (the peers that stay finish it without us)
+        self.tracker.shutdown(self.shutdown_timeout)
+        for control in (self.scheduled_grads, self.scheduled_state):
+            if control is not None and not control.done():
+                control.cancel()
+        self.state_averager.shutdown()
+        if self.use_gradient_averaging:
+            self.grad_averager.shutdown()
+
+    def has_pending_updates(self) -> bool:
+        return any(not update.done() for update in self.state_averager.pending_updates)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         # with reuse_grad_buffers hivemind accumulates in .grad itself and clears it after each epoch
         if not self.grad_averager.reuse_grad_buffers:

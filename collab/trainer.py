@@ -143,7 +143,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.final_epoch = opt.local_epoch
             summary.rounds_joined, summary.rounds_failed = log.joined, log.failed
             summary.group_sizes = list(log.group_sizes)
-            if ckpt_dir and summary.final_epoch > summary.start_epoch:
+            # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it
+            if ckpt_dir and summary.final_epoch > summary.start_epoch and not opt.has_pending_updates():
                 _checkpoint(opt, task, config, summary)
         if dashboard is not None:
             dashboard.stop()
