@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 import uvicorn
@@ -25,11 +26,9 @@ class BackgroundDashboard:
     def start(self, timeout: float = 30.0) -> "BackgroundDashboard":
         self._thread = threading.Thread(target=self.server.run, name="dashboard", daemon=True)
         self._thread.start()
-        started = threading.Event()
-        for _ in range(int(timeout / 0.1)):
-            if self.server.started or not self._thread.is_alive():
-                break
-            started.wait(0.1)
+        deadline = time.monotonic() + timeout
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
         if not self.server.started:
             from collab.errors import UserError
 

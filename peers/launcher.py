@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -32,7 +32,6 @@ class PeerProcess:
     args: list[str]
     workdir: Path
     popen: Optional[subprocess.Popen] = None
-    exit_codes: list[int] = field(default_factory=list)
 
     @property
     def log_path(self) -> Path:
