@@ -144,7 +144,9 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.rounds_joined, summary.rounds_failed = log.joined, log.failed
             summary.group_sizes = list(log.group_sizes)
             # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it
-            if ckpt_dir and summary.final_epoch > summary.start_epoch and not opt.has_pending_updates():
+            saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")
+            if (ckpt_dir and summary.final_epoch > summary.start_epoch and not saved_already
+                    and not opt.has_pending_updates()):
                 _checkpoint(opt, task, config, summary)
         if dashboard is not None:
             dashboard.stop()
