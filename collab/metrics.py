@@ -69,6 +69,12 @@ class AveragingLog:
         with self._lock:
             self.failed += 1
 
+    def copy_to(self, summary) -> None:
+        """Into a trainer Summary (rounds_joined, rounds_failed, group_sizes)."""
+        with self._lock:
+            summary.rounds_joined, summary.rounds_failed = self.joined, self.failed
+            summary.group_sizes = list(self.group_sizes)
+
 
 def metrics_key(run_id: str) -> str:
     return run_id + METRICS_SUFFIX

@@ -47,7 +47,21 @@ class Summary:
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
     loaded_state_from_peers: bool = False
     checkpoint: Optional[str] = None
-    exit_reason: str = ""
+    nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
+    exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
+
+
+def write_summary(summary: Summary, path: Optional[Path]) -> None:
+    """Atomically: a peer killed while writing leaves the previous summary, never half of one."""
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(summary), indent=1))
+    tmp.replace(path)
+
+
+def nonfinite_parameters(model) -> list[str]:
+    return [name for name, param in model.named_parameters() if not bool(param.detach().isfinite().all())]
 
 
 class EpochLoss:
@@ -110,7 +124,6 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         summary.start_epoch = opt.local_epoch
         micro = config.training.micro_batch_size
         epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
-        summary.exit_reason = "stopped by signal"
         loop_started = time.monotonic()
         with display:
             while not stop.is_set():
@@ -132,17 +145,24 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     last_epoch = opt.local_epoch
                     if ckpt_dir and opt.local_epoch % config.checkpoint.every_epochs == 0:
                         _checkpoint(opt, task, config, summary)
+                    summary.final_epoch = opt.local_epoch
+                    summary.train_seconds = time.monotonic() - loop_started
+                    log.copy_to(summary)
+                    summary.nonfinite_parameters = nonfinite_parameters(task.model)
+                    write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
                     _publish(swarm, opt, config, summary, log, epoch_loss.last_mean)
                     last_publish = time.monotonic()
                 display.update(_snapshot(opt, summary, epoch_loss.last_mean, log))
+        if stop.is_set():
+            summary.exit_reason = "stopped by signal"
         summary.train_seconds = time.monotonic() - loop_started
     finally:
         if opt is not None:
             opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
             summary.final_epoch = opt.local_epoch
-            summary.rounds_joined, summary.rounds_failed = log.joined, log.failed
-            summary.group_sizes = list(log.group_sizes)
+            log.copy_to(summary)
+            summary.nonfinite_parameters = nonfinite_parameters(task.model)
             # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it
             saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")
             if (ckpt_dir and summary.final_epoch > summary.start_epoch and not saved_already
@@ -151,8 +171,9 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         if dashboard is not None:
             dashboard.stop()
         swarm.shutdown()
-        if options.summary_path is not None:
-            options.summary_path.write_text(json.dumps(asdict(summary), indent=1))
+        if summary.exit_reason == "running":
+            summary.exit_reason = "failed"  # an exception is on its way up
+        write_summary(summary, options.summary_path)
     return summary
 
 

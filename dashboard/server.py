@@ -41,6 +41,7 @@ class BackgroundDashboard:
             self._thread.join(timeout)
 
 
-def serve_forever(collector: Collector, host: str, port: int) -> None:
+def serve_forever(collector: Collector, host: str, port: int, fd: Optional[int] = None) -> None:
     """The foreground server of `collab dashboard`; Ctrl-C stops uvicorn, which stops the collector."""
-    uvicorn.run(create_app(collector), host=host, port=port, log_level="warning")
+    where = dict(fd=fd) if fd is not None else dict(host=host, port=port)
+    uvicorn.run(create_app(collector), log_level="warning", **where)

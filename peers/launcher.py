@@ -1,8 +1,10 @@
-"""Launch N real `collab join` processes on 127.0.0.1 and always clean them up.
+"""Launch N real `collab join` processes and always clean them up.
 
-Each peer runs in its own session (process group), so stopping it stops everything it started:
-hivemind's DHT and averager processes and p2pd. The first peer starts the swarm; the others join
-through the multiaddr it prints (the same line a human organizer would copy).
+Each peer runs in its own session, so stopping it stops everything it started: hivemind's DHT and
+averager processes and p2pd. Peers listen on fixed addresses, and their identities are made before
+they start, so every peer's multiaddr is known up front: a peer restarted after a crash rejoins as
+itself through whichever peers are up. On 127.0.0.1 by default; inside a NetworkLab's namespaces
+(peers.netns) when one is given, each peer on its own shaped link.
 """
 
 from __future__ import annotations
@@ -10,16 +12,18 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import psutil
 
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
+NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
 
 
 class LaunchError(RuntimeError):
@@ -27,11 +31,25 @@ class LaunchError(RuntimeError):
 
 
 @dataclass
+class Placement:
+    """Where a peer runs on the network and what it tells hivemind about its link."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]
+    client_mode: bool = False  # behind NAT: nobody can dial it
+    bandwidth_mbit: Optional[float] = None  # announced, so the all-reduce gives a slow peer a smaller share
+
+
+@dataclass
 class PeerProcess:
     index: int
     args: list[str]
     workdir: Path
+    placement: Placement = field(default_factory=Placement)
     popen: Optional[subprocess.Popen] = None
+    starts: int = 0  # incarnations: a restarted peer writes a new summary and appends to its log
+    peer_id: str = ""
 
     @property
     def log_path(self) -> Path:
@@ -39,7 +57,15 @@ class PeerProcess:
 
     @property
     def summary_path(self) -> Path:
-        return self.workdir / f"peer{self.index}.summary.json"
+        """The summary of the current (latest) incarnation."""
+        return self._summary(max(self.starts - 1, 0))
+
+    def summary_paths(self) -> list[Path]:
+        return [self._summary(k) for k in range(self.starts)]
+
+    def _summary(self, incarnation: int) -> Path:
+        suffix = "" if incarnation == 0 else f".restart{incarnation}"
+        return self.workdir / f"peer{self.index}{suffix}.summary.json"
 
     @property
     def identity_path(self) -> Path:
@@ -49,14 +75,36 @@ class PeerProcess:
     def checkpoint_dir(self) -> Path:
         return self.workdir / f"peer{self.index}-checkpoints"
 
+    @property
+    def maddr(self) -> str:
+        return f"/ip4/{self.placement.host}/tcp/{self.placement.port}/p2p/{self.peer_id}"
+
+    def make_identity(self) -> None:
+        """Create the libp2p key now (the peer reuses it), so its peer id is known before it starts."""
+        from hivemind.p2p import P2P, PeerID
+
+        if not self.identity_path.exists():
+            P2P.generate_identity(str(self.identity_path))
+        self.peer_id = PeerID.from_identity(self.identity_path.read_bytes()).to_base58()
+
     def start(self, extra: list[str] = (), env: Optional[dict] = None) -> None:
         env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1")
-        command = [sys.executable, "-m", "collab", "join", *self.args, *extra,
-                   "--identity", str(self.identity_path), "--summary-json", str(self.summary_path), "--no-live"]
-        log = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, start_new_session=True)
-        log.close()
+        where = self.placement
+        command = [*where.prefix, sys.executable, "-m", "collab", "join", *self.args,
+                   "--host-maddrs", f"/ip4/{where.host}/tcp/{where.port}", *extra,
+                   "--identity", str(self.identity_path), "--summary-json", str(self._summary(self.starts)),
+                   "--no-live"]
+        if where.client_mode:
+            command.append("--client-mode")
+        if where.bandwidth_mbit is not None and "--bandwidth" not in command:
+            command += ["--bandwidth", f"{where.bandwidth_mbit:g}"]
+        with open(self.log_path, "ab") as log:
+            if self.starts:
+                log.write(f"\n===== restart {self.starts} =====\n".encode())
+                log.flush()
+            self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=env, start_new_session=True)
+        self.starts += 1
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -72,20 +120,36 @@ class PeerProcess:
             return None
         return code
 
-    def kill_group(self) -> None:
-        """Kill every process of the peer's session (p2pd and hivemind's processes included).
+    def session_processes(self) -> list[psutil.Process]:
+        """Everything of this peer: its process and all that share its session (p2pd included).
 
         The peer's DHT moves itself and p2pd into a process group of its own (see collab.swarm), so
-        killing the peer's group is not enough: everything that shares its session goes.
+        signalling the peer's group is not enough: the session is what they all share.
         """
         if self.popen is None:
-            return
+            return []
+        found = []
         for proc in psutil.process_iter():
             try:
                 if os.getsid(proc.pid) == self.popen.pid:
-                    proc.kill()
+                    found.append(proc)
             except (ProcessLookupError, PermissionError, psutil.Error, OSError):
                 pass
+        return found
+
+    def signal_session(self, signum: int) -> None:
+        for proc in self.session_processes():
+            try:
+                proc.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    def kill_group(self) -> None:
+        """SIGKILL the whole session: what a crash or a pulled plug does to a volunteer's machine."""
+        if self.popen is None:
+            return
+        self.signal_session(signal.SIGCONT)  # a frozen process cannot be reaped until it runs
+        self.signal_session(signal.SIGKILL)
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -95,20 +159,46 @@ class PeerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def free_ports(count: int) -> list[int]:
+    """Ports that are free on 127.0.0.1 now (held open together, so they are distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class LocalSwarm:
-    """A context manager: on exit (normal, exception or Ctrl-C) every peer's process group is gone."""
+    """A context manager: on exit (normal, exception or Ctrl-C) every peer's process group is gone.
+
+    `network` (a NetworkLab) puts peer i in its namespace; `links` (profile LinkSpecs) set each
+    peer's client mode (NAT) and announced bandwidth, with or without a network.
+    """
 
     def __init__(self, num_peers: int, run_id: str, workdir: Path, join_args: list[str] = (),
                  per_peer_args: Optional[dict[int, list[str]]] = None, startup_timeout: float = 180.0,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, network=None, links: Optional[list] = None):
         if num_peers < 1:
             raise ValueError("num_peers must be at least 1")
         self.run_id, self.workdir, self.startup_timeout = run_id, Path(workdir), startup_timeout
-        self.env = env
+        self.env, self.network = env, network
         self.workdir.mkdir(parents=True, exist_ok=True)
         per_peer_args = per_peer_args or {}
-        base = ["--run-id", run_id, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *join_args]
-        self.peers = [PeerProcess(i, base + list(per_peer_args.get(i, [])), self.workdir) for i in range(num_peers)]
+        ports = free_ports(num_peers) if network is None else [NAMESPACE_PORT] * num_peers
+        self.peers = []
+        for i in range(num_peers):
+            link = links[i] if links else None
+            placement = Placement(
+                host=network.address(i) if network is not None else "127.0.0.1", port=ports[i],
+                prefix=network.command_prefix(i) if network is not None else [],
+                client_mode=bool(link and link.nat), bandwidth_mbit=link.upload_mbit if link else None)
+            args = ["--run-id", run_id, *join_args, *per_peer_args.get(i, [])]
+            self.peers.append(PeerProcess(i, args, self.workdir, placement))
+        for peer in self.peers:
+            peer.make_identity()
         self.initial_peer: Optional[str] = None
 
     def __enter__(self) -> "LocalSwarm":
@@ -126,19 +216,21 @@ class LocalSwarm:
         count = len(self.peers) if count is None else count
         first = self.peers[0]
         first.start(["--wait-peers", str(count)], env=self.env)
-        self.initial_peer = self._wait_for_join_line(first)
+        self._wait_for_join_line(first)
+        self.initial_peer = first.maddr
         for peer in self.peers[1:count]:
             self.start_peer(peer.index, ["--wait-peers", str(count)])
 
     def start_peer(self, index: int, extra: list[str] = ()) -> None:
-        self.peers[index].start(["--initial-peers", self.initial_peer, *extra], env=self.env)
+        """Start (or restart) a peer, joining through every other peer that has been started."""
+        others = [p.maddr for p in self.peers if p.index != index and p.popen is not None and p.alive()]
+        self.peers[index].start(["--initial-peers", *(others or [self.initial_peer]), *extra], env=self.env)
 
-    def _wait_for_join_line(self, peer: PeerProcess) -> str:
+    def _wait_for_join_line(self, peer: PeerProcess) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            match = JOIN_LINE.search(peer.log_text())
-            if match:
-                return match.group(1)
+            if JOIN_LINE.search(peer.log_text()):
+                return
             if not peer.alive():
                 raise LaunchError(f"peer 0 exited before printing its address:\n{peer.log_text()[-2000:]}")
             time.sleep(0.2)
@@ -156,6 +248,8 @@ class LocalSwarm:
 
     def stop(self, grace: float = 15.0) -> None:
         for peer in self.peers:
+            if peer.alive():
+                peer.signal_session(signal.SIGCONT)  # a frozen peer cannot handle SIGTERM
             peer.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for peer in self.peers:

@@ -1,18 +1,26 @@
-"""The end-of-simulation report, from each peer's exit summary (written by `collab join --summary-json`)."""
+"""The end-of-simulation report: per-peer outcomes from each incarnation's summary, the swarm's rate.
+
+Peers write their summary (collab join --summary-json) at every epoch and at exit, so even a peer
+killed with SIGKILL leaves what it had done by its last epoch.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import signal
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from peers.launcher import LocalSwarm
+from peers.launcher import LocalSwarm, PeerProcess
 
 
 @dataclass
 class PeerReport:
     index: int
     peer_id: str
+    link: str
+    incarnations: int
     start_epoch: int
     final_epoch: int
     samples_contributed: int
@@ -22,59 +30,139 @@ class PeerReport:
     first_loss: Optional[float]
     last_loss: Optional[float]
     loaded_state_from_peers: bool
+    bytes_sent: Optional[int]
+    bytes_received: Optional[int]
+    nonfinite_parameters: list[str]
     exit: str
 
 
 @dataclass
 class SwarmReport:
     run_id: str
+    network: str
     duration_seconds: float
     epochs_reached: int
     epochs_per_minute: float
     peers: list[PeerReport]
+    warnings: list[str] = field(default_factory=list)
+    churn_events: list[dict] = field(default_factory=list)
 
     @property
     def loss_fell(self) -> bool:
         pairs = [(p.first_loss, p.last_loss) for p in self.peers if p.first_loss is not None and p.last_loss is not None]
         return bool(pairs) and all(last < first for first, last in pairs)
 
-    def to_json(self) -> str:
-        from dataclasses import asdict
+    @property
+    def any_nonfinite(self) -> bool:
+        return any(p.nonfinite_parameters for p in self.peers)
 
-        return json.dumps(dict(asdict(self), loss_fell=self.loss_fell), indent=1)
+    def to_json(self) -> str:
+        return json.dumps(dict(asdict(self), loss_fell=self.loss_fell, any_nonfinite=self.any_nonfinite), indent=1)
 
     def to_table(self) -> str:
-        rows = [("peer", "id", "epochs", "samples", "rounds ok/failed", "group", "loss first -> last", "exit")]
+        rows = [("peer", "id", "link", "epochs", "samples", "rounds ok/failed", "group", "sent/recv MB",
+                 "loss first -> last", "exit")]
         for p in self.peers:
             loss = f"{p.first_loss:.3f} -> {p.last_loss:.3f}" if p.first_loss is not None and p.last_loss else "-"
             group = f"{p.mean_group_size:.1f}" if p.mean_group_size else "-"
-            rows.append((str(p.index), p.peer_id[-10:], f"{p.start_epoch}->{p.final_epoch}", str(p.samples_contributed),
-                         f"{p.rounds_joined}/{p.rounds_failed}", group, loss, p.exit))
+            traffic = f"{p.bytes_sent / 1e6:.1f}/{p.bytes_received / 1e6:.1f}" if p.bytes_sent is not None else "-"
+            rows.append((str(p.index), p.peer_id[-10:], p.link, f"{p.start_epoch}->{p.final_epoch}",
+                         str(p.samples_contributed), f"{p.rounds_joined}/{p.rounds_failed}", group, traffic, loss,
+                         p.exit))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(f"network: {self.network}")
+        lines += [f"warning: {w}" for w in self.warnings]
+        if self.churn_events:
+            hits = sum(e["action"] in ("kill", "term", "stop") for e in self.churn_events)
+            lines.append(f"churn: {hits} peers hit, {len(self.churn_events) - hits} brought back")
         lines.append(f"swarm: reached epoch {self.epochs_reached} in {self.duration_seconds:.0f} s "
-                     f"({self.epochs_per_minute:.1f} epochs/min); loss fell on every peer: {'yes' if self.loss_fell else 'no'}")
+                     f"({self.epochs_per_minute:.2f} epochs/min while training); "
+                     f"loss fell on every peer: {'yes' if self.loss_fell else 'no'}; "
+                     f"NaN/inf parameters: {'YES' if self.any_nonfinite else 'none'}")
         return "\n".join(lines)
 
 
-def build_report(swarm: LocalSwarm, duration: float) -> SwarmReport:
-    peers = []
-    for peer in swarm.peers:
-        code = peer.popen.returncode if peer.popen is not None else None
-        exit_text = "not started" if peer.popen is None else ("running" if code is None else f"exit {code}")
-        try:
-            s = json.loads(peer.summary_path.read_text())
-        except (OSError, ValueError):
-            peers.append(PeerReport(peer.index, "?", 0, 0, 0, 0, 0, None, None, None, False, exit_text + ", no summary"))
-            continue
-        losses = [v for _, v in sorted((int(k), v) for k, v in s["loss_by_epoch"].items())]
-        sizes = s["group_sizes"]
-        peers.append(PeerReport(
-            index=peer.index, peer_id=s["peer_id"], start_epoch=s["start_epoch"], final_epoch=s["final_epoch"],
-            samples_contributed=s["samples_contributed"], rounds_joined=s["rounds_joined"],
-            rounds_failed=s["rounds_failed"], mean_group_size=sum(sizes) / len(sizes) if sizes else None,
-            first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
-            loaded_state_from_peers=s["loaded_state_from_peers"], exit=f"{exit_text}, {s['exit_reason']}",
-        ))
+class EpochTimeline:
+    """(time, highest epoch any peer reached), sampled from the summaries while the swarm runs.
+
+    The rate is taken from the first epoch change on, so start-up (importing torch, joining the
+    DHT) is not counted as slow training.
+    """
+
+    def __init__(self, swarm: LocalSwarm):
+        self.swarm = swarm
+        self.samples: list[tuple[float, int]] = []
+
+    def sample(self) -> int:
+        epoch = max((_read(path).get("final_epoch", 0) for peer in self.swarm.peers
+                     for path in peer.summary_paths()), default=0)
+        self.samples.append((time.monotonic(), epoch))
+        return epoch
+
+    def epochs_per_minute(self) -> float:
+        first_epoch = self.samples[0][1] if self.samples else 0
+        moving = [(t, e) for t, e in self.samples if e > first_epoch]
+        if len(moving) < 2:
+            return 0.0
+        (t0, e0), (t1, e1) = moving[0], moving[-1]
+        return (e1 - e0) / max(t1 - t0, 1e-9) * 60
+
+
+def _read(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _exit_text(peer: PeerProcess, last: dict) -> str:
+    if peer.popen is None:
+        return "not started"
+    code = peer.popen.returncode
+    if code is None:
+        return "running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    reason = last.get("exit_reason", "no summary")
+    return f"exit {code} ({reason})"
+
+
+def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: int) -> PeerReport:
+    summaries = [s for s in (_read(p) for p in peer.summary_paths()) if s]
+    last = summaries[-1] if summaries else {}
+    losses = [v for s in summaries for _, v in sorted((int(k), v) for k, v in s.get("loss_by_epoch", {}).items())]
+    sizes = [size for s in summaries for size in s.get("group_sizes", [])]
+    exit_text = _exit_text(peer, last)
+    if hits:
+        exit_text += f"; hit by churn {hits}x, started {peer.starts}x"
+    return PeerReport(
+        index=peer.index, peer_id=peer.peer_id, link=link, incarnations=peer.starts,
+        start_epoch=summaries[0].get("start_epoch", 0) if summaries else 0, final_epoch=last.get("final_epoch", 0),
+        samples_contributed=sum(s.get("samples_contributed", 0) for s in summaries),
+        rounds_joined=sum(s.get("rounds_joined", 0) for s in summaries),
+        rounds_failed=sum(s.get("rounds_failed", 0) for s in summaries),
+        mean_group_size=sum(sizes) / len(sizes) if sizes else None,
+        first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+        loaded_state_from_peers=any(s.get("loaded_state_from_peers") for s in summaries),
+        bytes_sent=counters["bytes_sent"] if counters else None,
+        bytes_received=counters["bytes_received"] if counters else None,
+        nonfinite_parameters=sorted({n for s in summaries for n in s.get("nonfinite_parameters", [])}),
+        exit=exit_text,
+    )
+
+
+def build_report(swarm: LocalSwarm, duration: float, timeline: Optional[EpochTimeline] = None,
+                 links: Optional[list] = None, counters: Optional[list] = None, network: str = "127.0.0.1",
+                 warnings: list[str] = (), churn_events: list = ()) -> SwarmReport:
+    events = [asdict(e) for e in churn_events]
+    peers = [peer_report(peer, links[peer.index].describe() if links else "-",
+                         counters[peer.index] if counters else None,
+                         sum(e["peer"] == peer.index and e["action"] in ("kill", "term", "stop") for e in events))
+             for peer in swarm.peers]
     reached = max((p.final_epoch for p in peers), default=0)
-    return SwarmReport(swarm.run_id, duration, reached, reached / max(duration, 1e-9) * 60, peers)
+    if timeline is not None and timeline.epochs_per_minute() > 0:
+        rate = timeline.epochs_per_minute()
+    else:
+        rate = reached / max(duration, 1e-9) * 60
+    return SwarmReport(swarm.run_id, network, duration, reached, rate, peers, list(warnings), events)

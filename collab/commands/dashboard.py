@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
                    help="multiaddr of any peer in the run")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
+    p.add_argument("--fd", type=int, default=None, metavar="FD",
+                   help="serve on this inherited listening socket instead of --host/--port (used by collab simulate "
+                        "to serve on 127.0.0.1 from inside a network namespace)")
     p.add_argument("--interval", type=float, default=3.0, help="seconds between reads of the swarm (default 3)")
     p.set_defaults(run=run, hard_exit=True)
 
@@ -32,9 +35,20 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--interval {args.interval} must be positive")
     peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers)  # validates the flags
     collector = Collector(args.run_id, args.initial_peers, interval=args.interval)
-    print(f"Dashboard for run {args.run_id} at http://{args.host}:{args.port}/", flush=True)
+    if args.fd is not None:
+        import os
+        import stat
+
+        try:
+            is_socket = stat.S_ISSOCK(os.fstat(args.fd).st_mode)
+        except OSError:
+            is_socket = False
+        if not is_socket:
+            raise UserError(f"--fd {args.fd} is not an open socket; pass a listening socket's descriptor, or use --port")
+    where = f"inherited socket {args.fd}" if args.fd is not None else f"http://{args.host}:{args.port}/"
+    print(f"Dashboard for run {args.run_id} at {where}", flush=True)
     try:
-        serve_forever(collector, args.host, args.port)
+        serve_forever(collector, args.host, args.port, fd=args.fd)
     finally:
         reap_children()
     return 0
