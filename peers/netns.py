@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 import uuid
 from typing import Optional
 
@@ -147,12 +148,16 @@ class NetworkLab:
 
 
 def remove_namespace(ns: str) -> None:
-    pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    for _ in range(20):  # a process entering the namespace right now shows up on the next look
+        pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.05)
     _run("ip", "netns", "del", ns, check=False)
 
 

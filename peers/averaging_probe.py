@@ -1,0 +1,133 @@
+"""One process of an averaging measurement: hivemind's all-reduce or torch.distributed gloo's.
+
+Run as `python -m peers.averaging_probe ...` inside a peer's namespace (peers.averaging_rounds
+starts them). Every process holds a vector filled with `index + 1`, so the exact average is known
+and a partial round (hivemind reports those as success) shows up as a wrong value, not a flag.
+Each round's timing starts when the all-reduce is triggered (matchmaking is not counted: it is
+done before, in the background, in real training too). Results go to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def interface_bytes() -> tuple[int, int]:
+    """(sent, received) on this namespace's eth0 (0, 0 on a machine without one)."""
+    base = Path("/sys/class/net/eth0/statistics")
+    if not base.is_dir():
+        return 0, 0
+    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+
+
+def _round_record(started: float, finished: float, before: tuple[int, int], tensor, expected: float,
+                  group_size: int) -> dict:
+    after = interface_bytes()
+    return dict(started=started, finished=finished, group_size=group_size,
+                max_error=float((tensor.float() - expected).abs().max()),
+                bytes_sent=after[0] - before[0], bytes_received=after[1] - before[1])
+
+
+def run_hivemind(args, vector) -> list[dict]:
+    import hivemind
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.compression import Float16Compression, NoCompression
+
+    initial = []
+    if args.index > 0:
+        initial = [_wait_for_file(args.rendezvous, 120)]
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"], initial_peers=initial, start=True,
+                       startup_timeout=60)
+    if args.index == 0:
+        maddr = next(str(a) for a in dht.get_visible_maddrs() if args.host in str(a))
+        Path(args.rendezvous).write_text(maddr)
+    compression = Float16Compression() if args.wire == "fp16" else NoCompression()
+    averager = hivemind.DecentralizedAverager(
+        [vector], dht, prefix="probe", target_group_size=args.world, min_group_size=args.world,
+        min_matchmaking_time=args.matchmaking, request_timeout=2.0, bandwidth=args.bandwidth,
+        compression=compression, next_chunk_timeout=120.0, sender_timeout=100.0, reducer_timeout=120.0,
+        start=True)
+    records = []
+    try:
+        for _ in range(args.rounds):
+            with averager.get_tensors() as tensors:
+                tensors[0].fill_(args.index + 1)
+            control = averager.step(require_trigger=True, wait=False, timeout=120, allow_retries=False)
+            while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
+                time.sleep(0.001)
+            before, started = interface_bytes(), time.time()
+            control.allow_allreduce()
+            gathered = control.result(timeout=300)
+            finished = time.time()
+            with averager.get_tensors() as tensors:
+                records.append(_round_record(started, finished, before, tensors[0], args.expected,
+                                             len(gathered) if gathered else 0))
+            time.sleep(1.0)  # let every peer read its result before the next round's matchmaking
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+    return records
+
+
+def run_gloo(args, vector) -> list[dict]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.index, world_size=args.world)
+    if args.wire == "fp16":
+        vector = vector.half()
+    records = []
+    try:
+        for _ in range(args.rounds):
+            vector.fill_(args.index + 1)
+            dist.barrier()
+            before, started = interface_bytes(), time.time()
+            dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+            vector.div_(args.world)
+            finished = time.time()
+            records.append(_round_record(started, finished, before, vector, args.expected, args.world))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return records
+
+
+def _wait_for_file(path: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = Path(path).read_text().strip() if Path(path).exists() else ""
+        if text:
+            return text
+        time.sleep(0.1)
+    raise TimeoutError(f"no rendezvous address in {path} after {timeout:.0f} s")
+
+
+def main(argv=None) -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["hivemind", "gloo"], required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--size", type=int, required=True, help="elements of the fp32 vector")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--wire", choices=["fp32", "fp16"], default="fp32", help="precision on the wire")
+    p.add_argument("--host", required=True, help="this process's address")
+    p.add_argument("--port", type=int, default=31337)
+    p.add_argument("--bandwidth", type=float, default=None, help="hivemind: announced bandwidth")
+    p.add_argument("--matchmaking", type=float, default=3.0)
+    p.add_argument("--rendezvous", default="", help="hivemind: file where process 0 writes its multiaddr")
+    p.add_argument("--master", default="", help="gloo: HOST:PORT of rank 0")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    args.expected = (args.world + 1) / 2  # the mean of 1..world
+    torch.set_num_threads(1)
+    vector = torch.empty(args.size, dtype=torch.float32)
+    records = (run_hivemind if args.backend == "hivemind" else run_gloo)(args, vector)
+    Path(args.out).write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()

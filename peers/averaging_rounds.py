@@ -1,0 +1,88 @@
+"""Measure averaging rounds among k processes on shaped links: hivemind's all-reduce or gloo's.
+
+Used by benchmarks/allreduce.py and the asymmetric-link test. Each process runs
+peers.averaging_probe in its own namespace of a NetworkLab; the values and the interface byte
+counters come back per round, so a test can check what was averaged and who carried the traffic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from peers.netns import NetworkLab
+from peers.profiles import LinkSpec
+
+GLOO_PORT = 29500
+
+
+@dataclass
+class RoundOutcome:
+    seconds: float  # first trigger to last finish, over all processes
+    group_sizes: list[int]
+    max_error: float  # worst |value - exact mean| over all processes
+    bytes_sent: list[int]  # per process, on its interface, during the round
+    bytes_received: list[int]
+
+
+class ProbeFailed(RuntimeError):
+    pass
+
+
+def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path, rounds: int = 2,
+                   wire: str = "fp32", announce_bandwidth: bool = True, timeout: float = 600) -> list[RoundOutcome]:
+    """`rounds` all-reduces of a `size`-element vector among len(links) processes, one per shaped link."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    world = len(links)
+    rendezvous = workdir / f"rendezvous-{backend}-{time.monotonic_ns()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", HIVEMIND_LOGLEVEL="ERROR",
+               PYTHONUNBUFFERED="1")
+    with NetworkLab(links) as lab:
+        processes = []
+        for i, link in enumerate(links):
+            out = workdir / f"{backend}-{i}.json"
+            out.unlink(missing_ok=True)
+            command = [*lab.command_prefix(i), sys.executable, "-m", "peers.averaging_probe", "--backend", backend,
+                       "--index", str(i), "--world", str(world), "--size", str(size), "--rounds", str(rounds),
+                       "--wire", wire, "--host", lab.address(i), "--rendezvous", str(rendezvous),
+                       "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
+            if backend == "hivemind" and announce_bandwidth and link.upload_mbit is not None:
+                command += ["--bandwidth", str(link.upload_mbit)]
+            log = open(workdir / f"{backend}-{i}.log", "wb")
+            processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                               stdin=subprocess.DEVNULL, start_new_session=True), out, log))
+            log.close()
+        deadline = time.monotonic() + timeout
+        for i, (process, _, _) in enumerate(processes):
+            try:
+                code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            if code != 0:
+                text = (workdir / f"{backend}-{i}.log").read_text(errors="replace")[-2000:]
+                raise ProbeFailed(f"{backend} process {i} {'timed out' if code is None else f'exited {code}'}:\n{text}")
+        # the lab's exit kills anything left in its namespaces
+    per_process = [json.loads(out.read_text()) for _, out, _ in processes]
+    outcomes = []
+    for r in range(rounds):
+        records = [p[r] for p in per_process]
+        outcomes.append(RoundOutcome(
+            seconds=max(x["finished"] for x in records) - min(x["started"] for x in records),
+            group_sizes=[x["group_size"] for x in records], max_error=max(x["max_error"] for x in records),
+            bytes_sent=[x["bytes_sent"] for x in records], bytes_received=[x["bytes_received"] for x in records]))
+    return outcomes
+
+
+def lower_bound_seconds(size_bytes: float, world: int, bandwidth_mbit: float) -> float:
+    """Bandwidth-optimal all-reduce: each process sends and receives 2(k-1)/k of the vector."""
+    return 2 * (world - 1) / world * size_bytes * 8 / (bandwidth_mbit * 1e6)
+
+
+def best_of(outcomes: list[RoundOutcome]) -> Optional[RoundOutcome]:
+    return min(outcomes, key=lambda o: o.seconds) if outcomes else None
