@@ -39,6 +39,7 @@ class SimulationSpec:
     dashboard_port: Optional[int] = None
     require_namespaces: bool = False  # tests of shaping must not silently fall back to 127.0.0.1
     join_args: list[str] = field(default_factory=list)
+    per_peer_args: dict[int, list[str]] = field(default_factory=dict)
     env: Optional[dict] = None
     seed: int = 0
 
@@ -74,7 +75,7 @@ class Simulation:
                 self.say(f"WARNING: {warning}")
             with LocalSwarm(spec.peers, spec.run_id, spec.workdir, ["--config", str(spec.config_path), *limit,
                                                                      *spec.join_args],
-                            env=spec.env, network=self.lab, links=self.links if spec.profile else None) as swarm:
+                            per_peer_args=spec.per_peer_args, env=spec.env, network=self.lab, links=self.links if spec.profile else None) as swarm:
                 self.swarm = swarm
                 swarm.start()
                 self._announce()

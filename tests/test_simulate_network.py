@@ -1,0 +1,106 @@
+"""Whole simulated swarms on shaped namespaces: a NAT'd peer trains with the rest; Ctrl-C cleans up."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from transformers import AlbertForPreTraining
+
+from collab.checkpoint import list_checkpoints
+from peers.netns import namespaces_unavailable_reason
+from peers.profiles import load_profile
+from peers.simulation import Simulation, SimulationSpec
+from tests.conftest import peer_env, wait_for
+from tests.test_swarm_training import PARAM_TOLERANCE
+
+pytestmark = [pytest.mark.swarm, pytest.mark.skipif(namespaces_unavailable_reason() is not None,
+                                                    reason=f"no network namespaces: {namespaces_unavailable_reason()}")]
+
+
+def _status_from_inside(sim: Simulation) -> dict:
+    """`collab status --json`, run where the swarm is reachable: the lab's observer namespace."""
+    result = subprocess.run([*sim.lab.observer_prefix(), sys.executable, "-m", "collab", "status", "--run-id",
+                             sim.spec.run_id, "--initial-peers", sim.swarm.initial_peer, "--json", "--wait", "2"],
+                            capture_output=True, text=True, timeout=60, env=peer_env())
+    return json.loads(result.stdout) if result.returncode == 0 else {}
+
+
+def test_four_peers_one_behind_nat_train_as_one(tmp_path, micro_config, run_id, no_leftover_processes):
+    profile_path = tmp_path / "nat.yaml"
+    profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
+    spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=micro_config,
+                          profile=load_profile(str(profile_path)), max_epochs=5, duration=420,
+                          require_namespaces=True, env=peer_env(),
+                          per_peer_args={i: ["--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in range(4)})
+    sim = Simulation(spec, say=print)
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(report=sim.run()))
+    runner.start()
+    try:
+        # while it trains: the NAT'd peer is in the swarm's progress, as a client, with samples
+        def nat_peer_counted():
+            if sim.swarm is None or sim.swarm.initial_peer is None:
+                return None
+            state = _status_from_inside(sim)
+            nat = [p for p in state.get("peers", []) if p["peer_id"] == sim.swarm.peers[3].peer_id]
+            if state.get("num_clients") == 1 and nat and nat[0]["samples_contributed"] > 0 and nat[0]["epoch"] >= 1:
+                return state
+            return None
+        state = wait_for(nat_peer_counted, timeout=300, interval=3, what="the NAT'd peer's progress in the run state")
+        nat = next(p for p in state["peers"] if p["peer_id"] == sim.swarm.peers[3].peer_id)
+        assert nat["client_mode"] is True and nat["samples_per_second"] > 0 and nat["contribution"] > 0, nat
+    finally:
+        runner.join(timeout=480)
+    assert not runner.is_alive(), "the simulation did not finish"
+    report = outcome["report"]
+    print(report.to_table())
+    assert report.network.startswith("namespaces") and report.epochs_reached == 5
+    for peer in report.peers:
+        assert peer.exit == "exit 0 (reached epoch 5)", peer
+        assert peer.rounds_joined >= 2 and peer.samples_contributed > 0 and not peer.nonfinite_parameters, peer
+        assert peer.bytes_sent > 100_000 and peer.bytes_received > 100_000, peer
+    nat_report = report.peers[3]
+    assert "NAT" in nat_report.link and nat_report.mean_group_size > 2, nat_report
+
+    # the NAT'd peer applied the same updates: every final checkpoint holds the same parameters
+    models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"ckpt{i}")[-1]) for i in range(4)]
+    reference = dict(models[0].named_parameters())
+    for other in models[1:]:
+        worst = max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
+        assert worst < PARAM_TOLERANCE, f"parameters differ by {worst:.2e}"
+
+
+def test_simulate_cli_with_profile_stops_on_ctrl_c_and_cleans_up(tmp_path, micro_config, no_leftover_processes):
+    command = [sys.executable, "-m", "collab", "simulate", "--peers", "2", "--profile", "home-broadband",
+               "--config", str(micro_config), "--duration", "400", "--workdir", str(tmp_path), "--json"]
+    sim = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=peer_env())
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(sim.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: any(line.startswith("  epoch 2:") for line in lines), timeout=300, interval=1,
+                 what="the simulated swarm to reach epoch 2")
+        pid_prefix = f"collab-{sim.pid}-"
+        assert pid_prefix in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        sim.send_signal(signal.SIGINT)
+        assert sim.wait(timeout=60) == 0, "".join(lines)[-3000:]
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+    reader.join(timeout=10)
+    text = "".join(lines)
+    assert "Traceback" not in text
+    assert "up 10 Mbit/s, down 50 Mbit/s, delay 20 ms" in text  # the profile, as applied to each peer
+    assert "WARNING: this kernel has no netem" in text or "WARNING" not in text  # the skipped delay is said
+    report = json.loads(text[text.index("{\n"):])
+    assert report["network"].startswith("namespaces") and not report["any_nonfinite"]
+    assert report["epochs_reached"] >= 2
+    for peer in report["peers"]:
+        assert peer["final_epoch"] >= 1 and peer["bytes_sent"] > 0, peer
+        assert peer["exit"] == "exit 0 (stopped by signal)", peer  # simulate's Ctrl-C became each peer's SIGTERM
+    assert pid_prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
