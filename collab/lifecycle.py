@@ -79,8 +79,20 @@ class StopOnSignal:
         self.stop, self.grace = stop, grace
         self._signals = 0
         self._watchdog = None
+        self._on_stop: list = []  # run once, at the first signal: e.g. abort averaging rounds in flight
+        self._before_force_exit: list = []  # e.g. write the exit summary, so a forced exit is reported as such
 
     _active: "StopOnSignal | None" = None
+
+    @classmethod
+    def on_stop(cls, callback) -> None:
+        if cls._active is not None:
+            cls._active._on_stop.append(callback)
+
+    @classmethod
+    def before_force_exit(cls, callback) -> None:
+        if cls._active is not None:
+            cls._active._before_force_exit.append(callback)
 
     def install(self) -> "StopOnSignal":
         self._owner = os.getpid()
@@ -109,15 +121,19 @@ class StopOnSignal:
             self._watchdog = threading.Timer(self.grace, self._force_exit, args=("graceful shutdown overran",))
             self._watchdog.daemon = True
             self._watchdog.start()
+            for callback in self._on_stop:
+                _quietly(callback)
 
     def cancel(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
 
-    @staticmethod
-    def _force_exit(reason: str) -> None:
+    def _force_exit(self, reason: str) -> None:
         import faulthandler
         import tempfile
+
+        for callback in self._before_force_exit:
+            _quietly(callback, reason)
 
         # where it hung is what a bug report needs: every thread's stack, in a file
         fd, path = tempfile.mkstemp(prefix="collab-shutdown-", suffix=".log")
@@ -126,3 +142,11 @@ class StopOnSignal:
         print(f"{reason}; stopping hivemind processes (stacks in {path})", file=sys.stderr, flush=True)
         reap_children(timeout=1.0)
         os._exit(1)
+
+
+def _quietly(callback, *args) -> None:
+    """A shutdown helper must not turn a clean leave into a traceback."""
+    try:
+        callback(*args)
+    except Exception as e:  # noqa: BLE001 - reported, and leaving goes on
+        print(f"while leaving: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -47,7 +47,21 @@ class CollabOptimizer(Optimizer):
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None, **kwargs):
         self.averaging_log = averaging_log
         self.stop = stop if stop is not None else threading.Event()
+        self._state_rounds: list = []  # recent state-averaging controls; one may still run in the background
         super().__init__(**kwargs)
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        # hivemind hands this epoch's state-averaging control to a background step and forgets it
+        if self.scheduled_state is not None:
+            self._state_rounds = [c for c in self._state_rounds if not c.done()][-1:] + [self.scheduled_state]
+        return super()._update_global_epoch(grad_scaler)
+
+    def abort_rounds(self) -> None:
+        """On a signal: cancel averaging rounds in flight, so the training thread is not held inside
+        opt.step() for up to averaging_timeout by a round that the peers who stay will finish anyway."""
+        for control in (self.scheduled_grads, self.scheduled_state, *self._state_rounds):
+            if control is not None and not control.done():
+                control.cancel()
 
     def _wait_for_round(self, control):
         """The round's result, waiting in short slices: a peer asked to leave must not sit out a whole

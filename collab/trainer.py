@@ -112,6 +112,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             print(f"Started a new swarm. Others join with:\n{swarm.join_command(options.config_path)}", flush=True)
         opt = _build_optimizer(config, task, swarm, log, stop)
         StopOnSignal.reinstall()  # starting hivemind's averagers made this process ignore Ctrl-C
+        StopOnSignal.on_stop(opt.abort_rounds)
+        StopOnSignal.before_force_exit(lambda reason: _write_forced_summary(summary, options, reason))
         if resume is not None:
             restore_training_state(opt, resume)
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
@@ -175,6 +177,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.exit_reason = "failed"  # an exception is on its way up
         write_summary(summary, options.summary_path)
     return summary
+
+
+def _write_forced_summary(summary: Summary, options: JoinOptions, reason: str) -> None:
+    summary.exit_reason = f"forced exit: {reason}"
+    write_summary(summary, options.summary_path)
 
 
 def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event):

@@ -97,7 +97,8 @@ class Simulation:
                 counters = [self.lab.counters(i) for i in range(spec.peers)] if self.lab else None
                 network = (f"namespaces {self.lab.switch.removesuffix('-sw')}-*, shaped by tc" if self.lab
                            else "127.0.0.1, no shaping")
-                return build_report(swarm, time.monotonic() - started, timeline, self.links, counters, network,
+                return build_report(swarm, time.monotonic() - started, timeline, self.links if spec.profile else None,
+                                    counters, network,
                                     self.warnings, churn.events if churn else [])
 
     def _announce(self) -> None:
