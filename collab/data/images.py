@@ -98,14 +98,11 @@ def folder_images(files: list[Path], size: int, seed: int) -> Iterator[torch.Ten
 
 def streamed_images(name: str, size: int, seed: int, buffer_size: int = 1000) -> Iterator[torch.Tensor]:
     """Images from a Hugging Face dataset, streamed; the first column holding images is used."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError("hf: datasets need the 'datasets' package; pip install 'collab[hf]'") from None
-    try:
-        dataset = datasets.load_dataset(name, split="train", streaming=True)
-    except Exception as e:  # datasets raises many types: missing, private, offline, bad config
-        raise UserError(f"cannot load dataset '{name}' ({str(e).splitlines()[0]}); check --dataset hf:NAME") from None
+    import datasets
+
+    from collab.data import stream_hf_dataset
+
+    dataset = stream_hf_dataset(name)
     features = dataset.features or {}
     column = next((key for key, feature in features.items() if isinstance(feature, datasets.Image)), None)
     if column is None:
