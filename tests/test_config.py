@@ -10,7 +10,7 @@ from tests.conftest import run_cli, write_config
 
 
 def test_shipped_configs_are_valid():
-    for name in ("albert-tiny", "albert-base", "albert-large"):
+    for name in ("albert-tiny", "albert-base", "albert-large", "swav-tiny", "swav-resnet50"):
         config = load_config(name)
         assert config.training.target_batch_size >= config.training.micro_batch_size
 
