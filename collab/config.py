@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from collab.errors import UserError
 from collab.tasks.albert import AlbertTaskConfig
+from collab.tasks.swav import SwavTaskConfig
 
 DEFAULT_CONFIG_NAME = "albert-tiny"
 
@@ -83,8 +84,22 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1, description="how many checkpoints to keep")
 
 
+# task.name -> that task's config section; `name` may be left out for the default task, albert
+TASK_CONFIGS: dict[str, type[BaseModel]] = {"albert": AlbertTaskConfig, "swav": SwavTaskConfig}
+
+
+def _task_name(value: Any) -> Any:
+    return value.get("name", "albert") if isinstance(value, dict) else getattr(value, "name", None)
+
+
+TaskConfig = Annotated[
+    Union[tuple(Annotated[model, Tag(name)] for name, model in TASK_CONFIGS.items())],
+    Discriminator(_task_name),
+]
+
+
 class RunConfig(Section):
-    task: AlbertTaskConfig = Field(default_factory=AlbertTaskConfig)
+    task: TaskConfig = Field(default_factory=AlbertTaskConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     averaging: AveragingConfig = Field(default_factory=AveragingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -116,7 +131,20 @@ def load_config(path: Optional[Path] = None, overrides: Optional[dict[str, Any]]
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
+        flag = _inapplicable_flag(e, overrides or {})
+        if flag:
+            raise UserError(f"{flag} does not apply to the {_task_name(raw.get('task', {}))} task of {path}; "
+                            "remove the flag") from None
         raise UserError(f"config error in {path}: {describe_validation_error(e)}") from None
+
+
+def _inapplicable_flag(error: ValidationError, overrides: dict[str, Any]) -> Optional[str]:
+    """The flag behind an unknown key, e.g. --tokenizer for a task that has no tokenizer."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in _without_task_tag(first["loc"]))
+    if first["type"] == "extra_forbidden" and overrides.get(field) is not None:
+        return FIELD_TO_FLAG.get(field)
+    return None
 
 
 def resolve_config_path(path: Optional[Path]) -> Path:
@@ -160,12 +188,18 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
 def describe_validation_error(error: ValidationError) -> str:
     """The first problem of a pydantic error, as one line that names the field and the fix."""
     first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"] if part not in ("albert",))
+    loc = _without_task_tag(first["loc"])
+    field = ".".join(str(part) for part in loc)
     flag = FIELD_TO_FLAG.get(field)
     fix = f"fix it in the file or with {flag}" if flag else "fix it in the file"
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found"):  # the task's name picks its section
+        tasks = ", ".join(f"'{name}'" for name in TASK_CONFIGS)
+        if first["type"] == "union_tag_not_found":
+            return f"{field}: must be a section whose name is one of {tasks}"
+        return f"{field}.name: '{first['ctx']['tag']}' is not a task; use one of {tasks}"
     if first["type"] == "extra_forbidden":
         parent, _, key = field.rpartition(".")
-        known = _known_keys(parent)
+        known = _known_keys(first["loc"][:-1])
         close = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
         return f"unknown key '{field}'; remove it or correct it ({hint})"
@@ -175,9 +209,21 @@ def describe_validation_error(error: ValidationError) -> str:
     return f"{field}: {first['msg'].lower()}, got {first.get('input')!r}; {fix}{more}"
 
 
-def _known_keys(dotted_parent: str) -> list[str]:
+def _without_task_tag(loc: tuple) -> tuple:
+    """pydantic puts the union's tag in the location (task.swav.data.dataset); users write task.data.dataset."""
+    if len(loc) > 1 and loc[0] == "task" and loc[1] in TASK_CONFIGS:
+        return loc[:1] + loc[2:]
+    return loc
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys the section at `loc` (as pydantic reports it, tag included) accepts."""
     model: Any = RunConfig
-    for key in filter(None, dotted_parent.split(".")):
-        annotation = model.model_fields[key].annotation
-        model = annotation
+    parts = list(loc)
+    while parts:
+        key = parts.pop(0)
+        if model is RunConfig and key == "task":
+            model = TASK_CONFIGS[parts.pop(0)] if parts and parts[0] in TASK_CONFIGS else AlbertTaskConfig
+        else:
+            model = model.model_fields[key].annotation
     return list(model.model_fields)

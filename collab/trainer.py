@@ -132,6 +132,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                 if options.max_epochs is not None and opt.local_epoch >= options.max_epochs:
                     summary.exit_reason = f"reached epoch {options.max_epochs}"
                     break
+                task.set_step(opt.local_epoch)
                 loss = task.loss(next(batches))
                 loss.backward()
                 opt.step()

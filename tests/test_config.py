@@ -10,7 +10,7 @@ from tests.conftest import run_cli, write_config
 
 
 def test_shipped_configs_are_valid():
-    for name in ("albert-tiny", "albert-base", "albert-large"):
+    for name in ("albert-tiny", "albert-base", "albert-large", "swav-tiny", "swav-resnet50"):
         config = load_config(name)
         assert config.training.target_batch_size >= config.training.micro_batch_size
 
@@ -32,7 +32,7 @@ def test_cli_flags_override_the_file(micro_config):
     ({"averaging.compression": "zip"}, "averaging.compression: input should be 'none', 'fp16'"),
     ({"task.model.num_attention_heads": 3}, "hidden_size (64) is not divisible by num_attention_heads (3)"),
     ({"task.data.seq_length": 512}, "data.seq_length (512) exceeds model.max_position_embeddings (64)"),
-    ({"task.name": "gpt"}, "task.name: input should be 'albert'"),
+    ({"task.name": "gpt"}, "task.name: 'gpt' is not a task; use one of 'albert', 'swav'"),
 ])
 def test_bad_config_names_the_field(tmp_path, changes, expected):
     path = write_config(tmp_path, changes)

@@ -84,14 +84,9 @@ def random_windows(tokens: torch.Tensor, length: int, seed: int) -> Iterator[tor
 def streamed_windows(name: str, tokenizer: PreTrainedTokenizerBase, length: int, seed: int,
                      text_column: str = "text", buffer_size: int = 10_000) -> Iterator[torch.Tensor]:
     """Windows from a Hugging Face dataset, streamed: a real run's corpus does not fit in memory."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError("hf: datasets need the 'datasets' package; pip install 'collab[hf]'") from None
-    try:
-        dataset = datasets.load_dataset(name, split="train", streaming=True)
-    except Exception as e:  # datasets raises many types: missing, private, offline, bad config
-        raise UserError(f"cannot load dataset '{name}' ({str(e).splitlines()[0]}); check --dataset hf:NAME") from None
+    from collab.data import stream_hf_dataset
+
+    dataset = stream_hf_dataset(name)
     epoch = 0
     pending: list[int] = []
     while True:

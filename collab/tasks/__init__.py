@@ -42,6 +42,10 @@ class Task(ABC):
     def scheduler_factory(self) -> SchedulerFactory:
         """Learning-rate schedule; it advances once per collaborative step (epoch)."""
 
+    def set_step(self, step: int) -> None:
+        """Called by the trainer before each micro-batch with the collaborative step (epoch) it counts
+        toward, for tasks whose loss changes over training (SwAV's frozen prototypes and queue)."""
+
     @abstractmethod
     def save_pretrained(self, directory: Path) -> None:
         """Export the model in the standard Hugging Face layout (`from_pretrained` loads it)."""
@@ -57,4 +61,8 @@ def build_task(config) -> Task:
         from collab.tasks.albert import AlbertTask
 
         return AlbertTask(config.task, config.training)
+    if config.task.name == "swav":
+        from collab.tasks.swav import SwavTask
+
+        return SwavTask(config.task, config.training)
     raise ValueError(f"unknown task {config.task.name!r}")  # unreachable: the config schema lists the tasks
