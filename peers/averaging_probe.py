@@ -48,7 +48,7 @@ def run_hivemind(args, vector) -> list[dict]:
     averager = hivemind.DecentralizedAverager(
         [vector], dht, prefix="probe", target_group_size=args.world, min_group_size=args.world,
         min_matchmaking_time=args.matchmaking, request_timeout=2.0, bandwidth=args.bandwidth,
-        compression=compression, next_chunk_timeout=120.0, sender_timeout=100.0, reducer_timeout=120.0,
+        compression=compression, part_size_bytes=args.part_size, next_chunk_timeout=120.0, sender_timeout=100.0, reducer_timeout=120.0,
         start=True)
     records = []
     try:
@@ -66,6 +66,9 @@ def run_hivemind(args, vector) -> list[dict]:
                 records.append(_round_record(started, finished, before, tensors[0], args.expected,
                                              len(gathered) if gathered else 0))
             time.sleep(1.0)  # let every peer read its result before the next round's matchmaking
+        # a reducer finishes its own part before it has streamed a share-0 peer's results (hivemind sends
+        # those after the peer's whole input): leaving now would cut that stream. Wait for everyone.
+        _barrier(args.rendezvous, args.index, args.world, timeout=300)
     finally:
         averager.shutdown()
         dht.shutdown()
@@ -94,6 +97,13 @@ def run_gloo(args, vector) -> list[dict]:
     return records
 
 
+def _barrier(rendezvous: str, index: int, world: int, timeout: float) -> None:
+    Path(f"{rendezvous}.done{index}").touch()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(Path(f"{rendezvous}.done{i}").exists() for i in range(world)):
+        time.sleep(0.1)
+
+
 def _wait_for_file(path: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -117,6 +127,7 @@ def main(argv=None) -> None:
     p.add_argument("--host", required=True, help="this process's address")
     p.add_argument("--port", type=int, default=31337)
     p.add_argument("--bandwidth", type=float, default=None, help="hivemind: announced bandwidth")
+    p.add_argument("--part-size", type=int, default=2**19, help="hivemind: bytes per streamed part")
     p.add_argument("--matchmaking", type=float, default=3.0)
     p.add_argument("--rendezvous", default="", help="hivemind: file where process 0 writes its multiaddr")
     p.add_argument("--master", default="", help="gloo: HOST:PORT of rank 0")

@@ -36,12 +36,13 @@ class ProbeFailed(RuntimeError):
 
 
 def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path, rounds: int = 2,
-                   wire: str = "fp32", announce_bandwidth: bool = True, timeout: float = 600) -> list[RoundOutcome]:
+                   wire: str = "fp32", announce_bandwidth: bool = True, timeout: float = 600,
+                   part_size: Optional[int] = None) -> list[RoundOutcome]:
     """`rounds` all-reduces of a `size`-element vector among len(links) processes, one per shaped link."""
     workdir.mkdir(parents=True, exist_ok=True)
     world = len(links)
     rendezvous = workdir / f"rendezvous-{backend}-{time.monotonic_ns()}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", HIVEMIND_LOGLEVEL="ERROR",
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", HIVEMIND_LOGLEVEL=os.environ.get("PROBE_LOGLEVEL", "WARNING"),
                PYTHONUNBUFFERED="1")
     with NetworkLab(links) as lab:
         processes = []
@@ -52,6 +53,8 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
                        "--index", str(i), "--world", str(world), "--size", str(size), "--rounds", str(rounds),
                        "--wire", wire, "--host", lab.address(i), "--rendezvous", str(rendezvous),
                        "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
+            if backend == "hivemind" and part_size:
+                command += ["--part-size", str(part_size)]
             if backend == "hivemind" and announce_bandwidth and link.upload_mbit is not None:
                 command += ["--bandwidth", str(link.upload_mbit)]
             log = open(workdir / f"{backend}-{i}.log", "wb")

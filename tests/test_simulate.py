@@ -8,21 +8,36 @@ import pytest
 
 from tests.conftest import run_cli
 
-pytestmark = pytest.mark.swarm
 
 
+
+@pytest.mark.swarm
 def test_simulate_runs_peers_that_average_and_reports(tmp_path, micro_config, no_leftover_processes):
     result = run_cli("simulate", "--peers", "2", "--config", str(micro_config), "--max-epochs", "4",
                      "--workdir", str(tmp_path), "--json", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
     assert "collab status --run-id sim-" in result.stdout  # tells where to watch
-    assert "peer 0: epoch" in result.stdout  # live progress lines while it runs
+    assert "  epoch 2: peer 0: " in result.stdout  # live progress lines while it runs
     report = json.loads(result.stdout[result.stdout.index("{"):])
-    assert report["epochs_reached"] == 4
+    assert report["epochs_reached"] == 4 and report["network"] == "127.0.0.1, no shaping"
+    assert report["epochs_per_minute"] > 0 and report["any_nonfinite"] is False
     assert len(report["peers"]) == 2
     for peer in report["peers"]:
-        assert peer["exit"] == "exit 0, reached epoch 4", peer
+        assert peer["exit"] == "exit 0 (reached epoch 4)", peer
         assert peer["rounds_joined"] >= 2 and peer["mean_group_size"] == 2.0, peer
         assert peer["samples_contributed"] > 0
     assert report["loss_fell"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--churn", "kill-30-20"], "--churn 'kill-30-20' is not ACTION:EVERY:DOWNTIME"),
+    (["--churn", "stop:0:5"], "EVERY must be more than 0"),
+    (["--churn", "kill:30:20", "--peers", "1"], "--churn needs --peers 2 or more"),
+    (["--profile", "moon-base"], "--profile 'moon-base' is neither a file nor a shipped profile; use one of: datacenter"),
+    (["--duration", "-5"], "--duration -5.0 must be positive"),
+])
+def test_simulate_flag_errors_are_one_line(args, message):
+    result = run_cli("simulate", *args, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

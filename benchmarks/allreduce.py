@@ -1,0 +1,91 @@
+"""One averaging round of an ALBERT-base-sized gradient: collab's (hivemind) all-reduce against gloo's.
+
+k processes, each in its own network namespace on a tc-shaped link (peers.netns), average a
+vector of --size fp32 values (default 12M, ALBERT-base). Scenarios:
+  symmetric   every link 100 Mbit/s up and down
+  asymmetric  the same, but one peer has 10 Mbit/s up
+Methods: torch.distributed gloo `all_reduce`, and hivemind's butterfly all-reduce with each peer's
+upload announced (as `collab join --bandwidth`, which `collab simulate --profile` passes), on the
+wire in fp32 and fp16. Each process holds index+1, so the exact mean is known; the averaged values
+are checked, not hivemind's success flag (it reports partial rounds as success).
+
+    sudo python3 benchmarks/allreduce.py [--size 12000000] [--peers 4] [--rounds 1]
+
+Prints, per scenario and method: best round time, the bandwidth bound 2(k-1)/k * S / B (S the
+vector's bytes on the wire, B the slowest uplink), time/bound, and time relative to gloo fp32 and to gloo at the same wire precision.
+Goals: symmetric <= 1.0x gloo at equal wire precision; asymmetric <= 0.6x gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from peers.averaging_rounds import ProbeFailed, best_of, lower_bound_seconds, measure_rounds  # noqa: E402
+from peers.netns import namespaces_unavailable_reason  # noqa: E402
+from peers.profiles import LinkSpec  # noqa: E402
+
+METHODS = [("gloo", "fp32"), ("gloo", "fp16"), ("hivemind", "fp32"), ("hivemind", "fp16")]
+
+
+def scenarios(peers: int) -> dict[str, list[LinkSpec]]:
+    fast = LinkSpec(upload_mbit=100, download_mbit=100)
+    return {"symmetric": [fast] * peers,
+            "asymmetric": [fast] * (peers - 1) + [LinkSpec(upload_mbit=10, download_mbit=100)]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=12_000_000, help="fp32 elements (default 12M: ALBERT-base)")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--only", choices=["symmetric", "asymmetric"], default=None)
+    args = p.parse_args()
+    reason = namespaces_unavailable_reason()
+    if reason is not None:
+        print(f"cannot run: {reason}", file=sys.stderr)
+        return 2
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, links in scenarios(args.peers).items():
+            if args.only and name != args.only:
+                continue
+            slowest = min(link.upload_mbit for link in links)
+            gloo = {}  # wire -> seconds
+            for backend, wire in METHODS:
+                label = f"{'collab (hivemind)' if backend == 'hivemind' else 'gloo'} {wire}"
+                print(f"{name}: {label} ...", file=sys.stderr, flush=True)
+                try:
+                    outcomes = measure_rounds(links, backend, args.size, Path(tmp) / f"{name}-{backend}-{wire}",
+                                              rounds=args.rounds, wire=wire, timeout=900)
+                except ProbeFailed as e:
+                    rows.append((name, label, "failed", "-", "-", "-", str(e).splitlines()[0][:60]))
+                    continue
+                best = best_of(outcomes)
+                wire_bytes = args.size * (2 if wire == "fp16" else 4)
+                bound = lower_bound_seconds(wire_bytes, args.peers, slowest)
+                tolerance = 1e-5 if wire == "fp32" else 1e-2
+                complete = all(o.group_sizes == [args.peers] * args.peers and o.max_error < tolerance for o in outcomes)
+                if backend == "gloo":
+                    gloo[wire] = best.seconds
+                vs_gloo = " / ".join(f"{best.seconds / gloo[w]:.2f}x" if w in gloo else "-" for w in ("fp32", wire))
+                slow_share = f"slowest peer sent {best.bytes_sent[-1] / wire_bytes:.2f} S"
+                rows.append((name, label, f"{best.seconds:.2f}", f"{bound:.2f}", f"{best.seconds / bound:.2f}x",
+                             vs_gloo, ("exact mean" if complete else "WRONG VALUES") + f"; {slow_share}"))
+    header = ("scenario", "method", "seconds", "bound s", "vs bound", "vs gloo fp32 / same wire", "values; traffic")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print(f"{args.peers} peers, {args.size / 1e6:.0f}M fp32 values ({args.size * 4 / 1e6:.0f} MB); "
+          f"bound = 2(k-1)/k * S_wire / slowest uplink")
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
