@@ -105,7 +105,8 @@ class Simulation:
         swarm, spec = self.swarm, self.spec
         self.say(f"Peer 0 started run {spec.run_id} at {swarm.initial_peer}; logs in {spec.workdir}")
         for peer, link in zip(swarm.peers, self.links):
-            self.say(f"  peer {peer.index}: {peer.placement.host}  {link.describe()}"
+            shaped = f"  {link.describe()}" if spec.profile else ""
+            self.say(f"  peer {peer.index}: {peer.placement.host}{shaped}"
                      + ("  (client mode)" if peer.placement.client_mode else ""))
         inside = " ".join(self.lab.observer_prefix()) + " " if self.lab else ""
         self.say(f"Watch it with:\n  {inside}collab status --run-id {spec.run_id} --initial-peers {swarm.initial_peer}")
