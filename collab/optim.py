@@ -36,6 +36,9 @@ COMPRESSION: dict[str, type[CompressionBase]] = {
 }
 
 
+LEAVE_LINGER_SECONDS = 3.0
+
+
 class CollabOptimizer(Optimizer):
     """hivemind.Optimizer that records each gradient-averaging round and refuses non-finite averages.
 
@@ -101,7 +104,13 @@ class CollabOptimizer(Optimizer):
 
     def shutdown(self) -> None:
         if not self.stop.is_set():
-            return super().shutdown()  # leaving at --max-epochs: finish the delayed step, then go
+            # leaving at --max-epochs: finish the delayed step, then go - but not at once. Our round may
+            # be over while we still stream a client-mode (NAT'd or slow) groupmate its share: hivemind
+            # sends those results only after the client's whole input, and closing p2pd now would leave
+            # that peer with a partial average it is told was complete.
+            if self.tracker.global_progress.num_peers > 1:
+                self.stop.wait(LEAVE_LINGER_SECONDS)
+            return super().shutdown()
         # leaving on a signal: say goodbye and go, without waiting up to averaging_timeout for a
         # background state-averaging round (the peers that stay finish it without us)
         self.tracker.shutdown(self.shutdown_timeout)

@@ -55,6 +55,28 @@ class RunMetrics:
             yield family
 
 
+class CachedRunStateFastPath:
+    """GET /api/run answered from the cached bytes before FastAPI's routing and response objects.
+
+    It is the route every open page polls; under load those per-request layers were most of the
+    server's CPU. The FastAPI route below stays for /docs and answers 503 before the first snapshot.
+    """
+
+    def __init__(self, app, collector: Collector):
+        self.app, self.collector = app, collector
+
+    async def __call__(self, scope, receive, send):
+        body = self.collector.snapshot_json
+        if (body is not None and scope["type"] == "http" and scope["path"] == "/api/run"
+                and scope["method"] in ("GET", "HEAD")):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(collector: Collector, manage_collector: bool = True) -> FastAPI:
     """The dashboard app. With manage_collector, the app starts and stops the collector with itself."""
 
@@ -70,6 +92,7 @@ def create_app(collector: Collector, manage_collector: bool = True) -> FastAPI:
 
     app = FastAPI(title="collab dashboard", description="Who trains, how fast, and how far the run has come.",
                   lifespan=lifespan)
+    app.add_middleware(CachedRunStateFastPath, collector=collector)
     registry = CollectorRegistry()
     registry.register(RunMetrics(collector))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

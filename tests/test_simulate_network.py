@@ -15,7 +15,7 @@ from collab.checkpoint import list_checkpoints
 from peers.netns import namespaces_unavailable_reason
 from peers.profiles import load_profile
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import peer_env, wait_for
+from tests.conftest import peer_env, wait_for, write_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.skipif(namespaces_unavailable_reason() is not None,
@@ -30,10 +30,11 @@ def _status_from_inside(sim: Simulation) -> dict:
     return json.loads(result.stdout) if result.returncode == 0 else {}
 
 
-def test_four_peers_one_behind_nat_train_as_one(tmp_path, micro_config, run_id, no_leftover_processes):
+def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_processes):
+    config = write_config(tmp_path, {"training.target_batch_size": 512})  # 4 peers: shorter epochs
     profile_path = tmp_path / "nat.yaml"
     profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
-    spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=micro_config,
+    spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=config,
                           profile=load_profile(str(profile_path)), max_epochs=5, duration=420,
                           require_namespaces=True, env=peer_env(),
                           per_peer_args={i: ["--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in range(4)})
