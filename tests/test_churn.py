@@ -43,7 +43,8 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     for peer in churned.peers:
         # no peer exits on its own: each incarnation but the last was killed by the churn, the last left on
         # the simulation's SIGTERM at the end
-        assert peer.exit.startswith("exit 0 (stopped by signal)"), peer
+        # (a peer hit in the last DOWNTIME seconds is still down at the end: killed, by the churn)
+        assert peer.exit.startswith(("exit 0 (stopped by signal)", "killed by SIGKILL; hit by churn")), peer
         assert not peer.nonfinite_parameters, peer
     assert not churned.any_nonfinite and churned.loss_fell
 
