@@ -15,6 +15,7 @@ from functools import partial
 from typing import Optional
 import torch
 from hivemind import Optimizer
+from hivemind.averaging.control import StepControl
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -23,6 +24,8 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils.logging import get_logger
+from hivemind.utils.mpfuture import MPFuture
 
 from collab.config import RunConfig
 from collab.metrics import AveragingLog
@@ -37,6 +40,11 @@ COMPRESSION: dict[str, type[CompressionBase]] = {
 
 
 LEAVE_LINGER_SECONDS = 3.0
+logger = get_logger(__name__)
+
+
+class LeavingMidStep(Exception):
+    """Raised inside opt.step() when the peer was asked to leave while its epoch's round ran."""
 
 
 class CollabOptimizer(Optimizer):
@@ -57,7 +65,11 @@ class CollabOptimizer(Optimizer):
         # hivemind hands this epoch's state-averaging control to a background step and forgets it
         if self.scheduled_state is not None:
             self._state_rounds = [c for c in self._state_rounds if not c.done()][-1:] + [self.scheduled_state]
-        return super()._update_global_epoch(grad_scaler)
+        try:
+            return super()._update_global_epoch(grad_scaler)
+        except LeavingMidStep:
+            return  # this epoch's step is abandoned: the peers who stay make it, and we keep our last state
+
 
     def abort_rounds(self) -> None:
         """On a signal: cancel averaging rounds in flight, so the training thread is not held inside
@@ -65,6 +77,43 @@ class CollabOptimizer(Optimizer):
         for control in (self.scheduled_grads, self.scheduled_state, *self._state_rounds):
             if control is not None and not control.done():
                 control.cancel()
+        # hivemind's background optimizer step also makes rounds of its own (when none was pre-scheduled)
+        # and keeps them nowhere we can reach; the main thread then waits on that step. Every round is a
+        # StepControl future registered by the process that made it, so cancel those too.
+        for future_ref in list((MPFuture._active_futures or {}).values()):
+            control = future_ref()
+            if isinstance(control, StepControl) and not control.done():
+                control.cancel()
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """hivemind's catch-up, with two changes: a peer asked to leave stops retrying (hivemind retries
+        forever), and the gradient averager's "state" is not downloaded - those are another peer's
+        accumulated gradients, which hivemind fetches (a model's size) and then throws away."""
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+
+        with self.tracker.pause_updates():
+            while not self.stop.is_set():
+                try:
+                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    break
+                except BaseException as e:  # a peer that left mid-download, a timeout: try the next one
+                    if self.stop.is_set():
+                        return
+                    logger.warning(f"Failed to load state from peers ({type(e).__name__}: {e}); retrying")
+            if self.stop.is_set():
+                return
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                self.state_averager.local_epoch = self.tracker.global_epoch  # one epoch behind: that step is ours
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
 
     def _wait_for_round(self, control):
         """The round's result, waiting in short slices: a peer asked to leave must not sit out a whole
@@ -91,6 +140,10 @@ class CollabOptimizer(Optimizer):
             except BaseException:  # timeouts, a peer that vanished mid-round: fall back to local gradients
                 self.averaging_log.failure()
         if not averaged:
+            if self.stop.is_set() and not self.delay_grad_averaging:
+                # leaving: no step at all rather than one on local gradients. Loading them would also wait
+                # for the averager process, which holds the gradient buffers until its all-reduce gives up.
+                raise LeavingMidStep()
             self._load_local_gradients_into_optimizer()
 
     def _tag_along_with_zero_weight(self, control) -> None:

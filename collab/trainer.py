@@ -227,6 +227,8 @@ def _catch_up(opt, display: ProgressDisplay, stop: threading.Event, wait: float 
     display.message(f"Swarm is at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}: "
                     "loading state from peers...")
     opt.load_state_from_peers()
+    if stop.is_set():
+        return False
     display.message(f"Caught up: now at epoch {opt.local_epoch}")
     return True
 

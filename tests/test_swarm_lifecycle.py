@@ -56,11 +56,8 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
         leaving.signal(signal.SIGTERM)
         code = leaving.wait(timeout=10)
         took = time.monotonic() - started
-        # graceful (0), or, if it was inside an all-reduce hivemind will not interrupt, forced by the
-        # watchdog (1) - either way within the 10 s promised to volunteers
-        forced = "graceful shutdown overran" in leaving.log_text()
-        assert code == 0 or (code == 1 and forced), f"SIGTERM: exit code {code} after {took:.1f} s\n" \
-                                                      f"{leaving.log_text()[-3000:]}"
+        # graceful, even from inside an all-reduce (its rounds are cancelled), within the 10 s promised to volunteers
+        assert code == 0, f"SIGTERM: exit code {code} after {took:.1f} s\n{leaving.log_text()[-3000:]}"
         assert took < 10
         print(f"the peer left {took:.1f} s after SIGTERM")
         # the whole tree is gone within the same 10 s (torch_shm_manager exits once its clients are gone)
@@ -76,8 +73,7 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
         assert finished, f"the remaining peers did not finish\n{logs}"
         first, late = read_summary(swarm.peers[0]), read_summary(swarm.peers[2])
-        if not forced:
-            assert read_summary(leaving)["exit_reason"] == "stopped by signal"
+        assert read_summary(leaving)["exit_reason"] == "stopped by signal"
 
     assert first["final_epoch"] == max_epochs and first["final_epoch"] > epoch_at_sigterm + 1
     assert late["loaded_state_from_peers"], late
