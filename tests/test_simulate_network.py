@@ -31,7 +31,10 @@ def _status_from_inside(sim: Simulation) -> dict:
 
 
 def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_processes):
-    config = write_config(tmp_path, {"training.target_batch_size": 512})  # 4 peers: shorter epochs
+    # the micro config's 2048 samples per epoch: with 512 a fast peer finished an epoch alone (under a second)
+    # before hivemind's progress tracker (refreshed every 0.5-2 s) showed it the others, stepped on its own
+    # gradients and ran ahead of the swarm - replicas then ended up to 0.2 apart
+    config = write_config(tmp_path, {})
     profile_path = tmp_path / "nat.yaml"
     profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
     spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=config,
@@ -49,7 +52,9 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
         def run_under_way():
             summaries = sim.swarm.workdir.glob("peer*.summary.json") if sim.swarm is not None else []
             return any(json.loads(p.read_text() or "{}").get("final_epoch", 0) >= 2 for p in summaries)
-        wait_for(run_under_way, timeout=300, interval=2, what="the swarm to reach epoch 2")
+        wait_for(lambda: run_under_way() or not runner.is_alive(), timeout=300, interval=2,
+                 what="the swarm to reach epoch 2")
+        assert runner.is_alive(), "the simulation ended before the swarm reached epoch 2 (see the report below)"
 
         def nat_peer_counted():
             state = _status_from_inside(sim)
@@ -78,11 +83,7 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     reference = dict(models[0].named_parameters())
     worst = max(max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
                 for other in models[1:])
-    assert worst < 0.1, f"parameters differ by {worst:.2e}: a replica missed several updates"
-    if worst >= PARAM_TOLERANCE:
-        # KNOWN ISSUE (open in issue 3): in some runs one replica ends 1e-2..4e-2 away - about one
-        # missed or partial round - although all rounds reported success. Shown as xfail, not hidden.
-        pytest.xfail(f"replicas differ by {worst:.2e} (> {PARAM_TOLERANCE}): a partial round went unnoticed")
+    assert worst < PARAM_TOLERANCE, f"replicas differ by {worst:.2e}: one missed or diverged from the swarm's updates"
 
 
 def test_simulate_cli_with_profile_stops_on_ctrl_c_and_cleans_up(tmp_path, micro_config, no_leftover_processes):
