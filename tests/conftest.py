@@ -114,6 +114,23 @@ def read_summary(peer) -> dict:
     return json.loads(peer.summary_path.read_text())
 
 
+def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str], max_epochs: int,
+                         per_peer_args: dict | None = None, timeout: float = 300) -> list[dict]:
+    """Run `peers` local peers with `args` until each reaches `max_epochs` and exits 0; their summaries."""
+    from peers.launcher import LocalSwarm
+
+    with LocalSwarm(peers, run_id, tmp_path, [*args, "--max-epochs", str(max_epochs)],
+                    per_peer_args=per_peer_args or {}, env=peer_env()) as swarm:
+        swarm.start()
+        finished = swarm.wait(timeout=timeout)
+        logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
+        assert finished, f"peers did not reach epoch {max_epochs} within {timeout:.0f} s\n{logs}"
+        summaries = [read_summary(p) for p in swarm.peers]
+        codes = [p.popen.returncode for p in swarm.peers]
+    assert codes == [0] * peers, f"exit codes {codes}\n{logs}"
+    return summaries
+
+
 def status_json(run_id: str, initial_peer: str) -> dict:
     result = run_cli("status", "--run-id", run_id, "--initial-peers", initial_peer, "--json", "--wait", "2")
     assert result.returncode == 0, result.stderr

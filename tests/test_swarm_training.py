@@ -8,7 +8,7 @@ from transformers import AlbertForPreTraining, AutoTokenizer
 
 from collab.checkpoint import list_checkpoints
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary
+from tests.conftest import peer_env, read_summary, train_swarm_to_epoch
 
 pytestmark = pytest.mark.swarm
 
@@ -27,15 +27,7 @@ PARAM_TOLERANCE = 1e-3
 def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftover_processes):
     max_epochs = 5
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}-checkpoints")] for i in range(3)}
-    with LocalSwarm(3, run_id, tmp_path, ["--config", str(micro_config), "--max-epochs", str(max_epochs)],
-                    per_peer_args=per_peer, env=peer_env()) as swarm:
-        swarm.start()
-        finished = swarm.wait(timeout=300)
-        logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
-        assert finished, f"peers did not reach epoch {max_epochs} within 300 s\n{logs}"
-        summaries = [read_summary(p) for p in swarm.peers]
-        codes = [p.popen.returncode for p in swarm.peers]
-    assert codes == [0, 0, 0], f"exit codes {codes}\n{logs}"
+    summaries = train_swarm_to_epoch(3, run_id, tmp_path, ["--config", str(micro_config)], max_epochs, per_peer)
 
     for s in summaries:
         # the epoch advanced by at least 3 (hivemind may start a late peer one epoch ahead)

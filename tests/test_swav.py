@@ -16,7 +16,7 @@ from collab.data.images import IMAGENET_MEAN, IMAGENET_STD, embedded_digits, ima
 from collab.errors import UserError
 from collab.tasks import build_task
 from collab.tasks.swav import HEAD_FILE, SwavTask, sinkhorn_knopp
-from tests.conftest import peer_env, read_summary, run_cli
+from tests.conftest import run_cli, train_swarm_to_epoch
 
 TINY = load_config("swav-tiny").model_dump(mode="json")
 
@@ -259,7 +259,6 @@ def test_swav_features_beat_random_features_in_a_linear_probe():
 @pytest.mark.swarm
 def test_two_swav_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     """Real peers (real DHT, p2pd, all-reduce) run the same trainer loop on the SwAV task."""
-    from peers.launcher import LocalSwarm
 
     data = yaml.safe_load(shipped_config("swav-tiny").read_text())
     # 16 micro-batches per peer per epoch: with fewer, a peer reached the target before the progress
@@ -272,15 +271,7 @@ def test_two_swav_peers_average_and_learn(tmp_path, run_id, no_leftover_processe
     config.write_text(yaml.safe_dump(data))
     max_epochs = 5
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
-    with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(max_epochs)],
-                    per_peer_args=per_peer, env=peer_env()) as swarm:
-        swarm.start()
-        finished = swarm.wait(timeout=300)
-        logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
-        assert finished, f"peers did not reach epoch {max_epochs} within 300 s\n{logs}"
-        summaries = [read_summary(p) for p in swarm.peers]
-        codes = [p.popen.returncode for p in swarm.peers]
-    assert codes == [0, 0], f"exit codes {codes}\n{logs}"
+    summaries = train_swarm_to_epoch(2, run_id, tmp_path, ["--config", str(config)], max_epochs, per_peer)
     for s in summaries:
         assert s["rounds_joined"] >= 1 and 2 in s["group_sizes"], s
         losses = [v for _, v in sorted((int(k), v) for k, v in s["loss_by_epoch"].items())]
