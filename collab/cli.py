@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 from collab.errors import InternalError, UserError
@@ -32,14 +34,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _remember_early_signals() -> threading.Event:
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # hivemind logs every matchmaking step at INFO; a volunteer needs the progress bar, not that
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     # hivemind shares tensors between its processes through files by default, which starts a
     # torch_shm_manager that can outlive the peer; file descriptors need no manager process
     os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # a peer spends seconds importing torch and transformers before `join` can install its handlers;
+    # a SIGTERM then (a simulation ending, `docker stop`) is a request to leave, not a reason to die
+    early_stop = _remember_early_signals() if argv[:1] == ["join"] else None
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.early_stop = early_stop
     if args.command is None:
         parser.print_help()
         return 2

@@ -85,6 +85,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     # hivemind advances a downloaded schedule before the first optimizer step; that is intended
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
     summary = Summary()
+    if stop.is_set():  # asked to leave while still starting up (e.g. importing torch): nothing joined, nothing lost
+        return _left_before_joining(summary, options)
     task = build_task(config)
     ckpt_dir = config.checkpoint.dir
     resume = load_model_weights(ckpt_dir, task) if ckpt_dir else None  # before the optimizer copies the weights
@@ -99,6 +101,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     task.loss(next(batches)).backward()
     task.model.zero_grad(set_to_none=True)
 
+    if stop.is_set():
+        return _left_before_joining(summary, options)
     display = ProgressDisplay(live=options.live_display)
     swarm = Swarm(peer, signing_key)
     summary.peer_id = swarm.peer_id
@@ -177,6 +181,12 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         if summary.exit_reason == "running":
             summary.exit_reason = "failed"  # an exception is on its way up
         write_summary(summary, options.summary_path)
+    return summary
+
+
+def _left_before_joining(summary: Summary, options: JoinOptions) -> Summary:
+    summary.exit_reason = "stopped by signal"
+    write_summary(summary, options.summary_path)
     return summary
 
 

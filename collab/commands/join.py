@@ -65,9 +65,21 @@ def raise_internal_error(error: Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    from collab.lifecycle import StopOnSignal, reap_children
+
+    # first: a SIGTERM while torch and hivemind are still importing must be a graceful leave, not a kill
+    stop = getattr(args, "early_stop", None) or threading.Event()  # set if a signal came during start-up
+    guard = StopOnSignal(stop).install()
+    try:
+        return _join(args, stop)
+    finally:
+        guard.cancel()
+        reap_children()
+
+
+def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     from collab.config import load_config
     from collab.errors import UserError
-    from collab.lifecycle import StopOnSignal, reap_children
     from collab.swarm import peer_config_from_flags
 
     if args.max_epochs is not None and args.max_epochs < 0:
@@ -86,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
 
     from collab import trainer
 
-    stop = threading.Event()
-    guard = StopOnSignal(stop).install()
     options = trainer.JoinOptions(config_path=args.config, max_epochs=args.max_epochs,
                                   summary_path=args.summary_json, live_display=False if args.no_live else None,
                                   wait_peers=args.wait_peers, dashboard_port=args.dashboard_port)
@@ -97,9 +107,6 @@ def run(args: argparse.Namespace) -> int:
         raise
     except Exception as e:
         raise_internal_error(e)
-    finally:
-        guard.cancel()
-        reap_children()
     losses = list(summary.loss_by_epoch.values())
     trend = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) >= 2 else ""
     print(f"Left the run at epoch {summary.final_epoch} ({summary.exit_reason}): contributed "
