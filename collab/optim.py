@@ -59,6 +59,7 @@ class CollabOptimizer(Optimizer):
         self.averaging_log = averaging_log
         self.stop = stop if stop is not None else threading.Event()
         self._state_rounds: list = []  # recent state-averaging controls; one may still run in the background
+        self._stepped_apart = False  # this epoch's step used our own gradients while others were in the swarm
         super().__init__(**kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:
@@ -85,6 +86,11 @@ class CollabOptimizer(Optimizer):
             if isinstance(control, StepControl) and not control.done():
                 control.cancel()
 
+    def _should_load_state_from_peers(self) -> bool:
+        # after a step on our own gradients, download the swarm's state at the next step: exact, and the
+        # gradients we would compute meanwhile would be for parameters nobody else has
+        return self._stepped_apart or super()._should_load_state_from_peers()
+
     def load_state_from_peers(self, **kwargs) -> None:
         """hivemind's catch-up, with two changes: a peer asked to leave stops retrying (hivemind retries
         forever), and the gradient averager's "state" is not downloaded - those are another peer's
@@ -105,6 +111,7 @@ class CollabOptimizer(Optimizer):
                     logger.warning(f"Failed to load state from peers ({type(e).__name__}: {e}); retrying")
             if self.stop.is_set():
                 return
+            self._stepped_apart = False
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch  # one epoch behind: that step is ours
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
@@ -145,6 +152,9 @@ class CollabOptimizer(Optimizer):
                 # for the averager process, which holds the gradient buffers until its all-reduce gives up.
                 raise LeavingMidStep()
             self._load_local_gradients_into_optimizer()
+            # this step moves us away from the swarm's parameters (and optimizer state), and state averaging
+            # may not bring us back: a client whose round found no group can miss those rounds too
+            self._stepped_apart = self.tracker.global_progress.num_peers > 1
 
     def _tag_along_with_zero_weight(self, control) -> None:
         # on the way out, hivemind would sit through a running round (up to averaging_timeout) with zero
