@@ -27,7 +27,10 @@ def _status_from_inside(sim: Simulation) -> dict:
     result = subprocess.run([*sim.lab.observer_prefix(), sys.executable, "-m", "collab", "status", "--run-id",
                              sim.spec.run_id, "--initial-peers", sim.swarm.initial_peer, "--json", "--wait", "2"],
                             capture_output=True, text=True, timeout=60, env=peer_env())
-    return json.loads(result.stdout) if result.returncode == 0 else {}
+    if result.returncode != 0:
+        print(f"collab status exited {result.returncode}: {result.stderr.strip()[-300:]}")
+        return {}
+    return json.loads(result.stdout)
 
 
 def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_processes):
@@ -38,7 +41,7 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     profile_path = tmp_path / "nat.yaml"
     profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
     spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=config,
-                          profile=load_profile(str(profile_path)), max_epochs=5, duration=420,
+                          profile=load_profile(str(profile_path)), max_epochs=6, duration=420,
                           require_namespaces=True, env=peer_env(),
                           per_peer_args={i: ["--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in range(4)})
     sim = Simulation(spec, say=print)
@@ -51,18 +54,19 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
         # starves their all-reduces into partial rounds. So ask only once the run is well under way.
         def run_under_way():
             summaries = sim.swarm.workdir.glob("peer*.summary.json") if sim.swarm is not None else []
-            return any(json.loads(p.read_text() or "{}").get("final_epoch", 0) >= 2 for p in summaries)
+            return any(json.loads(p.read_text() or "{}").get("final_epoch", 0) >= 1 for p in summaries)
         wait_for(lambda: run_under_way() or not runner.is_alive(), timeout=300, interval=2,
-                 what="the swarm to reach epoch 2")
-        assert runner.is_alive(), "the simulation ended before the swarm reached epoch 2 (see the report below)"
+                 what="the swarm to reach epoch 1")
+        assert runner.is_alive(), "the simulation ended before the swarm reached epoch 1 (see the report below)"
 
         def nat_peer_counted():
             state = _status_from_inside(sim)
             nat = [p for p in state.get("peers", []) if p["peer_id"] == sim.swarm.peers[3].peer_id]
             if state.get("num_clients") == 1 and nat and nat[0]["samples_contributed"] > 0 and nat[0]["epoch"] >= 1:
                 return state
+            print(f"not yet: num_clients {state.get('num_clients')}, NAT'd peer's record {nat}")
             return None
-        state = wait_for(nat_peer_counted, timeout=120, interval=10, what="the NAT'd peer's progress in the run state")
+        state = wait_for(nat_peer_counted, timeout=120, interval=3, what="the NAT'd peer's progress in the run state")
         nat = next(p for p in state["peers"] if p["peer_id"] == sim.swarm.peers[3].peer_id)
         assert nat["client_mode"] is True and nat["samples_per_second"] > 0 and nat["contribution"] > 0, nat
     finally:
@@ -70,9 +74,9 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     assert not runner.is_alive(), "the simulation did not finish"
     report = outcome["report"]
     print(report.to_table())
-    assert report.network.startswith("namespaces") and report.epochs_reached == 5
+    assert report.network.startswith("namespaces") and report.epochs_reached == 6
     for peer in report.peers:
-        assert peer.exit == "exit 0 (reached epoch 5)", peer
+        assert peer.exit == "exit 0 (reached epoch 6)", peer
         assert peer.rounds_joined >= 2 and peer.samples_contributed > 0 and not peer.nonfinite_parameters, peer
         assert peer.bytes_sent > 100_000 and peer.bytes_received > 100_000, peer
     nat_report = report.peers[3]
