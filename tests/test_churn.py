@@ -55,10 +55,11 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
         summaries = sorted(swarm_dir.glob(f"peer{index}.restart*.summary.json"))
         assert summaries, f"peer {index} was restarted but wrote no summary"
         later = [json.loads(path.read_text()) for path in summaries]
-        # (an incarnation stopped while still starting up left before it had a peer id)
-        assert {s["peer_id"] for s in later if s["peer_id"]} == {churned.peers[index].peer_id}
+        # (an incarnation stopped while still starting up left before it had a peer id; the ones that
+        # trained have one, and are required below)
+        assert {s["peer_id"] for s in later if s["peer_id"]} <= {churned.peers[index].peer_id}, later
         restarted += later
     # (a peer restarted in the last seconds, or hit again while loading, had no time to train)
     trained = [s for s in restarted if s["final_epoch"] > s["start_epoch"]]
     assert len(trained) >= 2, restarted
-    assert all(s["loaded_state_from_peers"] and s["start_epoch"] > 0 for s in trained), trained
+    assert all(s["loaded_state_from_peers"] and s["start_epoch"] > 0 and s["peer_id"] for s in trained), trained
