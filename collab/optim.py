@@ -71,7 +71,6 @@ class CollabOptimizer(Optimizer):
         except LeavingMidStep:
             return  # this epoch's step is abandoned: the peers who stay make it, and we keep our last state
 
-
     def abort_rounds(self) -> None:
         """On a signal: cancel averaging rounds in flight, so the training thread is not held inside
         opt.step() for up to averaging_timeout by a round that the peers who stay will finish anyway."""
@@ -106,9 +105,8 @@ class CollabOptimizer(Optimizer):
                     self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
                     break
                 except BaseException as e:  # a peer that left mid-download, a timeout: try the next one
-                    if self.stop.is_set():
-                        return
-                    logger.warning(f"Failed to load state from peers ({type(e).__name__}: {e}); retrying")
+                    if not self.stop.is_set():
+                        logger.warning(f"Failed to load state from peers ({type(e).__name__}: {e}); retrying")
             if self.stop.is_set():
                 return
             self._stepped_apart = False

@@ -86,7 +86,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
     summary = Summary()
     if stop.is_set():  # asked to leave while still starting up (e.g. importing torch): nothing joined, nothing lost
-        return _left_before_joining(summary, options)
+        return _write_exit_summary(summary, options, "stopped by signal")
     task = build_task(config)
     ckpt_dir = config.checkpoint.dir
     resume = load_model_weights(ckpt_dir, task) if ckpt_dir else None  # before the optimizer copies the weights
@@ -102,7 +102,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     task.model.zero_grad(set_to_none=True)
 
     if stop.is_set():
-        return _left_before_joining(summary, options)
+        return _write_exit_summary(summary, options, "stopped by signal")
     display = ProgressDisplay(live=options.live_display)
     swarm = Swarm(peer, signing_key)
     summary.peer_id = swarm.peer_id
@@ -117,7 +117,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         opt = _build_optimizer(config, task, swarm, log, stop)
         StopOnSignal.reinstall()  # starting hivemind's averagers made this process ignore Ctrl-C
         StopOnSignal.on_stop(opt.abort_rounds)
-        StopOnSignal.before_force_exit(lambda reason: _write_forced_summary(summary, options, reason))
+        StopOnSignal.before_force_exit(lambda reason: _write_exit_summary(summary, options, f"forced exit: {reason}"))
         if resume is not None:
             restore_training_state(opt, resume)
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
@@ -184,15 +184,10 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     return summary
 
 
-def _left_before_joining(summary: Summary, options: JoinOptions) -> Summary:
-    summary.exit_reason = "stopped by signal"
+def _write_exit_summary(summary: Summary, options: JoinOptions, reason: str) -> Summary:
+    summary.exit_reason = reason
     write_summary(summary, options.summary_path)
     return summary
-
-
-def _write_forced_summary(summary: Summary, options: JoinOptions, reason: str) -> None:
-    summary.exit_reason = f"forced exit: {reason}"
-    write_summary(summary, options.summary_path)
 
 
 def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event):
