@@ -52,15 +52,22 @@ def run_hivemind(args, vector) -> list[dict]:
         start=True)
     records = []
     try:
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             with averager.get_tensors() as tensors:
                 tensors[0].fill_(args.index + 1)
-            control = averager.step(require_trigger=True, wait=False, timeout=120, allow_retries=False)
+            control = averager.step(require_trigger=True, wait=False, timeout=120, allow_retries=True)
             while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
                 time.sleep(0.001)
+            # the group is formed (its last member may learn so a moment after the first); as gloo's barrier
+            # does, start every process's clock together, so that only the all-reduce itself is timed
+            _barrier(args.rendezvous, f"ready{r}", args.index, args.world, timeout=60)
             before, started = interface_bytes(), time.time()
             control.allow_allreduce()
-            gathered = control.result(timeout=300)
+            try:
+                gathered = control.result(timeout=300)
+            except Exception as e:  # no group, a broken round: recorded as such (group 0, values unaveraged)
+                print(f"round {r} failed: {type(e).__name__}: {e}", flush=True)
+                gathered = None
             finished = time.time()
             with averager.get_tensors() as tensors:
                 records.append(_round_record(started, finished, before, tensors[0], args.expected,
@@ -68,7 +75,7 @@ def run_hivemind(args, vector) -> list[dict]:
             time.sleep(1.0)  # let every peer read its result before the next round's matchmaking
         # a reducer finishes its own part before it has streamed a share-0 peer's results (hivemind sends
         # those after the peer's whole input): leaving now would cut that stream. Wait for everyone.
-        _barrier(args.rendezvous, args.index, args.world, timeout=300)
+        _barrier(args.rendezvous, "done", args.index, args.world, timeout=300)
     finally:
         averager.shutdown()
         dht.shutdown()
@@ -97,11 +104,11 @@ def run_gloo(args, vector) -> list[dict]:
     return records
 
 
-def _barrier(rendezvous: str, index: int, world: int, timeout: float) -> None:
-    Path(f"{rendezvous}.done{index}").touch()
+def _barrier(rendezvous: str, tag: str, index: int, world: int, timeout: float) -> None:
+    Path(f"{rendezvous}.{tag}-{index}").touch()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(Path(f"{rendezvous}.done{i}").exists() for i in range(world)):
-        time.sleep(0.1)
+    while time.monotonic() < deadline and not all(Path(f"{rendezvous}.{tag}-{i}").exists() for i in range(world)):
+        time.sleep(0.002)
 
 
 def _wait_for_file(path: str, timeout: float) -> str:
