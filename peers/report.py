@@ -74,8 +74,9 @@ class SwarmReport:
         lines.append(f"network: {self.network}")
         lines += [f"warning: {w}" for w in self.warnings]
         if self.churn_events:
-            hits = sum(e["action"] in ("kill", "term", "stop") for e in self.churn_events)
-            lines.append(f"churn: {hits} peers hit, {len(self.churn_events) - hits} brought back")
+            hit = [e["peer"] for e in self.churn_events if e["action"] in ("kill", "term", "stop")]
+            lines.append(f"churn: {len(hit)} hits on {len(set(hit))} of {len(self.peers)} peers, "
+                         f"{len(self.churn_events) - len(hit)} brought back")
         lines.append(f"swarm: reached epoch {self.epochs_reached} in {self.duration_seconds:.0f} s "
                      f"({self.epochs_per_minute:.2f} epochs/min while training); "
                      f"loss fell on every peer: {'yes' if self.loss_fell else 'no'}; "
