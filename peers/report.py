@@ -139,7 +139,10 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         exit_text += f"; hit by churn {hits}x, started {peer.starts}x"
     return PeerReport(
         index=peer.index, peer_id=peer.peer_id, link=link, incarnations=peer.starts,
-        start_epoch=summaries[0].get("start_epoch", 0) if summaries else 0, final_epoch=last.get("final_epoch", 0),
+        start_epoch=summaries[0].get("start_epoch", 0) if summaries else 0,
+        # the furthest any incarnation got: one restarted in the last seconds and stopped while starting up
+        # reports epoch 0, which is not how far this peer trained
+        final_epoch=max((s.get("final_epoch", 0) for s in summaries), default=0),
         samples_contributed=sum(s.get("samples_contributed", 0) for s in summaries),
         rounds_joined=sum(s.get("rounds_joined", 0) for s in summaries),
         rounds_failed=sum(s.get("rounds_failed", 0) for s in summaries),

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from peers.report import PeerReport, SwarmReport
+from peers.launcher import PeerProcess
+from peers.report import PeerReport, SwarmReport, peer_report
 from tests.conftest import run_cli
 
 
@@ -58,3 +59,17 @@ def test_report_table_counts_churn_hits_and_the_peers_they_hit():
     assert "churn: 3 hits on 2 of 3 peers, 3 brought back" in table, table
     assert "loss fell on every peer: yes" in table and "NaN/inf parameters: none" in table
     assert json.loads(report.to_json())["churn_events"] == events
+
+
+def test_peer_report_adds_up_incarnations_and_keeps_the_furthest_epoch(tmp_path):
+    peer = PeerProcess(index=0, args=[], workdir=tmp_path, starts=2, peer_id="peer0")
+    # trained to epoch 10, was hit by the churn, and its restart was stopped while it was still starting up
+    first, restart = peer.summary_paths()
+    first.write_text(json.dumps(dict(start_epoch=0, final_epoch=10, samples_contributed=648, rounds_joined=10,
+                                     group_sizes=[2, 3], loss_by_epoch={"1": 9.7, "10": 9.4})))
+    restart.write_text(json.dumps(dict(start_epoch=0, final_epoch=0, samples_contributed=0,
+                                       exit_reason="stopped by signal")))
+    report = peer_report(peer, "-", None, hits=1)
+    assert (report.start_epoch, report.final_epoch, report.samples_contributed) == (0, 10, 648), report
+    assert (report.rounds_joined, report.mean_group_size, report.first_loss, report.last_loss) == (10, 2.5, 9.7, 9.4)
+    assert report.exit == "not started; hit by churn 1x, started 2x"  # no process handle in this test
