@@ -48,8 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # torch_shm_manager that can outlive the peer; file descriptors need no manager process
     os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
     argv = list(sys.argv[1:] if argv is None else argv)
-    # a peer spends seconds importing torch and transformers before `join` can install its handlers;
-    # a SIGTERM then (a simulation ending, `docker stop`) is a request to leave, not a reason to die
+    # `join` installs its handlers only once its command is parsed; a SIGTERM before that (a simulation
+    # ending, `docker stop`) is still a request to leave, not a reason to die
     early_stop = _remember_early_signals() if argv[:1] == ["join"] else None
     parser = build_parser()
     args = parser.parse_args(argv)

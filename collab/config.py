@@ -15,8 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from collab.errors import UserError
-from collab.tasks.albert import AlbertTaskConfig
-from collab.tasks.swav import SwavTaskConfig
+from collab.tasks.albert_config import AlbertTaskConfig
+from collab.tasks.swav_config import SwavTaskConfig
 
 DEFAULT_CONFIG_NAME = "albert-tiny"
 

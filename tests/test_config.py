@@ -84,3 +84,20 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert expected in lines[0], lines[0]
+
+
+def test_help_and_config_errors_do_not_wait_for_torch(tmp_path):
+    # importing torch, transformers and hivemind takes 3-4 s on a laptop CPU: `--help` and a config
+    # mistake must answer without them, so the task configs live apart from the tasks
+    import subprocess
+    import sys
+
+    probe = ("import sys; from collab.cli import build_parser; build_parser().format_help(); "
+             "from collab.config import load_config; [load_config(n) for n in ('albert-tiny', 'swav-tiny')]; "
+             "print(sorted(m for m in ('torch', 'transformers', 'hivemind', 'kornia') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"imported on the way to --help: {result.stdout.strip()}"
+    bad = write_config(tmp_path, {"training.target_batch_size": -1})
+    result = run_cli("join", "--run-id", "x", "--config", str(bad))
+    assert result.returncode == 2 and "training.target_batch_size" in result.stderr

@@ -80,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
 def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     from collab.config import load_config
     from collab.errors import UserError
-    from collab.swarm import peer_config_from_flags
 
     if args.max_epochs is not None and args.max_epochs < 0:
         raise UserError(f"--max-epochs {args.max_epochs} is negative; pass a whole number >= 0")
@@ -89,7 +88,10 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     if args.wait_peers < 1:
         raise UserError(f"--wait-peers {args.wait_peers} must be at least 1")
     overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides)  # a bad config is reported before hivemind and torch import
+
+    from collab.swarm import peer_config_from_flags
+
     peer_flags = dict(run_id=args.run_id, initial_peers=args.initial_peers, announce_maddrs=args.announce_maddrs,
                       client_mode=args.client_mode, identity=args.identity)
     if args.host_maddrs:

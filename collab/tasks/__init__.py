@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:  # the task configs live in this package, and reading a config must not import torch
+    import torch
 
-Batch = dict[str, torch.Tensor]
-OptimizerFactory = Callable[[list], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+Batch = dict[str, "torch.Tensor"]
+OptimizerFactory = Callable[[list], "torch.optim.Optimizer"]
+SchedulerFactory = Callable[["torch.optim.Optimizer"], "torch.optim.lr_scheduler.LRScheduler"]
 
 
 class Task(ABC):

@@ -8,60 +8,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AlbertConfig, AlbertForPreTraining, DataCollatorForLanguageModeling
 
 from collab.tasks import Batch, OptimizerFactory, SchedulerFactory, Task
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class AlbertModelConfig(_Section):
-    embedding_size: int = Field(128, gt=0)
-    hidden_size: int = Field(256, gt=0)
-    num_hidden_layers: int = Field(4, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    intermediate_size: int = Field(1024, gt=0)
-    max_position_embeddings: int = Field(128, ge=16)
-    hidden_dropout_prob: float = Field(0.0, ge=0, lt=1)
-    attention_probs_dropout_prob: float = Field(0.0, ge=0, lt=1)
-
-    @model_validator(mode="after")
-    def _heads_divide_hidden(self):
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-                f"({self.num_attention_heads}); change task.model.num_attention_heads"
-            )
-        return self
-
-
-class AlbertDataConfig(_Section):
-    dataset: str = Field("embedded", min_length=1, description="embedded | text files/folders | hf:NAME")
-    tokenizer: str = Field("embedded", min_length=1, description="embedded | tokenizer.json | folder | hub name")
-    vocab_size: int = Field(8000, ge=100, description="vocabulary of the embedded tokenizer")
-    seq_length: int = Field(128, ge=16)
-    mlm_probability: float = Field(0.15, gt=0, lt=1)
-
-
-class AlbertTaskConfig(_Section):
-    name: Literal["albert"] = "albert"
-    model: AlbertModelConfig = Field(default_factory=AlbertModelConfig)
-    data: AlbertDataConfig = Field(default_factory=AlbertDataConfig)
-
-    @model_validator(mode="after")
-    def _sequence_fits_positions(self):
-        if self.data.seq_length > self.model.max_position_embeddings:
-            raise ValueError(
-                f"data.seq_length ({self.data.seq_length}) exceeds model.max_position_embeddings "
-                f"({self.model.max_position_embeddings}); lower task.data.seq_length"
-            )
-        return self
+from collab.tasks.albert_config import AlbertTaskConfig
 
 
 class AlbertTask(Task):
