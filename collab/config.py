@@ -2,7 +2,7 @@
 
 Every section is a pydantic model with `extra="forbid"`, so a typo is an error that names the
 key instead of a silently ignored setting. Task-specific sections live next to their task
-(collab/tasks/*.py); this module only assembles them.
+(collab/tasks/*_config.py); this module only assembles them.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
 from collab.errors import UserError
+from collab.sections import Section
 from collab.tasks.albert_config import AlbertTaskConfig
 from collab.tasks.swav_config import SwavTaskConfig
 
@@ -38,10 +39,6 @@ def shipped_config(name: str) -> Optional[Path]:
 
 def shipped_config_names() -> list[str]:
     return sorted(p.stem for p in configs_dir().glob("*.yaml"))
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class TrainingConfig(Section):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from collab.config import RunConfig, load_config
@@ -89,9 +92,6 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
 def test_help_and_config_errors_do_not_wait_for_torch(tmp_path):
     # importing torch, transformers and hivemind takes 3-4 s on a laptop CPU: `--help` and a config
     # mistake must answer without them, so the task configs live apart from the tasks
-    import subprocess
-    import sys
-
     probe = ("import sys; from collab.cli import build_parser; build_parser().format_help(); "
              "from collab.config import load_config; [load_config(n) for n in ('albert-tiny', 'swav-tiny')]; "
              "print(sorted(m for m in ('torch', 'transformers', 'hivemind', 'kornia') if m in sys.modules))")

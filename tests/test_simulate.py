@@ -44,17 +44,17 @@ def test_simulate_flag_errors_are_one_line(args, message):
 
 
 def test_report_table_counts_churn_hits_and_the_peers_they_hit():
-    def peer(index: int, exit_text: str) -> PeerReport:
+    def peer(index: int) -> PeerReport:
         return PeerReport(index=index, peer_id=f"peer{index}", link="-", incarnations=1, start_epoch=0, final_epoch=3,
                           samples_contributed=100, rounds_joined=3, rounds_failed=0, mean_group_size=3.0,
                           first_loss=9.7, last_loss=9.6, loaded_state_from_peers=False, bytes_sent=None,
-                          bytes_received=None, nonfinite_parameters=[], exit=exit_text)
+                          bytes_received=None, nonfinite_parameters=[], exit="exit 0 (stopped by signal)")
     # peer 1 frozen twice, peer 0 once: three hits on two of the three peers, all brought back
     events = [dict(at=at, peer=index, action=action) for at, index, action in
               [(25, 1, "stop"), (35, 1, "continue"), (50, 1, "stop"), (60, 1, "continue"), (75, 0, "stop"),
                (85, 0, "continue")]]
     report = SwarmReport("run", "127.0.0.1, no shaping", 100.0, 3, 1.95,
-                         [peer(0, "exit 0"), peer(1, "exit 0"), peer(2, "exit 0")], churn_events=events)
+                         [peer(0), peer(1), peer(2)], churn_events=events)
     table = report.to_table()
     assert "churn: 3 hits on 2 of 3 peers, 3 brought back" in table, table
     assert "loss fell on every peer: yes" in table and "NaN/inf parameters: none" in table

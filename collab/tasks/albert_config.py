@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from collab.sections import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class AlbertModelConfig(_Section):
+class AlbertModelConfig(Section):
     embedding_size: int = Field(128, gt=0)
     hidden_size: int = Field(256, gt=0)
     num_hidden_layers: int = Field(4, gt=0)
@@ -33,7 +31,7 @@ class AlbertModelConfig(_Section):
         return self
 
 
-class AlbertDataConfig(_Section):
+class AlbertDataConfig(Section):
     dataset: str = Field("embedded", min_length=1, description="embedded | text files/folders | hf:NAME")
     tokenizer: str = Field("embedded", min_length=1, description="embedded | tokenizer.json | folder | hub name")
     vocab_size: int = Field(8000, ge=100, description="vocabulary of the embedded tokenizer")
@@ -41,7 +39,7 @@ class AlbertDataConfig(_Section):
     mlm_probability: float = Field(0.15, gt=0, lt=1)
 
 
-class AlbertTaskConfig(_Section):
+class AlbertTaskConfig(Section):
     name: Literal["albert"] = "albert"
     model: AlbertModelConfig = Field(default_factory=AlbertModelConfig)
     data: AlbertDataConfig = Field(default_factory=AlbertDataConfig)

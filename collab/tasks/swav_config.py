@@ -6,17 +6,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from collab.sections import Section
 
 
 Scale = tuple[float, float]
 
 
-class MultiCropConfig(_Section):
+class MultiCropConfig(Section):
     """SwAV's multi-crop: a few large views and several small ones of each image."""
 
     num_global: int = Field(2, ge=1, description="large crops; codes are computed on these")
@@ -40,7 +38,7 @@ class MultiCropConfig(_Section):
         return self
 
 
-class SwavModelConfig(_Section):
+class SwavModelConfig(Section):
     # the ResNet: transformers' ResNetConfig fields (defaults: ResNet-50)
     embedding_size: int = Field(64, gt=0, description="channels of the stem convolution")
     hidden_sizes: list[int] = Field([256, 512, 1024, 2048], min_length=1)
@@ -61,12 +59,12 @@ class SwavModelConfig(_Section):
         return self
 
 
-class SwavDataConfig(_Section):
+class SwavDataConfig(Section):
     dataset: str = Field("embedded", min_length=1, description="embedded | image files/folders | hf:NAME")
     image_size: int = Field(256, ge=8, description="images are resized and centre-cropped to this square first")
 
 
-class SwavLossConfig(_Section):
+class SwavLossConfig(Section):
     temperature: float = Field(0.1, gt=0, description="softmax temperature of the predictions")
     epsilon: float = Field(0.05, gt=0, description="entropy regularisation of Sinkhorn-Knopp")
     sinkhorn_iterations: int = Field(3, ge=1)
@@ -75,13 +73,13 @@ class SwavLossConfig(_Section):
     freeze_prototypes_steps: int = Field(313, ge=0, description="prototypes get no updates before this step")
 
 
-class LarsConfig(_Section):
+class LarsConfig(Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     trust_coefficient: float = Field(1e-3, gt=0)
     final_lr_ratio: float = Field(1e-3, ge=0, le=1, description="the cosine ends at learning_rate x this")
 
 
-class SwavTaskConfig(_Section):
+class SwavTaskConfig(Section):
     name: Literal["swav"] = "swav"
     model: SwavModelConfig = Field(default_factory=SwavModelConfig)
     data: SwavDataConfig = Field(default_factory=SwavDataConfig)
