@@ -13,6 +13,7 @@ import threading
 from typing import Optional, Sequence
 
 from collab.errors import InternalError, UserError
+from collab.reaper import watch_this_process
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -57,6 +58,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # every command starts processes (hivemind's DHT, averagers, p2pd; simulated peers): if this one is
+    # killed outright, a watcher ends them, so a crash or the OOM killer leaves no ghost in the swarm
+    watch_this_process()
     try:
         code = int(args.run(args) or 0)
     except (UserError, InternalError) as e:

@@ -20,8 +20,11 @@ GRACE_SECONDS = 7.0
 
 
 def descendants() -> list[psutil.Process]:
-    """Our process tree, less torch_shm_manager: killing it breaks torch's pipe to it and aborts
-    this process (std::system_error); it exits by itself once its last client is gone."""
+    """Our process tree, less torch_shm_manager (killing it breaks torch's pipe to it and aborts this
+    process with std::system_error; it exits by itself once its last client is gone) and less our
+    watcher (collab.reaper), which must outlive us and exits by itself once we are gone."""
+    from collab.reaper import watcher_pid
+
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
@@ -29,7 +32,7 @@ def descendants() -> list[psutil.Process]:
     kept = []
     for child in children:
         try:
-            if child.name() != "torch_shm_manager":
+            if child.name() != "torch_shm_manager" and child.pid != watcher_pid():
                 kept.append(child)
         except psutil.Error:
             pass

@@ -85,3 +85,36 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
 def _state_at_epoch(run_id: str, initial_peer: str, epoch: int):
     state = status_json(run_id, initial_peer)
     return state if state["global_epoch"] >= epoch else None
+
+
+def test_sigkill_of_the_main_process_leaves_no_process_behind(tmp_path, micro_config, run_id, no_leftover_processes):
+    """The OOM killer or `kill -9` hits only the main process: what it started (hivemind's DHT and averager
+    processes, p2pd, in groups of their own) must not stay on as a ghost node holding the peer's ports."""
+    with LocalSwarm(1, run_id, tmp_path, ["--config", str(micro_config)], env=peer_env()) as swarm:
+        swarm.start()
+        peer = swarm.peers[0]
+        main = psutil.Process(peer.popen.pid)
+
+        def started_everything():
+            tree = main.children(recursive=True)
+            names = [p.name() for p in tree]
+            # DHT + p2pd + two averagers (+ the watcher): the optimizer is built, training is about to start
+            return tree if "p2pd" in names and len(tree) >= 5 and "epoch " in peer.log_text() else None
+
+        tree = wait_for(started_everything, timeout=120, interval=0.5, what="the peer to start training")
+        print(f"SIGKILL to {main.pid} only; it started {[(p.pid, p.name()) for p in tree]}")
+        main.kill()
+        killed_at = time.monotonic()
+        alive = tree
+        while alive and time.monotonic() - killed_at < 10:
+            time.sleep(0.2)
+            alive = [p for p in tree if _running(p)]
+        assert not alive, f"left behind 10 s after SIGKILL of the main process: {[(p.pid, p.name()) for p in alive]}"
+        print(f"the last of them was gone {time.monotonic() - killed_at:.1f} s after SIGKILL")
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,135 @@
+"""No ghosts: when a collab process dies by any signal, SIGKILL included, everything it started dies too.
+
+hivemind starts a DHT process (which starts p2pd) and two averager processes per peer. Our DHT
+process sits in a process group of its own (so Ctrl-C reaches only the trainer, which leaves
+gracefully), and none of them watches its parent. A main process killed by the OOM killer or
+`kill -9` therefore left all four running, re-parented to init: a ghost node in the swarm holding
+the peer's ports. A parent-death signal set in each child would miss p2pd (hivemind starts it, not
+us), so one small watcher process does the job for all of them:
+
+- `watch_this_process()` starts `python -m collab.reaper PID` once per process, before hivemind;
+- the watcher notes the main process's descendants every half second (once re-parented to init
+  they can no longer be found through the tree) and otherwise blocks on a pidfd of the main process;
+- when the main process is gone, it sends SIGTERM to every noted process that still runs (and to
+  their own children, which catches a p2pd started since the last look), then SIGKILL after 3 s.
+
+A main process that exits normally has already shut its children down; the watcher then finds
+nothing left and exits at once. It ignores SIGINT, SIGTERM and SIGHUP: Ctrl-C in a terminal or a
+`docker stop` reaches the whole group, and the watcher must outlive the main process to do its job.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+LOOK_EVERY_SECONDS = 0.5
+KILL_AFTER_SECONDS = 3.0
+
+_watcher: Optional[subprocess.Popen] = None
+_watched_pid: Optional[int] = None  # a forked child is another process: it would need a watcher of its own
+
+
+def watch_this_process() -> None:
+    """Start the watcher for this process, once. Cheap: a small Python process that mostly sleeps."""
+    global _watcher, _watched_pid
+    if _watched_pid == os.getpid():
+        return
+    _watched_pid = os.getpid()
+    _watcher = subprocess.Popen([sys.executable, "-m", "collab.reaper", str(os.getpid())],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def watcher_pid() -> Optional[int]:
+    """The watcher of this process, which this process's own reaping must leave alone."""
+    return _watcher.pid if _watcher is not None and _watched_pid == os.getpid() else None
+
+
+class _Watch:
+    def __init__(self, main_pid: int):
+        import psutil
+
+        self.main = psutil.Process(main_pid)
+        self.noted: dict[int, psutil.Process] = {}  # psutil.Process.is_running() tells a reused pid apart
+        try:
+            self.pidfd: Optional[int] = os.pidfd_open(main_pid)
+        except (AttributeError, OSError):  # no pidfd on this kernel or Python: poll instead
+            self.pidfd = None
+
+    def main_exited(self, within: float) -> bool:
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], within)[0])
+        time.sleep(within)
+        return not self.main.is_running()
+
+    def note_descendants(self) -> None:
+        import psutil
+
+        try:
+            for child in self.main.children(recursive=True):
+                if child.pid != os.getpid():
+                    self.noted.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+
+    def left_behind(self) -> list:
+        """Noted processes that still run, and their children (p2pd may have started after the last look)."""
+        import psutil
+
+        found: dict[int, psutil.Process] = {}
+        for proc in self.noted.values():
+            try:
+                if proc.is_running():
+                    found[proc.pid] = proc
+                    for child in proc.children(recursive=True):
+                        found.setdefault(child.pid, child)
+            except psutil.Error:
+                pass
+        found.pop(os.getpid(), None)
+        return list(found.values())
+
+
+def _end(processes: list) -> None:
+    import psutil
+
+    for proc in processes:
+        try:
+            proc.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=KILL_AFTER_SECONDS)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    import psutil
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    main_pid = int(argv[0])
+    if os.getppid() != main_pid:
+        return 0  # the main process is already gone: nothing we noted, nothing we can tell apart
+    try:
+        watch = _Watch(main_pid)
+    except psutil.Error:
+        return 0
+    while not watch.main_exited(within=LOOK_EVERY_SECONDS):
+        watch.note_descendants()
+    left = watch.left_behind()
+    if left:
+        _end(left)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
