@@ -8,6 +8,7 @@ computed (hivemind's delayed gradient averaging / delayed optimizer step, one st
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -29,6 +30,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from collab.config import RunConfig
 from collab.metrics import AveragingLog
+from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
 from collab.tasks import Task
 
 COMPRESSION: dict[str, type[CompressionBase]] = {
@@ -40,6 +42,7 @@ COMPRESSION: dict[str, type[CompressionBase]] = {
 
 
 LEAVE_LINGER_SECONDS = 3.0
+DONOR_LINGER_SECONDS = 30.0  # the most a leaving peer waits for a peer one epoch behind to download its state
 logger = get_logger(__name__)
 
 
@@ -48,28 +51,103 @@ class LeavingMidStep(Exception):
 
 
 class CollabOptimizer(Optimizer):
-    """hivemind.Optimizer that records each gradient-averaging round and refuses non-finite averages.
+    """hivemind.Optimizer that records each gradient-averaging round, refuses non-finite averages, and knows
+    whether its replica is the swarm's.
 
     hivemind applies whatever the group returned; one faulty or malicious peer can send NaN/inf,
-    which would poison every model in the group. Here such an average is discarded and the peer
-    steps with its own gradients for that epoch (state averaging later pulls it back in line).
+    which would poison every model in the group. Here such an average is discarded. A failed round
+    (that, a timeout, no group) makes this epoch's step hivemind's fallback "on local gradients" -
+    which are zeros by then, since GradientAverager.step reset them before the all-reduce, so the
+    step is LAMB's momentum and weight decay alone. Either way the replica is one update away from
+    the swarm: it is recorded as an `OwnStep` (collab.replica), published as the epoch before (so
+    a leaving peer waits to be its state donor), and undone by a state-averaging round that gathered
+    the whole swarm or by downloading the swarm's state at the next step, or before leaving.
     """
 
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None, **kwargs):
         self.averaging_log = averaging_log
         self.stop = stop if stop is not None else threading.Event()
         self._state_rounds: list = []  # recent state-averaging controls; one may still run in the background
-        self._stepped_apart = False  # this epoch's step used our own gradients while others were in the swarm
+        self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
+        self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         super().__init__(**kwargs)
+
+    def _make_state_averager(self, **kwargs) -> RecordingStateAverager:
+        # hivemind's own construction, with an averager that reports what its rounds and downloads achieved
+        return RecordingStateAverager(
+            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         # hivemind hands this epoch's state-averaging control to a background step and forgets it
         if self.scheduled_state is not None:
             self._state_rounds = [c for c in self._state_rounds if not c.done()][-1:] + [self.scheduled_state]
         try:
-            return super()._update_global_epoch(grad_scaler)
+            super()._update_global_epoch(grad_scaler)
         except LeavingMidStep:
             return  # this epoch's step is abandoned: the peers who stay make it, and we keep our last state
+        if self.own_step is not None and self.own_step.epoch == self.local_epoch:
+            # honest progress: this replica did not make the swarm's step to this epoch. A peer that downloads
+            # state must not pick it as a donor over one that did, and a leaving peer waits to be its donor.
+            self.tracker.report_local_progress(self.local_epoch - 1, samples_accumulated=0)
+            self._set_sharing_priority(self.local_epoch - 1)
+
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        began = super()._begin_averaging_gradients(grad_scaler)
+        if not began and self.tracker.global_progress.num_peers > 1:
+            self.averaging_log.failure()  # hivemind steps on local gradients while others average without us
+            self._record_own_step("the gradient round could not start")
+        return began
+
+    def _record_own_step(self, why: str) -> None:
+        peers = self.tracker.global_progress.num_peers
+        if peers > 1:
+            # with overlap=full this runs in the background step, after the epoch was incremented
+            epoch = self.local_epoch + (0 if self.delay_grad_averaging else 1)
+            self.own_step = OwnStep(epoch=epoch, peers=peers, at=time.monotonic())
+            logger.warning(f"Epoch {self.local_epoch}: {why}; this step is on this peer's own gradients, so its "
+                           "replica is one update away from the swarm's until it is re-synced")
+
+    def in_sync(self) -> bool:
+        """Whether this replica holds the swarm's state (as far as this peer can tell): its last step used the
+        swarm's averaged gradients, or a later state-averaging round of the whole swarm or a download undid it."""
+        if self.own_step is not None and repaired(self.own_step, self.state_averager):
+            self._now_in_sync("a state-averaging round of the whole swarm followed it")
+        elif (self.own_step is not None and self.local_epoch > self.own_step.epoch
+              and self.tracker.global_progress.num_peers <= 1):
+            # everyone else left and this peer trained on: its replica is the run's now, and a newcomer downloads it
+            self._now_in_sync("the others left; this replica is the run's now")
+        return self.own_step is None
+
+    def _now_in_sync(self, how: str) -> None:
+        if self.own_step is None:
+            return
+        logger.warning(f"Epoch {self.local_epoch}: in sync with the swarm again ({how})")
+        self.own_step = None
+        self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+        self._set_sharing_priority(self.local_epoch)
+
+    def _set_sharing_priority(self, epoch: int) -> None:
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = epoch
+
+    def settle_before_leaving(self, timeout: float) -> str:
+        """At --max-epochs: finish the last step, then make sure the replica is the swarm's before it is saved.
+        Returns "swarm" (it was), "downloaded" (it is now) or "own step" (no peer could give the state)."""
+        if self.own_step is not None:
+            # after an own step, our state round looks for groupmates who may have finished theirs long ago, and
+            # would look for up to averaging_timeout: give it the matchmaking time, then download instead
+            deadline = time.monotonic() + self.matchmaking_time
+            while self.has_pending_updates() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.state_averager.cancel_rounds_still_matching()
+        self.state_averager.step(wait_for_delayed_updates=True)  # the last step, and its state-averaging round
+        if self.in_sync():
+            return "swarm"
+        return "downloaded" if self.load_state_from_peers(deadline=time.monotonic() + timeout) else "own step"
 
     def abort_rounds(self) -> None:
         """On a signal: cancel averaging rounds in flight, so the training thread is not held inside
@@ -88,28 +166,39 @@ class CollabOptimizer(Optimizer):
     def _should_load_state_from_peers(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
         # gradients we would compute meanwhile would be for parameters nobody else has
-        return self._stepped_apart or super()._should_load_state_from_peers()
+        if not self.in_sync() and self._resync_tried is not self.own_step:
+            return True
+        return super()._should_load_state_from_peers()
 
-    def load_state_from_peers(self, **kwargs) -> None:
-        """hivemind's catch-up, with two changes: a peer asked to leave stops retrying (hivemind retries
-        forever), and the gradient averager's "state" is not downloaded - those are another peer's
-        accumulated gradients, which hivemind fetches (a model's size) and then throws away."""
+    def load_state_from_peers(self, deadline: Optional[float] = None, **kwargs) -> bool:
+        """hivemind's catch-up, with three changes: it says whether a state was really loaded (hivemind returns
+        quietly when no peer gave one); a peer asked to leave stops retrying, and so does one past `deadline`
+        or alone in the swarm (hivemind retries forever); and the gradient averager's "state" is not
+        downloaded - those are another peer's accumulated gradients, which hivemind fetches and throws away."""
+        self._resync_tried = self.own_step
+        if deadline is None:
+            deadline = time.monotonic() + self.load_state_timeout
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
+        if self.own_step is not None and self.in_sync():
+            return True  # the state-averaging round that just finished gathered the whole swarm: no download
 
+        loaded = False
         with self.tracker.pause_updates():
             while not self.stop.is_set():
                 try:
-                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    break
+                    loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
                 except BaseException as e:  # a peer that left mid-download, a timeout: try the next one
                     if not self.stop.is_set():
                         logger.warning(f"Failed to load state from peers ({type(e).__name__}: {e}); retrying")
-            if self.stop.is_set():
-                return
-            self._stepped_apart = False
+                if loaded or time.monotonic() > deadline or self.tracker.global_progress.num_peers <= 1:
+                    break
+                self.stop.wait(1.0)
+            if self.stop.is_set() or not loaded:
+                logger.warning(f"Epoch {self.local_epoch}: no peer gave its state; going on with this replica")
+                return False
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch  # one epoch behind: that step is ours
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
@@ -119,6 +208,8 @@ class CollabOptimizer(Optimizer):
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
+        self._now_in_sync(f"downloaded the swarm's state at epoch {self.local_epoch}")
+        return True
 
     def _wait_for_round(self, control):
         """The round's result, waiting in short slices: a peer asked to leave must not sit out a whole
@@ -142,17 +233,20 @@ class CollabOptimizer(Optimizer):
                     averaged = True
                 else:
                     self.averaging_log.failure()
-            except BaseException:  # timeouts, a peer that vanished mid-round: fall back to local gradients
+            except BaseException as e:  # timeouts, a peer that vanished mid-round: fall back to local gradients
                 self.averaging_log.failure()
+                failure = f"gradient averaging failed ({type(e).__name__}: {e})"
+            else:
+                failure = "the averaged gradients were not finite" if not averaged else None
+        else:
+            failure = "no gradient round was running"
         if not averaged:
             if self.stop.is_set() and not self.delay_grad_averaging:
                 # leaving: no step at all rather than one on local gradients. Loading them would also wait
                 # for the averager process, which holds the gradient buffers until its all-reduce gives up.
                 raise LeavingMidStep()
             self._load_local_gradients_into_optimizer()
-            # this step moves us away from the swarm's parameters (and optimizer state), and state averaging
-            # may not bring us back: a client whose round found no group can miss those rounds too
-            self._stepped_apart = self.tracker.global_progress.num_peers > 1
+            self._record_own_step(failure)
 
     def _tag_along_with_zero_weight(self, control) -> None:
         # on the way out, hivemind would sit through a running round (up to averaging_timeout) with zero
@@ -171,6 +265,7 @@ class CollabOptimizer(Optimizer):
             # that peer with a partial average it is told was complete.
             if self.tracker.global_progress.num_peers > 1:
                 self.stop.wait(LEAVE_LINGER_SECONDS)
+                self._serve_peers_behind()
             return super().shutdown()
         # leaving on a signal: say goodbye and go, without waiting up to averaging_timeout for a
         # background state-averaging round (the peers that stay finish it without us)
@@ -181,6 +276,19 @@ class CollabOptimizer(Optimizer):
         self.state_averager.shutdown()
         if self.use_gradient_averaging:
             self.grad_averager.shutdown()
+
+    def _serve_peers_behind(self) -> None:
+        """A peer one epoch behind ours (it missed the last step, or has not noticed it yet) will want our state
+        to leave in sync with the swarm: stay its donor for a while rather than leave it with nobody to ask."""
+        deadline = time.monotonic() + DONOR_LINGER_SECONDS
+        while time.monotonic() < deadline and not self.stop.is_set():
+            try:
+                behind = peers_behind(self.dht, self.run_id, self.local_epoch)
+            except Exception:  # a DHT that fails to answer here must not turn a clean leave into a traceback
+                return
+            if not behind:
+                return
+            self.stop.wait(0.5)
 
     def has_pending_updates(self) -> bool:
         return any(not update.done() for update in self.state_averager.pending_updates)
@@ -244,4 +352,6 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         averager_opts=averager_opts,
         tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
         shutdown_timeout=2,
+        # hivemind's per-round messages ("Averaged gradients with 3 peers") when its log level is INFO or lower
+        verbose=logging.getLogger("hivemind").getEffectiveLevel() <= logging.INFO,
     )

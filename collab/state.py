@@ -50,18 +50,7 @@ class RunState(BaseModel):
 
 def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
     """One snapshot of the run, from this node's DHT (any node: a trainer, a client, the dashboard)."""
-    from hivemind.optim.progress_tracker import LocalTrainingProgress
-    from hivemind.p2p import PeerID
-
-    rejected = 0
-    progress: dict[str, LocalTrainingProgress] = {}
-    for entry in _subkey_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)):
-        try:
-            item = LocalTrainingProgress.parse_obj(entry)
-            progress[PeerID(item.peer_id).to_base58()] = item
-        except Exception:
-            rejected += 1
-
+    progress, rejected = _read_progress(dht, run_id)
     records: dict[str, PeerMetricsRecord] = {}
     for entry in _subkey_values(dht.get(metrics_key(run_id), latest=True)):
         try:
@@ -115,6 +104,26 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
         peers=peers,
         time=now,
     )
+
+
+def progress_records(dht, run_id: str) -> dict:
+    """Each peer's training progress as hivemind's tracker published it, by peer id (malformed ones skipped)."""
+    return _read_progress(dht, run_id)[0]
+
+
+def _read_progress(dht, run_id: str):
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.p2p import PeerID
+
+    rejected = 0
+    progress: dict[str, LocalTrainingProgress] = {}
+    for entry in _subkey_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)):
+        try:
+            item = LocalTrainingProgress.parse_obj(entry)
+            progress[PeerID(item.peer_id).to_base58()] = item
+        except Exception:
+            rejected += 1
+    return progress, rejected
 
 
 def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:

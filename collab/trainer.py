@@ -48,6 +48,9 @@ class Summary:
     loaded_state_from_peers: bool = False
     checkpoint: Optional[str] = None
     nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
+    # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
+    # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
+    final_replica: str = ""
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
 
 
@@ -130,6 +133,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         summary.start_epoch = opt.local_epoch
         micro = config.training.micro_batch_size
         epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
+        checkpoint_due = False
         loop_started = time.monotonic()
         with display:
             while not stop.is_set():
@@ -150,8 +154,10 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     if mean is not None:
                         summary.loss_by_epoch[last_epoch] = mean
                     last_epoch = opt.local_epoch
-                    if ckpt_dir and opt.local_epoch % config.checkpoint.every_epochs == 0:
+                    checkpoint_due = checkpoint_due or bool(ckpt_dir and opt.local_epoch % config.checkpoint.every_epochs == 0)
+                    if checkpoint_due and opt.in_sync():  # a replica one update off the swarm waits for its re-sync
                         _checkpoint(opt, task, config, summary)
+                        checkpoint_due = False
                     summary.final_epoch = opt.local_epoch
                     summary.train_seconds = time.monotonic() - loop_started
                     log.copy_to(summary)
@@ -166,14 +172,18 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         summary.train_seconds = time.monotonic() - loop_started
     finally:
         if opt is not None:
+            if summary.exit_reason.startswith("reached epoch"):
+                summary.final_replica = _settle(opt, config)
             opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
             summary.final_epoch = opt.local_epoch
+            summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
             log.copy_to(summary)
             summary.nonfinite_parameters = nonfinite_parameters(task.model)
-            # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it
+            # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
+            # a peer whose last step was its own: that model is nobody else's
             saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")
             if (ckpt_dir and summary.final_epoch > summary.start_epoch and not saved_already
-                    and not opt.has_pending_updates()):
+                    and not opt.has_pending_updates() and summary.final_replica != "own step"):
                 _checkpoint(opt, task, config, summary)
         if dashboard is not None:
             dashboard.stop()
@@ -188,6 +198,19 @@ def _write_exit_summary(summary: Summary, options: JoinOptions, reason: str) -> 
     summary.exit_reason = reason
     write_summary(summary, options.summary_path)
     return summary
+
+
+def _settle(opt, config: RunConfig) -> str:
+    """Leaving at --max-epochs: the final replica is the swarm's, or it is said loudly that it is not."""
+    outcome = opt.settle_before_leaving(timeout=config.averaging.load_state_timeout)
+    if outcome == "downloaded":
+        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed. "
+              "Downloaded the swarm's state before leaving.", flush=True)
+    elif outcome == "own step":
+        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed and no "
+              "peer could give the swarm's state. This replica is not the swarm's: no checkpoint written for it.",
+              flush=True)
+    return outcome
 
 
 def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event):
@@ -231,8 +254,8 @@ def _catch_up(opt, display: ProgressDisplay, stop: threading.Event, wait: float 
         return False
     display.message(f"Swarm is at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}: "
                     "loading state from peers...")
-    opt.load_state_from_peers()
-    if stop.is_set():
+    if not opt.load_state_from_peers() or stop.is_set():
+        display.message("No peer gave its state yet: training from this replica, and trying again at the next step")
         return False
     display.message(f"Caught up: now at epoch {opt.local_epoch}")
     return True

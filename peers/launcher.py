@@ -50,6 +50,8 @@ class PeerProcess:
     popen: Optional[subprocess.Popen] = None
     starts: int = 0  # incarnations: a restarted peer writes a new summary and appends to its log
     peer_id: str = ""
+    # what runs `join ARGS...`: collab itself, or (in fault-injection tests) a wrapper that patches it first
+    program: list[str] = field(default_factory=lambda: [sys.executable, "-m", "collab"])
 
     @property
     def log_path(self) -> Path:
@@ -90,7 +92,7 @@ class PeerProcess:
     def start(self, extra: list[str] = (), env: Optional[dict] = None) -> None:
         env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1")
         where = self.placement
-        command = [*where.prefix, sys.executable, "-m", "collab", "join", *self.args,
+        command = [*where.prefix, *self.program, "join", *self.args,
                    "--host-maddrs", f"/ip4/{where.host}/tcp/{where.port}", *extra,
                    "--identity", str(self.identity_path), "--summary-json", str(self._summary(self.starts)),
                    "--no-live"]
@@ -180,7 +182,8 @@ class LocalSwarm:
 
     def __init__(self, num_peers: int, run_id: str, workdir: Path, join_args: list[str] = (),
                  per_peer_args: Optional[dict[int, list[str]]] = None, startup_timeout: float = 180.0,
-                 env: Optional[dict] = None, network=None, links: Optional[list] = None):
+                 env: Optional[dict] = None, network=None, links: Optional[list] = None,
+                 per_peer_program: Optional[dict[int, list[str]]] = None):
         if num_peers < 1:
             raise ValueError("num_peers must be at least 1")
         self.run_id, self.workdir, self.startup_timeout = run_id, Path(workdir), startup_timeout
@@ -196,7 +199,10 @@ class LocalSwarm:
                 prefix=network.command_prefix(i) if network is not None else [],
                 client_mode=bool(link and link.nat), bandwidth_mbit=link.upload_mbit if link else None)
             args = ["--run-id", run_id, *join_args, *per_peer_args.get(i, [])]
-            self.peers.append(PeerProcess(i, args, self.workdir, placement))
+            peer = PeerProcess(i, args, self.workdir, placement)
+            if per_peer_program and i in per_peer_program:
+                peer.program = list(per_peer_program[i])
+            self.peers.append(peer)
         for peer in self.peers:
             peer.make_identity()
         self.initial_peer: Optional[str] = None

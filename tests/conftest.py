@@ -115,12 +115,13 @@ def read_summary(peer) -> dict:
 
 
 def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str], max_epochs: int,
-                         per_peer_args: dict | None = None, timeout: float = 300) -> list[dict]:
+                         per_peer_args: dict | None = None, timeout: float = 300,
+                         per_peer_program: dict | None = None) -> list[dict]:
     """Run `peers` local peers with `args` until each reaches `max_epochs` and exits 0; their summaries."""
     from peers.launcher import LocalSwarm
 
     with LocalSwarm(peers, run_id, tmp_path, [*args, "--max-epochs", str(max_epochs)],
-                    per_peer_args=per_peer_args or {}, env=peer_env()) as swarm:
+                    per_peer_args=per_peer_args or {}, env=peer_env(), per_peer_program=per_peer_program) as swarm:
         swarm.start()
         finished = swarm.wait(timeout=timeout)
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)

@@ -1,0 +1,100 @@
+"""Is this peer's replica the swarm's? What a peer must know before it checkpoints or leaves.
+
+Peers stay identical because every step applies the same averaged gradients. A step on this peer's
+own gradients (its gradient round failed while others were in the swarm) moves it one update away
+from everyone else, and only two things bring it back: a state-averaging round that gathered the
+whole swarm, or a download of another peer's state. Mid-run, hivemind downloads at the next step.
+At `--max-epochs` there is no next step: found in a failing CI run, where a peer starved of CPU missed
+the last gradient round, then the last state-averaging round (its groupmates had finished theirs),
+and wrote a final checkpoint one update (1.6e-2) away from the others'.
+
+So the optimizer records an `OwnStep` when it makes one, this module records the outcome of every
+state-averaging round and download, and a peer leaving or checkpointing asks `OwnStep.repaired_by`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
+from hivemind.optim.state_averager import TrainingStateAverager
+
+KEEP_ROUNDS = 8
+
+
+@dataclass
+class OwnStep:
+    """A step this peer made on its own gradients while others were in the swarm."""
+
+    epoch: int  # the epoch the step led to
+    peers: int  # peers in the swarm then: a state-averaging round must gather as many to undo it
+    at: float  # time.monotonic() when it was made
+
+
+class _RecordOutcomes(DecentralizedAverager):
+    """Sits between TrainingStateAverager and DecentralizedAverager in the MRO, where every state-averaging
+    round (pre-scheduled or not) and every download passes, and keeps their outcomes."""
+
+    rounds: list  # (gathered epoch, StepControl), newest last
+    downloaded_epoch: Optional[int]
+
+    def step(self, *args, gather=None, **kwargs):
+        control = super().step(*args, gather=gather, **kwargs)
+        if isinstance(control, StepControl) and isinstance(gather, int):
+            self.rounds = [*getattr(self, "rounds", [])[-KEEP_ROUNDS + 1:], (gather, control)]
+        return control
+
+    def load_state_from_peers(self, *args, **kwargs):
+        loaded = super().load_state_from_peers(*args, **kwargs)
+        if loaded is not None and isinstance(loaded[0], dict) and isinstance(loaded[0].get("epoch"), int):
+            self.downloaded_epoch = loaded[0]["epoch"]
+        return loaded
+
+
+class RecordingStateAverager(TrainingStateAverager, _RecordOutcomes):
+    """hivemind's TrainingStateAverager, which also says whether a round or a download really happened."""
+
+    def gathered_since(self, epoch: int) -> int:
+        """The largest group of a finished state-averaging round at `epoch` or later (0: none succeeded)."""
+        best = 0
+        for gathered_epoch, control in getattr(self, "rounds", []):
+            if gathered_epoch >= epoch and control.done() and not control.cancelled() and control.exception() is None:
+                best = max(best, len(control.result() or ()))
+        return best
+
+    def cancel_rounds_still_matching(self) -> int:
+        """Give up state-averaging rounds that have not found a group yet (one that has, runs to its end)."""
+        from hivemind.averaging.control import AveragingStage
+
+        cancelled = 0
+        for _, control in getattr(self, "rounds", []):
+            if not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+                control.cancel()
+                cancelled += 1
+        return cancelled
+
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """True only if a state was downloaded and loaded: hivemind returns quietly when no peer could give one,
+        or when it refused what it got (an epoch behind ours)."""
+        self.downloaded_epoch = None
+        super().load_state_from_peers(**kwargs)
+        return self.downloaded_epoch is not None and self.downloaded_epoch == self.local_epoch
+
+
+def repaired(own: OwnStep, averager: RecordingStateAverager) -> bool:
+    """A state-averaging round after the own step gathered the whole swarm of that time: every replica in it,
+    ours included, now holds the same average."""
+    return averager.gathered_since(own.epoch) >= own.peers
+
+
+def peers_behind(dht, run_id: str, epoch: int, fresh_seconds: float = 30.0) -> int:
+    """Peers whose signed progress (hivemind's tracker) says they are exactly one epoch behind `epoch`: after an
+    own step a peer reports the epoch before it, and needs a state donor at `epoch` to leave in sync."""
+    from collab.state import progress_records
+
+    now = time.time()
+    return sum(1 for p in progress_records(dht, run_id).values()
+               if p.epoch == epoch - 1 and now - p.time < fresh_seconds)
