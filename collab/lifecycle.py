@@ -41,19 +41,9 @@ def descendants() -> list[psutil.Process]:
 
 def reap_children(timeout: float = 2.0) -> None:
     """Terminate, then kill, every process this one started (directly or not)."""
-    children = descendants()
-    for child in children:
-        try:
-            child.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=timeout)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=timeout)
+    from collab.reaper import end_processes
+
+    end_processes(descendants(), timeout)
 
 
 class _OrphanedRequestFilter(logging.Filter):

@@ -94,7 +94,8 @@ class _Watch:
         return list(found.values())
 
 
-def _end(processes: list) -> None:
+def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
+    """SIGTERM, then SIGKILL whatever still runs after `timeout` seconds (psutil.Process objects)."""
     import psutil
 
     for proc in processes:
@@ -103,12 +104,13 @@ def _end(processes: list) -> None:
             proc.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(processes, timeout=KILL_AFTER_SECONDS)
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
+    psutil.wait_procs(alive, timeout=timeout)
 
 
 def main(argv: list[str]) -> int:
@@ -127,7 +129,7 @@ def main(argv: list[str]) -> int:
         watch.note_descendants()
     left = watch.left_behind()
     if left:
-        _end(left)
+        end_processes(left)
     return 0
 
 
