@@ -67,7 +67,6 @@ class CollabOptimizer(Optimizer):
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None, **kwargs):
         self.averaging_log = averaging_log
         self.stop = stop if stop is not None else threading.Event()
-        self._state_rounds: list = []  # recent state-averaging controls; one may still run in the background
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         super().__init__(**kwargs)
@@ -82,9 +81,6 @@ class CollabOptimizer(Optimizer):
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        # hivemind hands this epoch's state-averaging control to a background step and forgets it
-        if self.scheduled_state is not None:
-            self._state_rounds = [c for c in self._state_rounds if not c.done()][-1:] + [self.scheduled_state]
         try:
             super()._update_global_epoch(grad_scaler)
         except LeavingMidStep:
@@ -152,7 +148,7 @@ class CollabOptimizer(Optimizer):
     def abort_rounds(self) -> None:
         """On a signal: cancel averaging rounds in flight, so the training thread is not held inside
         opt.step() for up to averaging_timeout by a round that the peers who stay will finish anyway."""
-        for control in (self.scheduled_grads, self.scheduled_state, *self._state_rounds):
+        for control in (self.scheduled_grads, self.scheduled_state, *self.state_averager.round_controls()):
             if control is not None and not control.done():
                 control.cancel()
         # hivemind's background optimizer step also makes rounds of its own (when none was pre-scheduled)

@@ -57,6 +57,10 @@ class _RecordOutcomes(DecentralizedAverager):
 class RecordingStateAverager(TrainingStateAverager, _RecordOutcomes):
     """hivemind's TrainingStateAverager, which also says whether a round or a download really happened."""
 
+    def round_controls(self) -> list:
+        """Recent state-averaging rounds (hivemind hands them to a background step and forgets them)."""
+        return [control for _, control in getattr(self, "rounds", [])]
+
     def gathered_since(self, epoch: int) -> int:
         """The largest group of a finished state-averaging round at `epoch` or later (0: none succeeded)."""
         best = 0
@@ -70,7 +74,7 @@ class RecordingStateAverager(TrainingStateAverager, _RecordOutcomes):
         from hivemind.averaging.control import AveragingStage
 
         cancelled = 0
-        for _, control in getattr(self, "rounds", []):
+        for control in self.round_controls():
             if not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
                 control.cancel()
                 cancelled += 1
