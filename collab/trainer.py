@@ -202,7 +202,11 @@ def _write_exit_summary(summary: Summary, options: JoinOptions, reason: str) -> 
 
 def _settle(opt, config: RunConfig) -> str:
     """Leaving at --max-epochs: the final replica is the swarm's, or it is said loudly that it is not."""
-    outcome = opt.settle_before_leaving(timeout=config.averaging.load_state_timeout)
+    try:
+        outcome = opt.settle_before_leaving(timeout=config.averaging.load_state_timeout)
+    except Exception as e:  # a DHT or averager failing now must not cost the exit summary, nor claim a sync
+        print(f"while re-syncing before leaving: {type(e).__name__}: {e}", flush=True)
+        return "swarm" if opt.own_step is None else "own step"
     if outcome == "downloaded":
         print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed. "
               "Downloaded the swarm's state before leaving.", flush=True)
