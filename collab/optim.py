@@ -42,7 +42,7 @@ COMPRESSION: dict[str, type[CompressionBase]] = {
 
 
 LEAVE_LINGER_SECONDS = 3.0
-DONOR_LINGER_SECONDS = 30.0  # the most a leaving peer waits for a peer one epoch behind to download its state
+DONOR_LINGER_SECONDS = 60.0  # the most a leaving peer waits for a peer one epoch behind to download its state
 logger = get_logger(__name__)
 
 
@@ -69,6 +69,7 @@ class CollabOptimizer(Optimizer):
         self.stop = stop if stop is not None else threading.Event()
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
+        self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         super().__init__(**kwargs)
 
     def _make_state_averager(self, **kwargs) -> RecordingStateAverager:
@@ -80,7 +81,14 @@ class CollabOptimizer(Optimizer):
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
+    def step(self, *args, **kwargs):
+        self._most_peers = max(self._most_peers, self.tracker.global_progress.num_peers)
+        return super().step(*args, **kwargs)
+
     def _update_global_epoch(self, grad_scaler) -> None:
+        # hivemind first waits for the last epoch's background state round: not for one that finds no group
+        if self.state_averager.give_up_matchmaking(self.local_epoch, self.matchmaking_time, self.stop):
+            logger.warning(f"Epoch {self.local_epoch}: the state-averaging round found no group in time; given up")
         try:
             super()._update_global_epoch(grad_scaler)
         except LeavingMidStep:
@@ -90,16 +98,17 @@ class CollabOptimizer(Optimizer):
             # state must not pick it as a donor over one that did, and a leaving peer waits to be its donor.
             self.tracker.report_local_progress(self.local_epoch - 1, samples_accumulated=0)
             self._set_sharing_priority(self.local_epoch - 1)
+        self._most_peers = self.tracker.global_progress.num_peers
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         began = super()._begin_averaging_gradients(grad_scaler)
-        if not began and self.tracker.global_progress.num_peers > 1:
+        if not began and self._most_peers > 1:
             self.averaging_log.failure()  # hivemind steps on local gradients while others average without us
             self._record_own_step("the gradient round could not start")
         return began
 
     def _record_own_step(self, why: str) -> None:
-        peers = self.tracker.global_progress.num_peers
+        peers = max(self._most_peers, self.tracker.global_progress.num_peers)
         if peers > 1:
             # with overlap=full this runs in the background step, after the epoch was incremented
             epoch = self.local_epoch + (0 if self.delay_grad_averaging else 1)
@@ -133,13 +142,10 @@ class CollabOptimizer(Optimizer):
     def settle_before_leaving(self, timeout: float) -> str:
         """At --max-epochs: finish the last step, then make sure the replica is the swarm's before it is saved.
         Returns "swarm" (it was), "downloaded" (it is now) or "own step" (no peer could give the state)."""
-        if self.own_step is not None:
-            # after an own step, our state round looks for groupmates who may have finished theirs long ago, and
-            # would look for up to averaging_timeout: give it the matchmaking time, then download instead
-            deadline = time.monotonic() + self.matchmaking_time
-            while self.has_pending_updates() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            self.state_averager.cancel_rounds_still_matching()
+        # our last state round may look for groupmates who finished theirs long ago (after an own step, it will):
+        # give it the matchmaking time, then go on without it and download instead
+        if self.state_averager.give_up_matchmaking(self.local_epoch, self.matchmaking_time, self.stop):
+            logger.warning(f"Epoch {self.local_epoch}: the last state-averaging round found no group in time")
         self.state_averager.step(wait_for_delayed_updates=True)  # the last step, and its state-averaging round
         if self.in_sync():
             return "swarm"
@@ -168,12 +174,11 @@ class CollabOptimizer(Optimizer):
 
     def load_state_from_peers(self, deadline: Optional[float] = None, **kwargs) -> bool:
         """hivemind's catch-up, with three changes: it says whether a state was really loaded (hivemind returns
-        quietly when no peer gave one); a peer asked to leave stops retrying, and so does one past `deadline`
-        or alone in the swarm (hivemind retries forever); and the gradient averager's "state" is not
-        downloaded - those are another peer's accumulated gradients, which hivemind fetches and throws away."""
+        quietly when no peer gave one); a peer asked to leave stops retrying (hivemind retries a failed download
+        forever), and with a `deadline` it keeps asking until then when no peer had a state to give (without
+        one, that answer ends it, as in hivemind's per-step catch-up); and the gradient averager's "state" is
+        not downloaded - another peer's accumulated gradients, which hivemind fetches and throws away."""
         self._resync_tried = self.own_step
-        if deadline is None:
-            deadline = time.monotonic() + self.load_state_timeout
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
@@ -184,12 +189,16 @@ class CollabOptimizer(Optimizer):
         loaded = False
         with self.tracker.pause_updates():
             while not self.stop.is_set():
+                answered = False
                 try:
                     loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    answered = True
                 except BaseException as e:  # a peer that left mid-download, a timeout: try the next one
                     if not self.stop.is_set():
                         logger.warning(f"Failed to load state from peers ({type(e).__name__}: {e}); retrying")
-                if loaded or time.monotonic() > deadline or self.tracker.global_progress.num_peers <= 1:
+                if loaded or self.tracker.global_progress.num_peers <= 1:
+                    break
+                if (deadline is None and answered) or (deadline is not None and time.monotonic() > deadline):
                     break
                 self.stop.wait(1.0)
             if self.stop.is_set() or not loaded:

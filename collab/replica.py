@@ -69,15 +69,25 @@ class RecordingStateAverager(TrainingStateAverager, _RecordOutcomes):
                 best = max(best, len(control.result() or ()))
         return best
 
-    def cancel_rounds_still_matching(self) -> int:
-        """Give up state-averaging rounds that have not found a group yet (one that has, runs to its end)."""
+    def give_up_matchmaking(self, up_to_epoch: int, patience: float, stop) -> int:
+        """Wait while a state round of `up_to_epoch` or before looks for a group, and cancel one that still looks
+        `patience` seconds after it was due. hivemind would let it look for up to averaging_timeout (a minute),
+        blocking the next step or the exit, though its groupmates have averaged without it (this peer was
+        starved or late) and will not come back for it. A round that found its group runs to its end."""
         from hivemind.averaging.control import AveragingStage
+        from hivemind.utils.timed_storage import get_dht_time
 
         cancelled = 0
-        for control in self.round_controls():
-            if not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                control.cancel()
-                cancelled += 1
+        while not stop.is_set():
+            matching = [control for epoch, control in getattr(self, "rounds", []) if epoch <= up_to_epoch
+                        and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP]
+            if not matching:
+                break
+            for control in matching:
+                if get_dht_time() > control.scheduled_time + patience:
+                    control.cancel()
+                    cancelled += 1
+            stop.wait(0.1)
         return cancelled
 
     def load_state_from_peers(self, **kwargs) -> bool:
