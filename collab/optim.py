@@ -86,8 +86,9 @@ class CollabOptimizer(Optimizer):
         return super().step(*args, **kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        # hivemind first waits for the last epoch's background state round: not for one that finds no group
-        if self.state_averager.give_up_matchmaking(self.local_epoch, self.matchmaking_time, self.stop):
+        # hivemind first waits for the last epoch's background step and state round: not for one that finds no group
+        if self.delay_optimizer_step and self.state_averager.give_up_matchmaking(
+                self.local_epoch, self.matchmaking_time, self.stop, limit=self.averaging_timeout):
             logger.warning(f"Epoch {self.local_epoch}: the state-averaging round found no group in time; given up")
         try:
             super()._update_global_epoch(grad_scaler)
@@ -144,7 +145,8 @@ class CollabOptimizer(Optimizer):
         Returns "swarm" (it was), "downloaded" (it is now) or "own step" (no peer could give the state)."""
         # our last state round may look for groupmates who finished theirs long ago (after an own step, it will):
         # give it the matchmaking time, then go on without it and download instead
-        if self.state_averager.give_up_matchmaking(self.local_epoch, self.matchmaking_time, self.stop):
+        if self.state_averager.give_up_matchmaking(self.local_epoch, self.matchmaking_time, self.stop,
+                                                   limit=self.averaging_timeout):
             logger.warning(f"Epoch {self.local_epoch}: the last state-averaging round found no group in time")
         self.state_averager.step(wait_for_delayed_updates=True)  # the last step, and its state-averaging round
         if self.in_sync():

@@ -69,19 +69,21 @@ class RecordingStateAverager(TrainingStateAverager, _RecordOutcomes):
                 best = max(best, len(control.result() or ()))
         return best
 
-    def give_up_matchmaking(self, up_to_epoch: int, patience: float, stop) -> int:
+    def give_up_matchmaking(self, up_to_epoch: int, patience: float, stop, limit: float) -> int:
         """Wait while a state round of `up_to_epoch` or before looks for a group, and cancel one that still looks
         `patience` seconds after it was due. hivemind would let it look for up to averaging_timeout (a minute),
         blocking the next step or the exit, though its groupmates have averaged without it (this peer was
-        starved or late) and will not come back for it. A round that found its group runs to its end."""
+        starved or late) and will not come back for it. A round that found its group runs to its end; a
+        background step that has not started its round yet is waited for (its round may yet need giving up),
+        for `limit` seconds at most: then hivemind's own wait, with its own timeouts, takes over."""
         from hivemind.averaging.control import AveragingStage
         from hivemind.utils.timed_storage import get_dht_time
 
-        cancelled = 0
-        while not stop.is_set():
+        cancelled, give_up_at = 0, time.monotonic() + limit
+        while not stop.is_set() and time.monotonic() < give_up_at:
             matching = [control for epoch, control in getattr(self, "rounds", []) if epoch <= up_to_epoch
                         and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP]
-            if not matching:
+            if not matching and not any(not update.done() for update in self.pending_updates):
                 break
             for control in matching:
                 if get_dht_time() > control.scheduled_time + patience:

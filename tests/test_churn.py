@@ -28,9 +28,9 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # group for next_chunk_timeout, and a restarting peer tries a dead peer's state for load_state_timeout.
     config = write_config(tmp_path, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0})
-    # (kill every 20 s for 130 s: six hits, so that the checks below have a few restarts to look at, in
-    # 3 minutes of the suite's 15 with the steady baseline)
-    baseline = _simulate(tmp_path, "steady", config, duration=65)
+    # (kill every 20 s for 130 s: six hits, so that the checks below have a few restarts to look at; the
+    # steady run needs 80 s, half of it starting 5 peers, to reach the 5 epochs that make its rate a rate)
+    baseline = _simulate(tmp_path, "steady", config, duration=80)
     churned = _simulate(tmp_path, "churn", config, duration=130, churn=ChurnSpec("kill", every=20, downtime=12))
 
     # measured on this machine: 9.5 epochs/min steady, 11.3 with churn (fewer peers share 2 cores)
