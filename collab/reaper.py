@@ -8,8 +8,11 @@ the peer's ports. A parent-death signal set in each child would miss p2pd (hivem
 us), so one small watcher process does the job for all of them:
 
 - `watch_this_process()` starts `python -m collab.reaper PID` once per process, before hivemind;
-- the watcher notes the main process's descendants every half second (once re-parented to init
-  they can no longer be found through the tree) and otherwise blocks on a pidfd of the main process;
+- every process forked from the main one (hivemind's DHT and averagers) writes its pid to the
+  watcher's stdin the moment it is born (an at-fork hook), and the watcher also notes the main
+  process's descendants every half second (what it spawned otherwise, e.g. simulated peers): once
+  re-parented to init they can no longer be found through the tree. Otherwise it blocks on a pidfd
+  of the main process;
 - when the main process is gone, it sends SIGTERM to every noted process that still runs (and to
   their own children, which catches a p2pd started since the last look), then SIGKILL after 3 s.
 
@@ -42,7 +45,18 @@ def watch_this_process() -> None:
         return
     _watched_pid = os.getpid()
     _watcher = subprocess.Popen([sys.executable, "-m", "collab.reaper", str(os.getpid())],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    os.register_at_fork(after_in_child=_announce_fork)
+
+
+def _announce_fork() -> None:
+    """In a child just forked from the watched process (or from one of its forks): tell the watcher our pid.
+    A polled list would miss a child born in the last half second before a SIGKILL (a CI run did)."""
+    if _watcher is not None and _watcher.stdin is not None:
+        try:
+            os.write(_watcher.stdin.fileno(), f"{os.getpid()}\n".encode())
+        except OSError:  # the watcher is gone: nothing to tell
+            pass
 
 
 def watcher_pid() -> Optional[int]:
@@ -56,16 +70,39 @@ class _Watch:
 
         self.main = psutil.Process(main_pid)
         self.noted: dict[int, psutil.Process] = {}  # psutil.Process.is_running() tells a reused pid apart
+        self.announcements_open = True  # forks write their pids to our stdin
         try:
             self.pidfd: Optional[int] = os.pidfd_open(main_pid)
         except (AttributeError, OSError):  # no pidfd on this kernel or Python: poll instead
             self.pidfd = None
 
     def main_exited(self, within: float) -> bool:
+        """Waits up to `within` seconds, noting the pids that forks announce meanwhile."""
+        waiting_on = ([sys.stdin.fileno()] if self.announcements_open else []) + \
+            ([self.pidfd] if self.pidfd is not None else [])
+        ready = select.select(waiting_on, [], [], within)[0]
+        if self.announcements_open and sys.stdin.fileno() in ready:
+            self.note_announced()
         if self.pidfd is not None:
-            return bool(select.select([self.pidfd], [], [], within)[0])
-        time.sleep(within)
+            return self.pidfd in ready
         return not self.main.is_running()
+
+    def note_announced(self) -> None:
+        import psutil
+
+        try:
+            data = os.read(sys.stdin.fileno(), 65536)
+        except OSError:
+            return
+        if not data:  # every writer closed the pipe: nothing more will be announced
+            self.announcements_open = False
+            return
+        for word in data.split():
+            try:
+                proc = psutil.Process(int(word))
+                self.noted.setdefault(proc.pid, proc)
+            except (ValueError, psutil.Error):
+                pass
 
     def note_descendants(self) -> None:
         import psutil
@@ -127,6 +164,8 @@ def main(argv: list[str]) -> int:
         return 0
     while not watch.main_exited(within=LOOK_EVERY_SECONDS):
         watch.note_descendants()
+    os.set_blocking(sys.stdin.fileno(), False)
+    watch.note_announced()  # a fork announced just before the main process died
     left = watch.left_behind()
     if left:
         end_processes(left)

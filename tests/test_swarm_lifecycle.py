@@ -98,10 +98,11 @@ def test_sigkill_of_the_main_process_leaves_no_process_behind(tmp_path, micro_co
         def started_everything():
             tree = main.children(recursive=True)
             names = [p.name() for p in tree]
-            # DHT + p2pd + two averagers (+ the watcher): the optimizer is built, training is about to start
-            return tree if "p2pd" in names and len(tree) >= 5 and "epoch " in peer.log_text() else None
+            # DHT + p2pd + two averagers (+ the watcher): killed the moment the last averager is born, the
+            # hardest case for a watcher that would only look for them now and then
+            return tree if "p2pd" in names and len(tree) >= 5 else None
 
-        tree = wait_for(started_everything, timeout=120, interval=0.5, what="the peer to start training")
+        tree = wait_for(started_everything, timeout=120, interval=0.05, what="the peer to start its averagers")
         print(f"SIGKILL to {main.pid} only; it started {[(p.pid, p.name()) for p in tree]}")
         main.kill()
         killed_at = time.monotonic()
