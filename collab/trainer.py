@@ -258,7 +258,8 @@ def _catch_up(opt, display: ProgressDisplay, stop: threading.Event, wait: float 
         return False
     display.message(f"Swarm is at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}: "
                     "loading state from peers...")
-    if not opt.load_state_from_peers(deadline=time.monotonic() + opt.load_state_timeout) or stop.is_set():
+    # under churn the first donors tried may be dead peers whose records linger: keep asking a while
+    if not opt.load_state_from_peers(deadline=time.monotonic() + 5 * opt.load_state_timeout) or stop.is_set():
         display.message("No peer gave its state yet: training from this replica, and trying again at the next step")
         return False
     display.message(f"Caught up: now at epoch {opt.local_epoch}")
