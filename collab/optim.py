@@ -25,6 +25,7 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
@@ -72,6 +73,11 @@ class CollabOptimizer(Optimizer):
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         super().__init__(**kwargs)
 
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
+        return HonestProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                     client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                                     **kwargs)
+
     def _make_state_averager(self, **kwargs) -> RecordingStateAverager:
         # hivemind's own construction, with an averager that reports what its rounds and downloads achieved
         return RecordingStateAverager(
@@ -114,6 +120,7 @@ class CollabOptimizer(Optimizer):
             # with overlap=full this runs in the background step, after the epoch was incremented
             epoch = self.local_epoch + (0 if self.delay_grad_averaging else 1)
             self.own_step = OwnStep(epoch=epoch, peers=peers, at=time.monotonic())
+            self.tracker.held_epoch = epoch - 1  # before hivemind publishes the new epoch, not a moment after
             logger.warning(f"Epoch {self.local_epoch}: {why}; this step is on this peer's own gradients, so its "
                            "replica is one update away from the swarm's until it is re-synced")
 
@@ -133,6 +140,7 @@ class CollabOptimizer(Optimizer):
             return
         logger.warning(f"Epoch {self.local_epoch}: in sync with the swarm again ({how})")
         self.own_step = None
+        self.tracker.held_epoch = None
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         self._set_sharing_priority(self.local_epoch)
 
@@ -319,6 +327,18 @@ class CollabOptimizer(Optimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class HonestProgressTracker(ProgressTracker):
+    """hivemind's tracker, which never publishes an epoch this replica has not made with the swarm: after an
+    own step it says the epoch before, so that leaving peers wait to be its state donor."""
+
+    held_epoch: Optional[int] = None
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
+        if self.held_epoch is not None and local_epoch > self.held_epoch:
+            local_epoch, samples_accumulated = self.held_epoch, 0
+        return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
 
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
