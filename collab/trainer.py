@@ -129,7 +129,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
 
         _publish(swarm, opt, config, summary, log, None)  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:
-            _wait_for_peers(swarm, opt, options, display, stop)
+            _wait_for_peers(swarm, options, display, stop)
         summary.start_epoch = opt.local_epoch
         micro = config.training.micro_batch_size
         epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
@@ -232,8 +232,7 @@ def _start_dashboard(swarm: Swarm, port: int):
     return BackgroundDashboard(collector, port=port).start()
 
 
-def _wait_for_peers(swarm: Swarm, opt, options: JoinOptions, display: ProgressDisplay,
-                    stop: threading.Event) -> None:
+def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay, stop: threading.Event) -> None:
     """Hold step 0 until the expected peers have published, so a simulated swarm starts together."""
     from collab.state import read_run_state
 
@@ -241,9 +240,7 @@ def _wait_for_peers(swarm: Swarm, opt, options: JoinOptions, display: ProgressDi
     deadline = time.monotonic() + options.wait_peers_timeout
     while not stop.is_set() and time.monotonic() < deadline:
         present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id).peers)
-        # and hivemind's tracker sees them too: a pair that steps before it counts the others runs an epoch
-        # ahead of them, and later rounds mix the two lineages' gradients (a NAT test ended 4e-2 apart so)
-        if present >= options.wait_peers and opt.tracker.global_progress.num_peers >= options.wait_peers:
+        if present >= options.wait_peers:
             return
         stop.wait(0.25)
     if not stop.is_set():
