@@ -22,22 +22,17 @@ def _simulate(tmp_path, name: str, config, duration: float, churn=None):
 
 
 def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_processes):
-    # a smaller target batch than the micro config's: ~6 s epochs with 5 peers on 2 cores, so that a
-    # few minutes hold enough epochs to compare rates. The timeouts are the shipped configs' (the micro
-    # config stretches them for CPU-starved rounds): a peer killed inside an all-reduce stalls its
-    # group for next_chunk_timeout, and a restarting peer tries a dead peer's state for load_state_timeout.
+    # a smaller target batch than the micro config's: ~6 s epochs with 5 peers on 2 cores. The timeouts are
+    # the shipped configs' (the micro config stretches them for CPU-starved rounds): a peer killed inside an
+    # all-reduce stalls its group for next_chunk_timeout, and a restarting peer tries a dead peer's state for
+    # load_state_timeout. The rate against a steady swarm is benchmarks/churn.py's (ratio 1.2 measured).
     config = write_config(tmp_path, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0})
-    # (kill every 20 s for 130 s: six hits, so that the checks below have a few restarts to look at; the
-    # steady run needs 80 s, half of it starting 5 peers, to reach the 5 epochs that make its rate a rate)
-    baseline = _simulate(tmp_path, "steady", config, duration=80)
-    churned = _simulate(tmp_path, "churn", config, duration=130, churn=ChurnSpec("kill", every=20, downtime=12))
-
-    # measured on this machine: 9.5 epochs/min steady, 11.3 with churn (fewer peers share 2 cores)
-    ratio = churned.epochs_per_minute / baseline.epochs_per_minute
-    print(f"epochs/min: {baseline.epochs_per_minute:.2f} steady, {churned.epochs_per_minute:.2f} with churn "
-          f"(ratio {ratio:.2f})")
-    assert baseline.epochs_reached >= 5 and ratio >= 0.6
+    # kill every 20 s for 115 s: five hits, the first ones while the peers still start (as a crash can come)
+    churned = _simulate(tmp_path, "churn", config, duration=115, churn=ChurnSpec("kill", every=20, downtime=12))
+    # the swarm trained on through the hits: it reached epoch 13 in two runs here; a swarm whose
+    # restarted peers stall it (the catch-up bugs this test caught) made 4
+    assert churned.epochs_reached >= 6, churned.to_table()
 
     hits = [e for e in churned.churn_events if e["action"] == "kill"]
     restarts = [e for e in churned.churn_events if e["action"] == "restart"]

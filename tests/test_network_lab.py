@@ -92,16 +92,16 @@ def test_slow_uplink_gets_a_smaller_share_and_rounds_finish_sooner(tmp_path):
     """
     links = [LinkSpec(upload_mbit=100, download_mbit=100)] * 3 + [LinkSpec(upload_mbit=10, download_mbit=100)]
     size = 1_000_000  # fp32: 4 MB
-    announced = measure_rounds(links, "hivemind", size, tmp_path / "announced", rounds=4, announce_bandwidth=True)
-    equal = measure_rounds(links, "hivemind", size, tmp_path / "equal", rounds=4, announce_bandwidth=False)
+    announced = measure_rounds(links, "hivemind", size, tmp_path / "announced", rounds=3, announce_bandwidth=True)
+    equal = measure_rounds(links, "hivemind", size, tmp_path / "equal", rounds=3, announce_bandwidth=False)
     # A round counts when every process got the exact mean of 1..4. hivemind reports a round in which one
     # part's stream broke (its reducer is "failed") as a success with that part left unaveraged - a CI run
     # had one such round in six (max error 1.5: a process's own 1.0 or 4.0) - and its bytes say nothing
-    # about shares. Such rounds are left out and counted; two whole rounds per mode are required.
+    # about shares. Such rounds are left out and counted; two whole rounds of three per mode are required.
     announced = [o for o in announced if o.group_sizes == [4, 4, 4, 4] and o.max_error < 1e-6]
     equal = [o for o in equal if o.group_sizes == [4, 4, 4, 4] and o.max_error < 1e-6]
-    print(f"whole rounds: {len(announced)}/4 announced, {len(equal)}/4 equal shares")
-    assert len(announced) >= 3 and len(equal) >= 3, "more than one round of four was partial or failed"
+    print(f"whole rounds: {len(announced)}/3 announced, {len(equal)}/3 equal shares")
+    assert len(announced) >= 2 and len(equal) >= 2, "more than one round of three was partial or failed"
     slow_sent = [o.bytes_sent[3] for o in announced]
     slow_sent_equal = [o.bytes_sent[3] for o in equal]
     print(f"slow peer sent {[b / 1e6 for b in slow_sent]} MB with its bandwidth announced, "
