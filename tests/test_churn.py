@@ -28,8 +28,9 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # load_state_timeout. The rate against a steady swarm is benchmarks/churn.py's (ratio 1.2 measured).
     config = write_config(tmp_path, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0})
-    # kill every 20 s for 115 s: five hits, the first ones while the peers still start (as a crash can come)
-    churned = _simulate(tmp_path, "churn", config, duration=115, churn=ChurnSpec("kill", every=20, downtime=12))
+    # kill every 20 s for 130 s: six hits, the first ones while the peers still start (as a crash can come);
+    # with 115 s a CI run had one restart that trained - the later ones came back with too little time left
+    churned = _simulate(tmp_path, "churn", config, duration=130, churn=ChurnSpec("kill", every=20, downtime=12))
     # the swarm trained on through the hits: it reached epoch 13 in two runs here; a swarm whose
     # restarted peers stall it (the catch-up bugs this test caught) made 4
     assert churned.epochs_reached >= 6, churned.to_table()
