@@ -31,7 +31,7 @@ from hivemind.utils.mpfuture import MPFuture
 from collab.config import RunConfig
 from collab.epoch_rounds import EpochKeyedGradientAverager
 from collab.metrics import AveragingLog
-from collab.replica import OwnStep, RecordingStateAverager, peers_ahead, peers_behind, repaired
+from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
 from collab.tasks import Task
 
 COMPRESSION: dict[str, type[CompressionBase]] = {
@@ -262,29 +262,14 @@ class CollabOptimizer(Optimizer):
 
     def _wait_for_round(self, control):
         """The round's result, waiting in short slices: a peer asked to leave must not sit out a whole
-        averaging_timeout (up to minutes) inside an all-reduce before it can say goodbye. Nor does a peer
-        whose round still looks for a group after the swarm made this epoch's step without it (it began
-        too late, as a slow starter did in CI, and waited 60 s while the others trained 4 epochs): the
-        round is given up, and the step that follows is re-synced at once (a download)."""
+        averaging_timeout (up to minutes) inside an all-reduce before it can say goodbye."""
         deadline = time.monotonic() + self.averaging_timeout
-        next_look = time.monotonic() + self.matchmaking_time
         while True:
             try:
                 return control.result(timeout=0.25)
             except FutureTimeout:
                 if self.stop.is_set() or time.monotonic() > deadline:
                     raise
-                if control.stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > next_look:
-                    next_look = time.monotonic() + 2.0
-                    if self._swarm_moved_on():
-                        control.cancel()
-                        raise TimeoutError("the swarm made this epoch's step without this peer")
-
-    def _swarm_moved_on(self) -> bool:
-        try:  # the tracker is paused during the step: ask the DHT
-            return peers_ahead(self.dht, self.run_id, self.local_epoch) > 0
-        except Exception:  # a DHT that fails to answer: keep waiting, up to averaging_timeout
-            return False
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         averaged = False

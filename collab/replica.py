@@ -114,12 +114,3 @@ def peers_behind(dht, run_id: str, epoch: int, fresh_seconds: float = 30.0) -> i
     now = time.time()
     return sum(1 for p in progress_records(dht, run_id).values()
                if p.epoch == epoch - 1 and now - p.time < fresh_seconds)
-
-
-def peers_ahead(dht, run_id: str, epoch: int, fresh_seconds: float = 30.0) -> int:
-    """Peers whose signed progress says they are past `epoch`: they made that epoch's step (a peer publishes its
-    new epoch only after its round), so a round of ours still looking for a group at `epoch` will find none."""
-    from collab.state import progress_records
-
-    now = time.time()
-    return sum(1 for p in progress_records(dht, run_id).values() if p.epoch > epoch and now - p.time < fresh_seconds)
