@@ -16,7 +16,7 @@ from functools import partial
 from typing import Optional
 import torch
 from hivemind import Optimizer
-from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.control import StepControl
 from hivemind.compression import (
     CompressionBase,
     Float16Compression,
@@ -24,12 +24,12 @@ from hivemind.compression import (
     Quantile8BitQuantization,
     Uniform8BitQuantization,
 )
+from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from collab.config import RunConfig
-from collab.epoch_rounds import EpochKeyedGradientAverager
 from collab.metrics import AveragingLog
 from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
 from collab.tasks import Task
@@ -71,8 +71,6 @@ class CollabOptimizer(Optimizer):
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
-        self._keyed_epoch: Optional[int] = None  # the epoch the gradient averager's group key names now
-        self._missed_round_tried: Optional[tuple[int, int]] = None  # (our epoch, the swarm's) of the last such download
         super().__init__(**kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
@@ -109,17 +107,7 @@ class CollabOptimizer(Optimizer):
             self._set_sharing_priority(self.local_epoch - 1)
         self._most_peers = self.tracker.global_progress.num_peers
 
-    def _key_next_round_to_epoch(self) -> None:
-        """Gradient rounds match only peers at the same epoch (collab.epoch_rounds says why)."""
-        if self._keyed_epoch == self.local_epoch:
-            return
-        if self.scheduled_grads is not None and not (self.scheduled_grads.triggered or self.scheduled_grads.done()):
-            return  # a search for this epoch's round is running under its key
-        self.grad_averager.set_round_epoch(self.local_epoch)
-        self._keyed_epoch = self.local_epoch
-
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        self._key_next_round_to_epoch()
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began and self._most_peers > 1:
             self.averaging_log.failure()  # hivemind steps on local gradients while others average without us
@@ -192,26 +180,7 @@ class CollabOptimizer(Optimizer):
         # gradients we would compute meanwhile would be for parameters nobody else has
         if not self.in_sync() and self._resync_tried is not self.own_step:
             return True
-        if self._missed_the_swarms_round():
-            self._missed_round_tried = (self.local_epoch, self.tracker.global_epoch)
-            return True
         return super()._should_load_state_from_peers()
-
-    def _missed_the_swarms_round(self) -> bool:
-        """The swarm made this epoch's step without us: it publishes a later epoch, and no group holds us.
-
-        (A peer publishes its new epoch only once its round's group is assembled, so a search still running
-        now cannot end in that group.) hivemind lets a peer one epoch behind start a round at once, to meet
-        the others' next one; rounds are keyed by epoch here (collab.epoch_rounds), so it downloads the
-        swarm's state instead - what its own step would need afterwards anyway. Tried once per pair of
-        epochs: a peer nobody answers trains on (its step is then its own, and re-synced later)."""
-        if self.local_epoch >= self.tracker.global_epoch or self.tracker.global_progress.num_peers <= 1:
-            return False
-        if self._missed_round_tried == (self.local_epoch, self.tracker.global_epoch):
-            return False
-        control = self.scheduled_grads
-        return control is None or control.done() or control.stage in (AveragingStage.IDLE,
-                                                                        AveragingStage.LOOKING_FOR_GROUP)
 
     def load_state_from_peers(self, deadline: Optional[float] = None, **kwargs) -> bool:
         """hivemind's catch-up, with three changes: it says whether a state was really loaded (hivemind returns
@@ -221,10 +190,7 @@ class CollabOptimizer(Optimizer):
         not downloaded - another peer's accumulated gradients, which hivemind fetches and throws away."""
         self._resync_tried = self.own_step
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            if self.scheduled_grads.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
-                self.scheduled_grads.cancel()  # no group holds us yet: nobody to tag along with
-            else:
-                self._tag_along_with_zero_weight(self.scheduled_grads)
+            self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         if self.own_step is not None and self.in_sync():
@@ -352,7 +318,6 @@ class CollabOptimizer(Optimizer):
         # the DHT and averager processes busy (a third of a core here). With one peer there is nobody to
         # match; when another appears, _begin_averaging_gradients still starts a round at the epoch's end.
         if self.tracker.global_progress.num_peers > 1:
-            self._key_next_round_to_epoch()
             super()._maybe_schedule_gradient_averaging()
 
     def _maybe_schedule_state_averaging(self) -> None:
@@ -410,7 +375,7 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         # Likewise a joining peer starts from the swarm's exact parameters.
         state_averaging_compression=NoCompression(),
         load_state_compression=NoCompression(),
-        grad_averager_factory=partial(EpochKeyedGradientAverager, **averager_opts),
+        grad_averager_factory=partial(GradientAverager, **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
         shutdown_timeout=2,
