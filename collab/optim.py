@@ -43,7 +43,7 @@ COMPRESSION: dict[str, type[CompressionBase]] = {
 
 
 LEAVE_LINGER_SECONDS = 3.0
-DONOR_LINGER_SECONDS = 60.0  # the most a leaving peer waits for a peer one epoch behind to download its state
+DONOR_LINGER_SECONDS = 60.0  # the least a leaving peer waits for a peer one epoch behind to download its state
 logger = get_logger(__name__)
 
 
@@ -89,7 +89,27 @@ class CollabOptimizer(Optimizer):
 
     def step(self, *args, **kwargs):
         self._most_peers = max(self._most_peers, self.tracker.global_progress.num_peers)
+        self._adopt_the_swarms_epoch()
         return super().step(*args, **kwargs)
+
+    def _adopt_the_swarms_epoch(self) -> None:
+        """Heal a lineage split (collab.replica.RecordingStateAverager.epoch_ahead): this peer made its
+        groupmates' step under an epoch number one lower, so it takes their epoch and learning-rate schedule."""
+        ahead = self.state_averager.epoch_ahead(self.local_epoch)
+        if ahead is None:
+            return
+        with self.tracker.pause_updates(), self.state_averager.lock_optimizer:
+            behind_by = ahead - self.local_epoch
+            self.state_averager.local_epoch = ahead
+            self.state_averager._update_scheduler()
+            if self.own_step is not None:  # its epoch counts in the swarm's numbering, which moved by one
+                self.own_step.epoch += behind_by
+                self.tracker.held_epoch = self.own_step.epoch - 1
+            self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
+        if self.own_step is None:
+            self._set_sharing_priority(ahead)
+        logger.warning(f"Epoch {ahead - behind_by}: the last state-averaging round showed this peer one epoch "
+                       f"behind its groupmates, though it made the same steps; now at epoch {ahead}")
 
     def _update_global_epoch(self, grad_scaler) -> None:
         # hivemind first waits for the last epoch's background step and state round: not for one that finds no group
@@ -195,6 +215,11 @@ class CollabOptimizer(Optimizer):
         self.state_averager.step(wait_for_delayed_updates=True)
         if self.own_step is not None and self.in_sync():
             return True  # the state-averaging round that just finished gathered the whole swarm: no download
+        epoch_before = self.local_epoch
+        self._adopt_the_swarms_epoch()
+        if (self.own_step is None and epoch_before < self.local_epoch >= self.tracker.global_epoch
+                and self.state_averager.gathered_since(epoch_before) >= self.tracker.global_progress.num_peers):
+            return True  # that round also healed a lineage split, with the whole swarm's parameters: no download
 
         loaded = False
         with self.tracker.pause_updates():
@@ -295,7 +320,9 @@ class CollabOptimizer(Optimizer):
     def _serve_peers_behind(self) -> None:
         """A peer one epoch behind ours (it missed the last step, or has not noticed it yet) will want our state
         to leave in sync with the swarm: stay its donor for a while rather than leave it with nobody to ask."""
-        deadline = time.monotonic() + DONOR_LINGER_SECONDS
+        # a peer behind may first sit out a gradient round that finds nobody (up to averaging_timeout), then give
+        # up its state round: only then does it ask for our state
+        deadline = time.monotonic() + max(DONOR_LINGER_SECONDS, self.averaging_timeout + 3 * self.matchmaking_time)
         while time.monotonic() < deadline and not self.stop.is_set():
             try:
                 behind = peers_behind(self.dht, self.run_id, self.local_epoch)

@@ -69,6 +69,26 @@ class RecordingStateAverager(TrainingStateAverager, _RecordOutcomes):
                 best = max(best, len(control.result() or ()))
         return best
 
+    def epoch_ahead(self, epoch: int) -> Optional[int]:
+        """`epoch + 1` if the newest finished state round this peer joined at `epoch` had groupmates one epoch
+        ahead (each says its epoch in the round's gathered data), else None.
+
+        A lineage split: hivemind matches every gradient round of a run under one key, and a peer one epoch
+        behind is "ready" at once, so a peer whose round starts after the others' has assembled (a slow start,
+        a stall) joins their *next* round, steps to the epoch they just left, and stays one behind for the
+        rest of the run - found in CI, where such a peer needed one more round at --max-epochs, after the
+        others had gone. The state round after the shared gradient round shows it. Anything else a groupmate
+        says (further ahead, behind, not a number) is ignored: one epoch is all a lineage split puts between
+        honest peers, and one peer's word must not move the rest further."""
+        for gathered_epoch, control in reversed(getattr(self, "rounds", [])):
+            if not control.done() or control.cancelled() or control.exception() is not None:
+                continue
+            if gathered_epoch != epoch:
+                return None
+            epochs = [e for e in (control.result() or {}).values() if isinstance(e, int) and not isinstance(e, bool)]
+            return epoch + 1 if epoch + 1 in epochs else None
+        return None
+
     def give_up_matchmaking(self, up_to_epoch: int, patience: float, stop, limit: float) -> int:
         """Wait while a state round of `up_to_epoch` or before looks for a group, and cancel one that still looks
         `patience` seconds after it was due. hivemind would let it look for up to averaging_timeout (a minute),

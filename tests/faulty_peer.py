@@ -11,6 +11,13 @@ Faults:
                                   round cannot start, so hivemind falls back to a step on its own
                                   gradients. The cause of the CI failure in which one peer left at
                                   --max-epochs one update away from the others.
+  --late-round-at-epoch E --stall S
+                                  at the end of epoch E the peer waits (no pre-scheduled matchmaking,
+                                  S seconds at most) until another peer's progress shows epoch E+1, and
+                                  then starts its gradient round as usual: the others have averaged
+                                  without it, so it joins their *next* round, one epoch behind - the
+                                  lineage split of a peer that starts slowly, which left the NAT test's
+                                  slow peer one epoch behind the swarm to the end.
 """
 
 from __future__ import annotations
@@ -20,25 +27,38 @@ import sys
 import time
 
 
-def starve_at_epoch(epoch: int, stall: float) -> None:
+def stall_at_epoch(epoch: int, stall: float, round_fails: bool) -> None:
     from hivemind.averaging.partition import AllreduceException
 
     from collab.optim import CollabOptimizer
+    from collab.state import progress_records
 
     schedule = CollabOptimizer._maybe_schedule_gradient_averaging
     begin = CollabOptimizer._begin_averaging_gradients
 
+    fired = []  # once: a peer that comes back to epoch E (a download) trains normally
+
     def no_matchmaking(self):
-        if self.local_epoch != epoch:
+        if self.local_epoch != epoch or fired:
             schedule(self)
 
     def starved(self, grad_scaler):
-        if self.local_epoch != epoch:
+        if self.local_epoch != epoch or fired:
             return begin(self, grad_scaler)
+        fired.append(True)
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self.scheduled_grads.cancel()
         self.scheduled_grads = None
-        print(f"[fault] starving for {stall:.0f} s at the end of epoch {epoch}", flush=True)
+        if not round_fails:
+            # the moment that splits lineages: the others' round for this epoch is over, their next one is not
+            print(f"[fault] at the end of epoch {epoch}, waiting (up to {stall:.0f} s) for the others to leave it",
+                  flush=True)
+            deadline = time.monotonic() + stall
+            while time.monotonic() < deadline and not any(
+                    p.epoch > epoch for p in progress_records(self.dht, self.run_id).values()):
+                time.sleep(0.2)
+            return begin(self, grad_scaler)
+        print(f"[fault] stalling for {stall:.0f} s at the end of epoch {epoch}", flush=True)
         time.sleep(stall)
 
         def cannot_start(*args, **kwargs):
@@ -56,10 +76,15 @@ def starve_at_epoch(epoch: int, stall: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--starve-at-epoch", type=int, required=True)
+    fault = parser.add_mutually_exclusive_group(required=True)
+    fault.add_argument("--starve-at-epoch", type=int)
+    fault.add_argument("--late-round-at-epoch", type=int)
     parser.add_argument("--stall", type=float, default=15.0)
     args, rest = parser.parse_known_args()
-    starve_at_epoch(args.starve_at_epoch, args.stall)
+    if args.starve_at_epoch is not None:
+        stall_at_epoch(args.starve_at_epoch, args.stall, round_fails=True)
+    else:
+        stall_at_epoch(args.late_round_at_epoch, args.stall, round_fails=False)
 
     from collab.cli import main as collab_main
 

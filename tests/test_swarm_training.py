@@ -28,16 +28,19 @@ PARAM_TOLERANCE = 1e-3
 
 
 def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftover_processes):
-    """3 peers average and learn, and every final checkpoint is the swarm's model. Peer 2 is starved of CPU at
-    the end of the last epoch (tests/faulty_peer.py), as one peer was in a failing CI run: it misses the last
-    gradient round and the last state-averaging round, steps on its own gradients, and must download the
-    swarm's state before it checkpoints and leaves (before the fix it saved a model 1.6e-2 away from the rest)."""
+    """3 peers average and learn, and every final checkpoint is the swarm's model, though two peers are faulty
+    (tests/faulty_peer.py), as peers were in failing CI runs. Peer 2 is starved of CPU at the end of the last
+    epoch: it misses the last gradient round and the last state-averaging round, steps on its own gradients,
+    and must download the swarm's state before it checkpoints and leaves (before the fix it saved a model
+    1.6e-2 away from the rest). Peer 1 stalls at the end of epoch 1 and joins the others' next round: a
+    lineage split, one epoch behind them, that must heal before the end."""
     max_epochs = 5
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}-checkpoints")] for i in range(3)}
-    starved = {2: [sys.executable, str(Path(__file__).with_name("faulty_peer.py")),
-                   "--starve-at-epoch", str(max_epochs - 1), "--stall", "15"]}
+    faulty = [sys.executable, str(Path(__file__).with_name("faulty_peer.py"))]
+    programs = {1: [*faulty, "--late-round-at-epoch", "1", "--stall", "30"],
+                2: [*faulty, "--starve-at-epoch", str(max_epochs - 1), "--stall", "15"]}
     summaries = train_swarm_to_epoch(3, run_id, tmp_path, ["--config", str(micro_config)], max_epochs, per_peer,
-                                     per_peer_program=starved)
+                                     per_peer_program=programs)
 
     for s in summaries:
         # the epoch advanced by at least 3 (hivemind may start a late peer one epoch ahead)
@@ -50,6 +53,9 @@ def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftov
     # the starved peer knew its last step was its own and fetched the swarm's state; the others were the swarm
     assert summaries[2]["rounds_failed"] >= 1 and summaries[2]["final_replica"] == "downloaded", summaries[2]
     assert [s["final_replica"] for s in summaries[:2]] == ["swarm", "swarm"], summaries[:2]
+    # peer 1's late round at epoch 1 joined the others' round for epoch 2; it took their epoch then, so it
+    # made the last round with them (one behind, its last round would have found nobody: a failed round)
+    assert summaries[1]["rounds_failed"] == 0, summaries[1]
 
     # every peer's final checkpoint is a standard HF folder; their parameters agree
     models = []
