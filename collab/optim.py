@@ -92,12 +92,12 @@ class CollabOptimizer(Optimizer):
         self._adopt_the_swarms_epoch()
         return super().step(*args, **kwargs)
 
-    def _adopt_the_swarms_epoch(self) -> None:
+    def _adopt_the_swarms_epoch(self) -> bool:
         """Heal a lineage split (collab.replica.RecordingStateAverager.epoch_ahead): this peer made its
         groupmates' step under an epoch number one lower, so it takes their epoch and learning-rate schedule."""
         ahead = self.state_averager.epoch_ahead(self.local_epoch)
         if ahead is None:
-            return
+            return False
         with self.tracker.pause_updates(), self.state_averager.lock_optimizer:
             behind_by = ahead - self.local_epoch
             self.state_averager.local_epoch = ahead
@@ -110,12 +110,21 @@ class CollabOptimizer(Optimizer):
             self._set_sharing_priority(ahead)
         logger.warning(f"Epoch {ahead - behind_by}: the last state-averaging round showed this peer one epoch "
                        f"behind its groupmates, though it made the same steps; now at epoch {ahead}")
+        return True
 
     def _update_global_epoch(self, grad_scaler) -> None:
         # hivemind first waits for the last epoch's background step and state round: not for one that finds no group
         if self.delay_optimizer_step and self.state_averager.give_up_matchmaking(
                 self.local_epoch, self.matchmaking_time, self.stop, limit=self.averaging_timeout):
             logger.warning(f"Epoch {self.local_epoch}: the state-averaging round found no group in time; given up")
+        if self.delay_optimizer_step:
+            # (hivemind's own first step here) the last epoch's state round may show this peer one epoch behind.
+            # A peer that is behind is "ready" at once, at every step: without this check here it would go
+            # straight into the next gradient round and stay behind for good (CI, the NAT test: two of four
+            # peers contributed 8 samples an epoch, each time joining the others' next round)
+            self.state_averager.step(wait_for_delayed_updates=True)
+            if self._adopt_the_swarms_epoch() and not self.tracker.ready_to_update_epoch:
+                return  # at the swarm's epoch now: accumulate toward its target like everyone else
         try:
             super()._update_global_epoch(grad_scaler)
         except LeavingMidStep:

@@ -17,7 +17,8 @@ Faults:
                                   then starts its gradient round as usual: the others have averaged
                                   without it, so it joins their *next* round, one epoch behind - the
                                   lineage split of a peer that starts slowly, which left the NAT test's
-                                  slow peer one epoch behind the swarm to the end.
+                                  slow peers one epoch behind the swarm to the end. Its exact-epoch check
+                                  after that round is missed, as a race made it in CI.
 """
 
 from __future__ import annotations
@@ -72,6 +73,26 @@ def stall_at_epoch(epoch: int, stall: float, round_fails: bool) -> None:
 
     CollabOptimizer._maybe_schedule_gradient_averaging = no_matchmaking
     CollabOptimizer._begin_averaging_gradients = starved
+    if not round_fails:
+        _miss_the_exact_epoch_check_once(fired)
+
+
+def _miss_the_exact_epoch_check_once(fired: list) -> None:
+    """hivemind checks once per epoch, at its first progress fetch after the step, that this peer's epoch is
+    exactly the swarm's; a fetch made before the others published their new epoch passes the check, and the
+    split is never caught (as in the failing CI run). Make that race certain, once, after the late round."""
+    from hivemind import Optimizer
+
+    update = Optimizer._update_global_epoch
+
+    def update_then_miss_the_check(self, grad_scaler):
+        update(self, grad_scaler)
+        if fired and fired[-1] is True:
+            fired.append("check missed")
+            self._should_check_synchronization_on_update = False
+            print("[fault] the exact-epoch check after the late round found the swarm not yet moved on", flush=True)
+
+    Optimizer._update_global_epoch = update_then_miss_the_check
 
 
 def main() -> int:

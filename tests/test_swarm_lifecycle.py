@@ -45,8 +45,8 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
         epoch_at_join = state["global_epoch"]
         swarm.start_peer(2)
 
-        # SIGTERM to peer 1 once the late peer is in: it leaves within 10 s with its whole process tree
-        wait_for(lambda: "epoch " in swarm.peers[2].log_text(), timeout=120, what="the late peer to train")
+        # SIGTERM to peer 1 while the late peer joins: it leaves within 10 s with its whole process tree. (Not
+        # later: in CI, waiting for the late peer's first epoch let the others reach --max-epochs first.)
         leaving = swarm.peers[1]
         tree = [psutil.Process(leaving.popen.pid), *psutil.Process(leaving.popen.pid).children(recursive=True)]
         print(f"SIGTERM to a peer whose tree is {[(p.pid, p.name()) for p in tree]}")
