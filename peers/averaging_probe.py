@@ -48,14 +48,16 @@ def run_hivemind(args, vector) -> list[dict]:
     averager = hivemind.DecentralizedAverager(
         [vector], dht, prefix="probe", target_group_size=args.world, min_group_size=args.world,
         min_matchmaking_time=args.matchmaking, request_timeout=2.0, bandwidth=args.bandwidth,
-        compression=compression, part_size_bytes=args.part_size, next_chunk_timeout=120.0, sender_timeout=100.0, reducer_timeout=120.0,
+        compression=compression, part_size_bytes=args.part_size, next_chunk_timeout=1.2 * args.stall_timeout,
+        sender_timeout=args.stall_timeout, reducer_timeout=1.2 * args.stall_timeout,  # hivemind: sender < reducer
         start=True)
     records = []
     try:
         for r in range(args.rounds):
             with averager.get_tensors() as tensors:
                 tensors[0].fill_(args.index + 1)
-            control = averager.step(require_trigger=True, wait=False, timeout=120, allow_retries=True)
+            control = averager.step(require_trigger=True, wait=False, timeout=60 + 2 * args.stall_timeout,
+                                    allow_retries=True)
             while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
                 time.sleep(0.001)
             # the group is formed (its last member may learn so a moment after the first); as gloo's barrier
@@ -136,6 +138,8 @@ def main(argv=None) -> None:
     p.add_argument("--bandwidth", type=float, default=None, help="hivemind: announced bandwidth")
     p.add_argument("--part-size", type=int, default=2**19, help="hivemind: bytes per streamed part")
     p.add_argument("--matchmaking", type=float, default=3.0)
+    p.add_argument("--stall-timeout", type=float, default=100.0,
+                   help="hivemind: give up on a peer's next part after this long (a broken round ends then)")
     p.add_argument("--rendezvous", default="", help="hivemind: file where process 0 writes its multiaddr")
     p.add_argument("--master", default="", help="gloo: HOST:PORT of rank 0")
     p.add_argument("--out", required=True)

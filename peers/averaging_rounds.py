@@ -35,6 +35,15 @@ class ProbeFailed(RuntimeError):
     pass
 
 
+def _stall_timeout(links: list[LinkSpec], size: int, wire: str) -> float:
+    """How long a part may take before hivemind gives its sender up: four times the whole vector's time on the
+    slowest uplink, plus slack for 2 busy cores. A round broken by a lost part then costs that, not minutes
+    (a CI run spent 3 of its 15 minutes in one such round at hivemind's 100-120 s)."""
+    megabits = size * (2 if wire == "fp16" else 4) * 8 / 1e6
+    slowest = min((link.upload_mbit for link in links if link.upload_mbit), default=1000.0)
+    return 20.0 + 4 * megabits / slowest
+
+
 def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path, rounds: int = 2,
                    wire: str = "fp32", announce_bandwidth: bool = True, timeout: float = 600,
                    part_size: Optional[int] = None) -> list[RoundOutcome]:
@@ -55,6 +64,8 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
                        "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
             if backend == "hivemind" and part_size:
                 command += ["--part-size", str(part_size)]
+            if backend == "hivemind":
+                command += ["--stall-timeout", f"{_stall_timeout(links, size, wire):.0f}"]
             if backend == "hivemind" and announce_bandwidth and link.upload_mbit is not None:
                 command += ["--bandwidth", str(link.upload_mbit)]
             log = open(workdir / f"{backend}-{i}.log", "wb")
