@@ -72,7 +72,7 @@ class AveragingConfig(Section):
         "optimizer", description="what runs in the background while the next micro-batches compute: nothing; "
         "the optimizer step; or the gradient all-reduce too (one step of staleness)")
     average_state_every: int = Field(5, gt=0, description="also average parameters every N epochs (repairs drift)")
-    bandwidth: Optional[float] = Field(None, gt=0, description="announced upload bandwidth, Mbit/s")
+    bandwidth: Optional[float] = Field(None, gt=0, le=1e6, description="announced upload bandwidth, Mbit/s")
 
 
 class CheckpointConfig(Section):
@@ -159,7 +159,14 @@ def resolve_config_path(path: Optional[Path]) -> Path:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 YAML") from None
+    except OSError as e:
+        raise UserError(f"config file {path} cannot be read ({e.strerror}); check its permissions, or pass "
+                        "another file with --config") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

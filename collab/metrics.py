@@ -21,6 +21,7 @@ from collab import __version__
 METRICS_SUFFIX = "_metrics"
 PROGRESS_SUFFIX = "_progress"  # written by hivemind's ProgressTracker
 _LARGE = 1e9
+LOSS_BOUNDS = (0.0, 1e6)  # PeerMetricsRecord.loss: what every reader accepts
 
 
 class PeerMetricsRecord(pydantic.BaseModel):
@@ -30,7 +31,7 @@ class PeerMetricsRecord(pydantic.BaseModel):
     role: Literal["trainer", "auxiliary", "monitor"]
     version: pydantic.constr(max_length=32, strict=True) = __version__
     epoch: pydantic.conint(ge=0, le=10**9, strict=True)
-    loss: Optional[pydantic.confloat(ge=0, le=1e6, strict=True)]
+    loss: Optional[pydantic.confloat(ge=LOSS_BOUNDS[0], le=LOSS_BOUNDS[1], strict=True)]
     samples_per_second: pydantic.confloat(ge=0, le=_LARGE, strict=True)
     samples_contributed: pydantic.conint(ge=0, le=10**15, strict=True)
     target_batch_size: pydantic.conint(gt=0, le=10**9, strict=True)
@@ -80,8 +81,28 @@ def metrics_key(run_id: str) -> str:
     return run_id + METRICS_SUFFIX
 
 
-def finite_or_none(value: Optional[float]) -> Optional[float]:
-    return value if value is not None and math.isfinite(value) else None
+_said_out_of_bounds: set[str] = set()
+
+
+def loss_for_record(loss: Optional[float]) -> Optional[float]:
+    """The loss as the record carries it: one outside the schema's bounds (NaN, a diverging task's 1e7, a
+    misconfigured task's negative loss) is published as missing - a peer must never crash on its own
+    metrics - and said once in the peer's log, not at every epoch."""
+    if loss is None:
+        return None
+    low, high = LOSS_BOUNDS
+    if math.isfinite(loss) and low <= loss <= high:
+        return float(loss)
+    if "loss" not in _said_out_of_bounds:
+        _said_out_of_bounds.add("loss")
+        print(f"warning: loss {loss!r} is outside what a metrics record carries ({low:g} to {high:g}); it is published "
+              "as missing (the task diverged or is misconfigured: check the learning rate and the data)", flush=True)
+    return None
+
+
+def rate_for_record(value: float) -> float:
+    """A throughput for the record: hivemind's estimate can be inf or NaN before its first measurement."""
+    return float(value) if math.isfinite(value) and 0 <= value <= _LARGE else 0.0
 
 
 def publish(dht, run_id: str, public_key: bytes, record: PeerMetricsRecord, expiration: float) -> None:

@@ -10,4 +10,5 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a sensible setting (a bandwidth of inf, a learning rate of nan)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from collab.errors import UserError
 
-RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # hivemind forbids dots in its key prefixes
 
 
 class PeerConfig(BaseModel):
@@ -59,7 +59,8 @@ def peer_config_from_flags(**flags) -> PeerConfig:
         err = e.errors()[0]
         if err["loc"] == ("run_id",):
             raise UserError(
-                f"--run-id {flags.get('run_id')!r} is invalid; use 1-64 letters, digits, '.', '_' or '-'"
+                f"--run-id {flags.get('run_id')!r} is invalid; use 1-64 letters, digits, '_' or '-' "
+                "(no dots: hivemind's DHT keys forbid them)"
             ) from None
         raise UserError(err["msg"].removeprefix("Value error, ")) from None
 

@@ -14,7 +14,7 @@ from typing import Optional
 from collab.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.config import RunConfig
 from collab.lifecycle import StopOnSignal
-from collab.metrics import AveragingLog, PeerMetricsRecord, finite_or_none, publish
+from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.progress import ProgressDisplay, Snapshot
 from collab.swarm import PeerConfig, Swarm, load_or_create_signing_key
 from collab.tasks import build_task
@@ -277,8 +277,8 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         peer_id=swarm.peer_id,
         role="trainer",
         epoch=opt.local_epoch,
-        loss=finite_or_none(loss),
-        samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
+        loss=loss_for_record(loss),
+        samples_per_second=rate_for_record(opt.tracker.performance_ema.samples_per_second),
         samples_contributed=summary.samples_contributed,
         target_batch_size=config.training.target_batch_size,
         client_mode=swarm.peer.client_mode,

@@ -76,12 +76,35 @@ def test_defaults_are_a_complete_config():
     (["join", "--run-id", "r", "--dataset", "/nonexistent/corpus"], "dataset path /nonexistent/corpus does not exist"),
     (["join", "--run-id", "r", "--tokenizer", "/nonexistent/tok.json"], "tokenizer file /nonexistent/tok.json"),
     (["simulate", "--peers", "0"], "--peers 0 must be at least 1"),
+    (["join", "--run-id", "my.run"], "--run-id 'my.run' is invalid; use 1-64 letters, digits, '_' or '-' (no dots"),
+    (["join", "--run-id", "r", "--bandwidth", "inf"], "averaging.bandwidth: input should be a finite number"),
+    (["join", "--run-id", "r", "--config", "{latin1}"], "is not UTF-8 text (byte 5); save it as UTF-8 YAML"),
+    (["dashboard", "--run-id", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--interval", "nan"],
+     "--interval nan must be a positive number of seconds"),
+    (["dashboard", "--run-id", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--interval", "0"],
+     "--interval 0.0 must be a positive number of seconds"),
+    (["simulate", "--dashboard-port", "{taken}"], "--dashboard-port {taken}: the port is already in use"),
+    (["dashboard", "--run-id", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--port", "{taken}"],
+     "--port {taken}: the port is already in use on 127.0.0.1"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
+    import socket
+
     bad = write_config(tmp_path, {"training.target_batch_size": 4}, "bad.yaml")
-    args = [str(bad) if a == "{bad}" else a for a in args]
-    expected = expected.replace("{bad}", str(bad))
-    result = run_cli(*args, timeout=180)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("# caf\xe9\ntraining: {learning_rate: 0.01}\n".encode("latin-1"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    values = {"{bad}": str(bad), "{latin1}": str(latin1), "{taken}": port}
+    args = [values.get(a, a) for a in args]
+    for placeholder, value in values.items():
+        expected = expected.replace(placeholder, value)
+    try:
+        result = run_cli(*args, timeout=180)
+    finally:
+        taken.close()
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr + result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]

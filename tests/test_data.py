@@ -100,6 +100,21 @@ def test_hugging_face_dataset_path_on_local_files(tmp_path, tokenizer):
         next(token_windows(f"hf:{tmp_path / 'missing'}", tokenizer, 24, seed=0))
 
 
+def test_hugging_face_dataset_without_text_is_an_error_not_a_hang(tmp_path, tokenizer):
+    import json
+
+    no_text = tmp_path / "no_text"
+    no_text.mkdir()
+    (no_text / "train.jsonl").write_text("".join(json.dumps({"body": f"row {i}"}) + "\n" for i in range(20)))
+    with pytest.raises(UserError, match="has no 'text' column \\(columns: body\\)"):
+        next(token_windows(f"hf:{no_text}", tokenizer, 24, seed=0))
+    empty = tmp_path / "empty_text"
+    empty.mkdir()
+    (empty / "train.jsonl").write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(20)))
+    with pytest.raises(UserError, match="has no text in its 'text' column"):
+        next(token_windows(f"hf:{empty}", tokenizer, 24, seed=0))  # before: a loop over the empty rows forever
+
+
 def test_tokenizer_from_json_and_folder(tmp_path, tokenizer):
     from_json = load_tokenizer(str(embedded_tokenizer_file(VOCAB)), VOCAB)
     assert from_json("hello world")["input_ids"] == tokenizer("hello world")["input_ids"]

@@ -29,6 +29,19 @@ def test_schema_rejects_absurd_values(field, value):
     assert PeerMetricsRecord(**GOOD).epoch == 3
 
 
+def test_a_loss_outside_the_records_bounds_is_published_as_missing_and_said_once(capsys):
+    from collab import metrics
+
+    metrics._said_out_of_bounds.clear()
+    assert metrics.loss_for_record(5.25) == 5.25 and metrics.loss_for_record(None) is None
+    for diverged in (2e6, -0.5, math.nan, math.inf):
+        assert metrics.loss_for_record(diverged) is None
+        PeerMetricsRecord(**{**GOOD, "loss": metrics.loss_for_record(diverged)})  # a valid record, not a crash
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "loss 2000000.0 is outside what a metrics record carries" in said[0], said
+    assert metrics.rate_for_record(math.inf) == 0.0 and metrics.rate_for_record(12.5) == 12.5
+
+
 @pytest.fixture()
 def two_nodes(run_id, no_leftover_processes):
     first = Swarm(PeerConfig(run_id=run_id, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))

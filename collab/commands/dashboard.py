@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def add_parser(sub) -> None:
@@ -24,15 +25,19 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from collab.errors import UserError
+    from collab.ports import require_free_port
+
+    # flags first: a mistake is answered before hivemind and torch import (seconds)
+    if args.fd is None:
+        require_free_port(args.port, "--port", host=args.host)
+    if not (math.isfinite(args.interval) and args.interval > 0):
+        raise UserError(f"--interval {args.interval} must be a positive number of seconds, e.g. --interval 3")
+
     from collab.lifecycle import reap_children
     from collab.swarm import peer_config_from_flags
     from dashboard.collector import Collector
     from dashboard.server import serve_forever
 
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port {args.port} is not a TCP port; pass 1-65535")
-    if args.interval <= 0:
-        raise UserError(f"--interval {args.interval} must be positive")
     peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers)  # validates the flags
     collector = Collector(args.run_id, args.initial_peers, interval=args.interval)
     if args.fd is not None:

@@ -83,8 +83,10 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
 
     if args.max_epochs is not None and args.max_epochs < 0:
         raise UserError(f"--max-epochs {args.max_epochs} is negative; pass a whole number >= 0")
-    if args.dashboard_port is not None and not 0 < args.dashboard_port < 65536:
-        raise UserError(f"--dashboard-port {args.dashboard_port} is not a TCP port; pass 1-65535")
+    if args.dashboard_port is not None:
+        from collab.ports import require_free_port
+
+        require_free_port(args.dashboard_port, "--dashboard-port")
     if args.wait_peers < 1:
         raise UserError(f"--wait-peers {args.wait_peers} must be at least 1")
     overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import uuid
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from collab.config import load_config, resolve_config_path
     from collab.errors import UserError
     from collab.lifecycle import StopOnSignal
+    from collab.ports import require_free_port
     from peers.churn import ChurnSpec
     from peers.launcher import LaunchError
     from peers.netns import NetworkError
@@ -50,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--peers {args.peers} must be at least 1")
     if args.max_epochs is not None and args.max_epochs < 1:
         raise UserError(f"--max-epochs {args.max_epochs} must be at least 1")
-    if args.duration is not None and args.duration <= 0:
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
         raise UserError(f"--duration {args.duration} must be positive (seconds)")
-    if args.dashboard_port is not None and not 0 < args.dashboard_port < 65536:
-        raise UserError(f"--dashboard-port {args.dashboard_port} is not a TCP port; pass 1-65535")
+    if args.dashboard_port is not None:
+        require_free_port(args.dashboard_port, "--dashboard-port")
     churn = ChurnSpec.parse(args.churn) if args.churn else None
     if churn is not None and args.peers < 2:
         raise UserError("--churn needs --peers 2 or more (one peer always stays up)")

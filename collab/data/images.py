@@ -110,9 +110,14 @@ def streamed_images(name: str, size: int, seed: int, buffer_size: int = 1000) ->
                         "pass an image dataset with --dataset hf:NAME")
     epoch = 0
     while True:
+        images = 0
         for row in dataset.shuffle(seed=seed + epoch, buffer_size=buffer_size):
             if row.get(column) is not None:
+                images += 1
                 yield to_square_tensor(row[column], size)
+        if images == 0:  # a whole pass gave nothing: another would not either
+            raise UserError(f"dataset '{name}' has no images in its '{column}' column; pass a dataset with images "
+                            "(--dataset hf:NAME)")
         epoch += 1
 
 

@@ -87,17 +87,26 @@ def streamed_windows(name: str, tokenizer: PreTrainedTokenizerBase, length: int,
     from collab.data import stream_hf_dataset
 
     dataset = stream_hf_dataset(name)
+    columns = list(dataset.features or {})
+    if columns and text_column not in columns:
+        raise UserError(f"dataset '{name}' has no '{text_column}' column (columns: {', '.join(columns)}); "
+                        "pass a text dataset with --dataset hf:NAME")
     epoch = 0
     pending: list[int] = []
     while True:
+        windows = 0
         for row in dataset.shuffle(seed=seed + epoch, buffer_size=buffer_size):
             text: Optional[str] = row.get(text_column)
-            if not text:
+            if not isinstance(text, str) or not text:
                 continue
             pending.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
             while len(pending) >= length:
+                windows += 1
                 yield torch.tensor(pending[:length], dtype=torch.long)
                 del pending[:length]
+        if windows == 0:  # a whole pass gave nothing: another would not either (an empty or text-less dataset)
+            raise UserError(f"dataset '{name}' has no text in its '{text_column}' column, not even one sequence of "
+                            f"{length} tokens; pass a dataset with text (--dataset hf:NAME)")
         epoch += 1
 
 
