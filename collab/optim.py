@@ -25,13 +25,13 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from collab.config import RunConfig
 from collab.metrics import AveragingLog
 from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
+from collab.tracker import HonestProgressTracker
 from collab.tasks import Task
 
 COMPRESSION: dict[str, type[CompressionBase]] = {
@@ -363,18 +363,6 @@ class CollabOptimizer(Optimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-class HonestProgressTracker(ProgressTracker):
-    """hivemind's tracker, which never publishes an epoch this replica has not made with the swarm: after an
-    own step it says the epoch before, so that leaving peers wait to be its state donor."""
-
-    held_epoch: Optional[int] = None
-
-    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
-        if self.held_epoch is not None and local_epoch > self.held_epoch:
-            local_epoch, samples_accumulated = self.held_epoch, 0
-        return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
 
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,

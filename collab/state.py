@@ -14,6 +14,7 @@ from typing import Optional
 from pydantic import BaseModel
 
 from collab.metrics import PROGRESS_SUFFIX, PeerMetricsRecord, metrics_key
+from collab.records import Rejections, accept, drop_implausible_epochs, signed_values
 
 
 class PeerState(BaseModel):
@@ -43,23 +44,22 @@ class RunState(BaseModel):
     eta_seconds: Optional[float]
     num_peers: int
     num_clients: int
-    rejected_records: int
+    rejected_records: int  # other peers' records dropped as untrusted input (collab.records)
+    rejected_by_reason: dict[str, int] = {}
+    rejected_by_signer: dict[str, int] = {}  # the 20 signers with the most, by the peer id of their key
     peers: list[PeerState]
     time: float
 
 
 def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
     """One snapshot of the run, from this node's DHT (any node: a trainer, a client, the dashboard)."""
-    progress, rejected = _read_progress(dht, run_id)
-    records: dict[str, PeerMetricsRecord] = {}
-    for entry in _subkey_values(dht.get(metrics_key(run_id), latest=True)):
-        try:
-            record = PeerMetricsRecord.parse_obj(entry)
-            records[record.peer_id] = record
-        except Exception:
-            rejected += 1
-
     now = time.time()
+    rejected = Rejections()
+    progress = _read_progress(dht, run_id, rejected, now)
+    records = accept(signed_values(dht.get(metrics_key(run_id), latest=True)), PeerMetricsRecord.parse_obj,
+                     lambda record: record.peer_id, rejected, now)
+    records = drop_implausible_epochs(records, rejected, now, reference={**records, **progress})
+
     trainers = [p for p in progress.values() if not p.client_mode] or list(progress.values())
     global_epoch = max((p.epoch for p in trainers), default=max((r.epoch for r in records.values()), default=0))
     accumulated = sum(p.samples_accumulated for p in progress.values() if p.epoch == global_epoch)
@@ -100,30 +100,26 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
         eta_seconds=eta,
         num_peers=len(progress),
         num_clients=sum(p.client_mode for p in progress.values()),
-        rejected_records=rejected,
+        rejected_records=rejected.total,
+        rejected_by_reason=dict(rejected.by_reason),
+        rejected_by_signer=dict(rejected.by_signer.most_common(20)),
         peers=peers,
         time=now,
     )
 
 
 def progress_records(dht, run_id: str) -> dict:
-    """Each peer's training progress as hivemind's tracker published it, by peer id (malformed ones skipped)."""
-    return _read_progress(dht, run_id)[0]
+    """Each peer's training progress as hivemind's tracker published it, by peer id (untrusted ones dropped)."""
+    return _read_progress(dht, run_id, Rejections(), time.time())
 
 
-def _read_progress(dht, run_id: str):
+def _read_progress(dht, run_id: str, rejected: Rejections, now: float) -> dict:
     from hivemind.optim.progress_tracker import LocalTrainingProgress
     from hivemind.p2p import PeerID
 
-    rejected = 0
-    progress: dict[str, LocalTrainingProgress] = {}
-    for entry in _subkey_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)):
-        try:
-            item = LocalTrainingProgress.parse_obj(entry)
-            progress[PeerID(item.peer_id).to_base58()] = item
-        except Exception:
-            rejected += 1
-    return progress, rejected
+    progress = accept(signed_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)), LocalTrainingProgress.parse_obj,
+                      lambda item: PeerID(item.peer_id).to_base58(), rejected, now)
+    return drop_implausible_epochs(progress, rejected, now)
 
 
 def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:
@@ -134,10 +130,3 @@ def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:
         if p.role != "trainer":
             continue
         p.straggler = p.epoch < global_epoch - 1 or (median > 0 and p.samples_per_second < 0.25 * median)
-
-
-def _subkey_values(found):
-    """The values under a dictionary key, whatever shape another peer stored there."""
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return [item.value for item in found.value.values() if hasattr(item, "value") and item.value is not None]

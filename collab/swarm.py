@@ -1,8 +1,8 @@
 """Joining the swarm: identity, the DHT with signed and schema-checked records, the join command.
 
-A peer's identity is two keys kept side by side: the libp2p key (its peer id, `--identity PATH`)
-and the RSA key that signs its DHT records (`PATH.rsa`). Keeping both lets a peer that restarts
-come back as itself: same peer id, and its old metrics record is overwritten, not duplicated.
+A peer's identity is one RSA key (collab.identity): its libp2p key, from which its peer id derives
+(`--identity PATH` keeps it across restarts: same peer id, and its old metrics record is overwritten,
+not duplicated), and the key that signs its DHT records, so that no record can claim another's id.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import hivemind
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from collab.errors import UserError
+from collab.identity import Identity, load_or_create_identity
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # hivemind forbids dots in its key prefixes
 
@@ -65,28 +66,6 @@ def peer_config_from_flags(**flags) -> PeerConfig:
         raise UserError(err["msg"].removeprefix("Value error, ")) from None
 
 
-def load_or_create_signing_key(identity: Optional[Path]):
-    """The RSA key that signs this peer's DHT records; persisted next to the libp2p identity if given."""
-    from cryptography.hazmat.primitives import serialization
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    if identity is None:
-        return RSAPrivateKey()
-    path = Path(str(identity) + ".rsa")
-    if path.is_file():
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        try:
-            key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
-        except ValueError:
-            raise UserError(f"{path} is not a valid key; delete it (and {identity}) to start a new identity") from None
-        return key
-    key = RSAPrivateKey()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(key.to_bytes())
-    path.chmod(0o600)
-    return key
-
-
 class OwnGroupDHT(hivemind.DHT):
     """A DHT whose process (and the p2pd it spawns) leaves the terminal's process group.
 
@@ -103,7 +82,7 @@ class OwnGroupDHT(hivemind.DHT):
 class Swarm:
     """This peer's DHT node, its signing key and the run's record validators."""
 
-    def __init__(self, peer: PeerConfig, signing_key=None, extra_validators: Iterable = ()):
+    def __init__(self, peer: PeerConfig, identity: Optional[Identity] = None, extra_validators: Iterable = ()):
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.schema import SchemaValidator
         from hivemind.utils.crypto import RSAPrivateKey
@@ -114,9 +93,11 @@ class Swarm:
         quiet_orphaned_requests()
 
         self.peer = peer
-        self.signing_key = signing_key if signing_key is not None else load_or_create_signing_key(peer.identity)
+        self.identity = identity if identity is not None else load_or_create_identity(peer.identity)
+        self.signing_key = self.identity.key
         # hivemind's ProgressTracker signs with the process-wide key and RSASignatureValidator merges all
-        # instances into the first one: make them one key, so every record this peer writes is signed alike.
+        # instances into the first one: make them one key - the libp2p identity's - so that every record
+        # this peer writes is signed by the key its peer id is derived from, and readers can check that.
         RSAPrivateKey._process_wide_key = self.signing_key
         signature = RSASignatureValidator(self.signing_key)
         self.public_key: bytes = signature.local_public_key
@@ -126,22 +107,22 @@ class Swarm:
             announce_maddrs=peer.announce_maddrs or None,
             startup_timeout=peer.startup_timeout,
         )
-        if peer.identity is not None:
-            peer.identity.parent.mkdir(parents=True, exist_ok=True)
-            p2p_options["identity_path"] = str(peer.identity)
         try:
-            self.dht = OwnGroupDHT(
-                initial_peers=peer.initial_peers or None,
-                client_mode=peer.client_mode,
-                record_validators=validators,
-                # by the time the DHT is shut down the goodbyes are sent; do not wait 3 s for a busy loop
-                shutdown_timeout=1.0,
-                start=True,
-                **p2p_options,
-            )
+            with self.identity.file_for_p2pd() as identity_path:  # p2pd reads it at start
+                self.dht = OwnGroupDHT(
+                    initial_peers=peer.initial_peers or None,
+                    client_mode=peer.client_mode,
+                    record_validators=validators,
+                    # by the time the DHT is shut down the goodbyes are sent; do not wait 3 s for a busy loop
+                    shutdown_timeout=1.0,
+                    start=True,
+                    identity_path=str(identity_path),
+                    **p2p_options,
+                )
         except Exception as e:
             raise UserError(_explain_dht_failure(e, peer)) from None
         self.peer_id: str = self.dht.peer_id.to_base58()
+        assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
 
     def join_command(self, config_path: Optional[Path] = None) -> str:
         """The exact command another participant runs to join this swarm."""

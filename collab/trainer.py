@@ -16,7 +16,8 @@ from collab.config import RunConfig
 from collab.lifecycle import StopOnSignal
 from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.progress import ProgressDisplay, Snapshot
-from collab.swarm import PeerConfig, Swarm, load_or_create_signing_key
+from collab.identity import load_or_create_identity
+from collab.swarm import PeerConfig, Swarm
 from collab.tasks import build_task
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
@@ -96,8 +97,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
 
     # the data source is opened before joining: a bad --dataset fails here, before any process starts.
     # Each peer draws its own data order: the seed comes from its signing key, i.e. from who it is.
-    signing_key = load_or_create_signing_key(peer.identity)
-    seed = int.from_bytes(hashlib.sha256(signing_key.to_bytes()).digest()[:4], "little")
+    identity = load_or_create_identity(peer.identity)
+    seed = int.from_bytes(hashlib.sha256(identity.key.to_bytes()).digest()[:4], "little")
     batches = task.batches(config.training.micro_batch_size, seed)
     # one throw-away forward/backward: the first step of a process is several times slower (allocator,
     # data pipeline), and a peer that announced itself before it would look stalled to the swarm
@@ -107,7 +108,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     if stop.is_set():
         return _write_exit_summary(summary, options, "stopped by signal")
     display = ProgressDisplay(live=options.live_display)
-    swarm = Swarm(peer, signing_key)
+    swarm = Swarm(peer, identity)
     summary.peer_id = swarm.peer_id
     log = AveragingLog()
     opt = dashboard = None

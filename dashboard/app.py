@@ -35,11 +35,18 @@ class RunMetrics:
             ("collab_target_batch_size", "Samples per collaborative step", s.target_batch_size or 0),
             ("collab_samples_per_second", "Swarm throughput", s.samples_per_second),
             ("collab_peers_online", "Peers that published recently", sum(p.online for p in s.peers)),
-            ("collab_rejected_records", "Records that failed the schema in the last read", s.rejected_records),
+            ("collab_rejected_records", "Other peers' records dropped as untrusted in the last read",
+             s.rejected_records),
         ):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric([s.run_id], float(value))
             yield family
+        family = GaugeMetricFamily("collab_rejected_records_by_reason",
+                                   "Records dropped in the last read, by why (forged id, future time, ...)",
+                                   labels=["run_id", "reason"])
+        for reason, count in s.rejected_by_reason.items():
+            family.add_metric([s.run_id, reason], float(count))
+        yield family
         per_peer = {
             "collab_peer_samples_per_second": ("Peer throughput", lambda p: p.samples_per_second),
             "collab_peer_epoch": ("Peer's local epoch", lambda p: p.epoch),

@@ -41,9 +41,13 @@ class PeerPoint:
 
 class Collector:
     def __init__(self, run_id: str, initial_peers: list[str] = (), interval: float = 3.0,
-                 history_size: int = 1200, dht=None, host_maddrs: Optional[list[str]] = None):
+                 history_size: int = 1200, dht=None, host_maddrs: Optional[list[str]] = None,
+                 forget_after: float = 3600.0):
         self.run_id, self.initial_peers, self.interval = run_id, list(initial_peers), interval
         self.history_size = history_size
+        # a peer's series is dropped once it has been gone this long: short-lived (or fake) peers must not
+        # grow the dashboard's memory for ever
+        self.forget_after = forget_after
         self.host_maddrs = host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
         self._dht, self._swarm = dht, None
         self._lock = threading.Lock()
@@ -102,6 +106,10 @@ class Collector:
             for p in state.peers:
                 series = self.peer_history.setdefault(p.peer_id, deque(maxlen=self.history_size))
                 series.append(PeerPoint(state.time, p.epoch, p.samples_per_second, p.loss, p.samples_contributed))
+            gone = [peer for peer, series in self.peer_history.items()
+                    if state.time - series[-1].time > self.forget_after]
+            for peer in gone:
+                del self.peer_history[peer]
             self.collections += 1
             self.last_error = None
 

@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
                    help="serve on this inherited listening socket instead of --host/--port (used by collab simulate "
                         "to serve on 127.0.0.1 from inside a network namespace)")
     p.add_argument("--interval", type=float, default=3.0, help="seconds between reads of the swarm (default 3)")
+    p.add_argument("--forget-after", type=float, default=3600.0, metavar="SECONDS",
+                   help="drop a peer's history once it has been gone this long (default 3600)")
     p.set_defaults(run=run, hard_exit=True)
 
 
@@ -32,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         require_free_port(args.port, "--port", host=args.host)
     if not (math.isfinite(args.interval) and args.interval > 0):
         raise UserError(f"--interval {args.interval} must be a positive number of seconds, e.g. --interval 3")
+    if not (math.isfinite(args.forget_after) and args.forget_after > 0):
+        raise UserError(f"--forget-after {args.forget_after} must be a positive number of seconds, e.g. 3600")
 
     from collab.lifecycle import reap_children
     from collab.swarm import peer_config_from_flags
@@ -39,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from dashboard.server import serve_forever
 
     peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers)  # validates the flags
-    collector = Collector(args.run_id, args.initial_peers, interval=args.interval)
+    collector = Collector(args.run_id, args.initial_peers, interval=args.interval, forget_after=args.forget_after)
     if args.fd is not None:
         import os
         import stat

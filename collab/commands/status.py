@@ -57,4 +57,8 @@ def format_state(state) -> str:
     console = Console(width=140, record=True)
     with console.capture() as capture:
         console.print(table)
+        if state.rejected_records:
+            reasons = ", ".join(f"{n} {why}" for why, n in sorted(state.rejected_by_reason.items()))
+            signers = ", ".join(f"{who[-12:]} ({n})" for who, n in state.rejected_by_signer.items())
+            console.print(f"ignored {state.rejected_records} untrusted records: {reasons}; from {signers}")
     return capture.get()

@@ -27,6 +27,8 @@ function renderRun(run) {
   text($("peers-online"), online.length);
   text($("sps"), fmt(run.samples_per_second));
   text($("rejected"), run.rejected_records);
+  // why, so an organizer can tell a forged-id attack from a peer on an old version
+  $("rejected").title = Object.entries(run.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n");
   text($("status"), `updated ${new Date(run.time * 1000).toLocaleTimeString()}`);
 
   const body = $("peers").querySelector("tbody");

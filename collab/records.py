@@ -1,0 +1,97 @@
+"""Other peers' DHT records, read as untrusted input: who signed each one, and whether its numbers can be true.
+
+A record is kept only if the key that signed it is the key its peer id derives from
+(collab.identity: a fresh key cannot take over another peer's row), its time is not in the future
+beyond clock skew (a fake peer cannot stay "online" forever), its counts are within bounds, and its
+epoch is not far beyond the other peers' (one fake record cannot drag the run's epoch). What is
+dropped is counted by reason and by signer, and shown (`collab status`, the dashboard, Prometheus).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from collab.identity import signer_peer_id
+
+CLOCK_SKEW_SECONDS = 300.0  # clocks of volunteers' machines disagree by this much at most
+EPOCH_LEAD = 3  # an honest peer is at most an epoch or two ahead of the others' median
+FRESH_SECONDS = 120.0  # only peers heard from this recently vote on what epoch is plausible
+MAX_SAMPLES = 10**12
+MAX_RATE = 1e9  # samples per second
+
+
+@dataclass
+class Rejections:
+    """What a reader dropped: counts by reason, and by the peer id of the key that signed it."""
+
+    by_reason: Counter = field(default_factory=Counter)
+    by_signer: Counter = field(default_factory=Counter)
+
+    def add(self, reason: str, signer: Optional[str]) -> None:
+        self.by_reason[reason] += 1
+        self.by_signer[signer or "unsigned"] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+
+def signed_values(found) -> list[tuple[Optional[str], Any]]:
+    """(signer's peer id or None, value) for each subkey of a DHT dictionary value, whatever its shape."""
+    if found is None or not isinstance(getattr(found, "value", None), dict):
+        return []
+    return [(signer_peer_id(subkey), item.value) for subkey, item in found.value.items()
+            if hasattr(item, "value") and item.value is not None]
+
+
+def accept(entries: list[tuple[Optional[str], Any]], parse: Callable[[Any], Any], claimed_id: Callable[[Any], str],
+           rejected: Rejections, now: Optional[float] = None) -> dict[str, Any]:
+    """The entries that parse, are signed by the peer they name, and whose time and counts can be true."""
+    now = time.time() if now is None else now
+    kept: dict[str, Any] = {}
+    for signer, value in entries:
+        try:
+            item = parse(value)
+            claimed = claimed_id(item)
+        except Exception:
+            rejected.add("malformed", signer)
+            continue
+        if signer is None or claimed != signer:
+            rejected.add("peer id is not the signer's", signer)
+            continue
+        if not item.time <= now + CLOCK_SKEW_SECONDS:
+            rejected.add("time in the future", signer)
+            continue
+        if not _counts_in_bounds(item):
+            rejected.add("counts out of bounds", signer)
+            continue
+        kept[signer] = item
+    return kept
+
+
+def drop_implausible_epochs(items: dict[str, Any], rejected: Rejections, now: Optional[float] = None,
+                            reference: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Drop items whose epoch is more than EPOCH_LEAD beyond the median of the other peers heard from lately
+    (`reference`: whose epochs vote, default `items`). With fewer than two others nobody can tell which of
+    two disagreeing peers is right, so nothing is dropped."""
+    now = time.time() if now is None else now
+    voters = {peer: item.epoch for peer, item in (reference if reference is not None else items).items()
+              if now - item.time < FRESH_SECONDS}
+    kept = {}
+    for peer, item in items.items():
+        others = [epoch for voter, epoch in voters.items() if voter != peer]
+        if len(others) >= 2 and item.epoch > statistics.median_high(others) + EPOCH_LEAD:
+            rejected.add("epoch far ahead of the others", peer)
+            continue
+        kept[peer] = item
+    return kept
+
+
+def _counts_in_bounds(item) -> bool:
+    samples = getattr(item, "samples_accumulated", getattr(item, "samples_contributed", 0))
+    rate = item.samples_per_second
+    return 0 <= samples <= MAX_SAMPLES and 0 <= rate <= MAX_RATE and item.epoch <= 10**9

@@ -1,0 +1,69 @@
+"""hivemind's progress tracker, honest about this peer and wary of the others.
+
+Every peer's tracker reads every other peer's progress record and takes the highest epoch as the
+swarm's: one forged record (another peer's id, an epoch of a million, a time far in the future)
+would make every honest peer think it is behind and reload state, or stop it from ever stepping.
+Here each record passes collab.records' checks before hivemind sees it, and what is dropped is
+counted and said once per signer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.p2p import PeerID
+from hivemind.utils.logging import get_logger
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+
+from collab.identity import signer_peer_id
+from collab.records import Rejections, accept, drop_implausible_epochs
+
+logger = get_logger(__name__)
+
+
+class HonestProgressTracker(ProgressTracker):
+    """Never publishes an epoch this replica has not made with the swarm (after an own step it says the epoch
+    before, so that leaving peers wait to be its state donor), and ignores other peers' untrusted records."""
+
+    held_epoch: Optional[int] = None
+
+    def __init__(self, *args, **kwargs):
+        self.rejected = Rejections()
+        self._said: set[str] = set()
+        super().__init__(*args, **kwargs)
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
+        if self.held_epoch is not None and local_epoch > self.held_epoch:
+            local_epoch, samples_accumulated = self.held_epoch, 0
+        return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+
+    def _parse_swarm_progress_data(self, metadata):
+        if isinstance(metadata, dict):
+            metadata = trusted_progress(metadata, self.rejected, self._said)
+        return super()._parse_swarm_progress_data(metadata)
+
+
+def trusted_progress(metadata: dict, rejected: Rejections, said: set) -> dict:
+    """The entries of hivemind's progress key that pass collab.records' checks; the others are added to
+    `rejected`, and each signer not yet in `said` is named once in the log."""
+    now = get_dht_time()
+    by_signer, subkeys = [], {}
+    for subkey, entry in metadata.items():
+        if not isinstance(entry, ValueWithExpiration) or entry.value is None:
+            continue  # a peer's goodbye (hivemind stores None as it leaves)
+        signer = signer_peer_id(subkey)
+        by_signer.append((signer, entry.value))
+        subkeys.setdefault(signer, subkey)
+    now_rejected = Rejections()
+    kept = accept(by_signer, LocalTrainingProgress.parse_obj, lambda item: PeerID(item.peer_id).to_base58(),
+                  now_rejected, now)
+    kept = drop_implausible_epochs(kept, now_rejected, now)
+    rejected.by_reason.update(now_rejected.by_reason)
+    rejected.by_signer.update(now_rejected.by_signer)
+    for signer in now_rejected.by_signer:
+        if signer not in said:
+            said.add(signer)
+            logger.warning(f"Ignoring untrusted progress records from {signer} "
+                           f"({', '.join(sorted(now_rejected.by_reason))})")
+    return {subkeys[signer]: metadata[subkeys[signer]] for signer in kept}
