@@ -12,6 +12,7 @@ from pydantic import v1
 from collab.metrics import PeerMetricsRecord, metrics_key, publish
 from collab.state import read_run_state
 from collab.swarm import PeerConfig, Swarm
+from tests.conftest import wait_for
 
 GOOD = dict(peer_id="12D3KooWTest", role="trainer", epoch=3, loss=5.2, samples_per_second=12.5,
             samples_contributed=4096, target_batch_size=2048, client_mode=False, bandwidth_mbps=None,
@@ -70,12 +71,8 @@ def test_signed_records_are_read_and_forged_or_malformed_ones_refused(two_nodes,
                                  subkey=second.public_key)
     assert forged is False and malformed is False
 
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        state = read_run_state(second.dht, run_id)
-        if state.peers:
-            break
-        time.sleep(0.5)
+    state = wait_for(lambda: (lambda s: s if s.peers else None)(read_run_state(second.dht, run_id)), timeout=30,
+                     interval=0.5, what="the first node's record")
     assert [p.peer_id for p in state.peers] == [first.peer_id]
     assert state.peers[0].loss == pytest.approx(5.2) and state.peers[0].samples_contributed == 4096
     assert state.target_batch_size == 2048 and state.global_epoch == 3
@@ -83,12 +80,8 @@ def test_signed_records_are_read_and_forged_or_malformed_ones_refused(two_nodes,
     # a validly signed record (the second node's own key) that claims the first node's id: readers ignore it
     impostor = dict(record.dict(), loss=0.001, samples_contributed=10**9, time=time.time())
     assert second.dht.store(metrics_key(run_id), impostor, expiration, subkey=second.public_key) is True
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        state = read_run_state(first.dht, run_id)
-        if state.rejected_records:
-            break
-        time.sleep(0.5)
+    state = wait_for(lambda: (lambda s: s if s.rejected_records else None)(read_run_state(first.dht, run_id)),
+                     timeout=30, interval=0.5, what="the impostor's record to reach a reader")
     assert state.rejected_by_reason == {"peer id is not the signer's": 1}
     assert state.rejected_by_signer == {second.peer_id: 1}
     assert [(p.peer_id, p.loss, p.samples_contributed) for p in state.peers] == [(first.peer_id, 5.2, 4096)]
