@@ -25,12 +25,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from collab.commands import dashboard, join, simulate, status
+    from collab.commands import dashboard, init, join, simulate, status
 
     parser = OneLineParser(prog="collab", description="Train one model together over the internet.")
     parser.add_argument("--version", action="version", version=f"collab {__import__('collab').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for module in (join, status, dashboard, simulate):
+    for module in (init, join, status, dashboard, simulate):
         module.add_parser(sub)
     return parser
 

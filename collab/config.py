@@ -20,6 +20,17 @@ from collab.tasks.albert_config import AlbertTaskConfig
 from collab.tasks.swav_config import SwavTaskConfig
 
 DEFAULT_CONFIG_NAME = "albert-tiny"
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # hivemind forbids dots in its key prefixes
+
+
+def check_run_id(run_id: str, flag: str = "--run-id") -> str:
+    """A run id hivemind can use as a DHT key prefix, or a UserError naming `flag` (checked before heavy imports)."""
+    import re
+
+    if not re.match(RUN_ID_PATTERN, run_id):
+        raise UserError(f"{flag} {run_id!r} is invalid; use 1-64 letters, digits, '_' or '-' "
+                        "(no dots: hivemind's DHT keys forbid them)")
+    return run_id
 
 
 def configs_dir() -> Path:
@@ -133,6 +144,15 @@ def load_config(path: Optional[Path] = None, overrides: Optional[dict[str, Any]]
             raise UserError(f"{flag} does not apply to the {_task_name(raw.get('task', {}))} task of {path}; "
                             "remove the flag") from None
         raise UserError(f"config error in {path}: {describe_validation_error(e)}") from None
+
+
+def user_settings(path: Optional[Path], overrides: Optional[dict[str, Any]] = None) -> dict:
+    """Only what the user set: their config file's keys (none without --config) with the flags applied."""
+    raw = _read_yaml(resolve_config_path(path)) if path is not None else {}
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(raw, dotted, value)
+    return raw
 
 
 def _inapplicable_flag(error: ValidationError, overrides: dict[str, Any]) -> Optional[str]:

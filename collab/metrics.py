@@ -47,7 +47,10 @@ class PeerMetricsRecord(pydantic.BaseModel):
 
 
 class MetricsSchema(pydantic.BaseModel):
+    """The run's DHT keys ({run_id}_metrics, {run_id}_manifest): each value under the key of the peer that signed it."""
+
     metrics: Dict[BytesWithPublicKey, Optional[PeerMetricsRecord]]
+    manifest: Dict[BytesWithPublicKey, Optional[pydantic.conbytes(max_length=256 * 1024)]]  # collab.run.sharing
 
 
 @dataclass

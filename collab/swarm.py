@@ -16,10 +16,9 @@ from typing import Iterable, Optional
 import hivemind
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
 from collab.identity import Identity, load_or_create_identity
-
-RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # hivemind forbids dots in its key prefixes
 
 
 class PeerConfig(BaseModel):
@@ -124,11 +123,11 @@ class Swarm:
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
 
-    def join_command(self, config_path: Optional[Path] = None) -> str:
-        """The exact command another participant runs to join this swarm."""
+    def join_command(self, run_key: Optional[str] = None) -> str:
+        """The exact command another participant runs to join this swarm: with the run's key, nothing else."""
         words = ["collab", "join", "--run-id", self.peer.run_id, "--initial-peers", self.best_maddr()]
-        if config_path is not None:
-            words += ["--config", str(config_path)]
+        if run_key is not None:
+            words += ["--run-key", run_key]
         return shlex.join(words)
 
     def best_maddr(self) -> str:
@@ -142,7 +141,8 @@ class Swarm:
         return (public or tcp)[0]
 
     def shutdown(self) -> None:
-        self.dht.shutdown()
+        if self.dht.is_alive():
+            self.dht.shutdown()
 
 
 def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:

@@ -16,6 +16,7 @@ from collab.config import RunConfig
 from collab.lifecycle import StopOnSignal
 from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.progress import ProgressDisplay, Snapshot
+from collab.run.sharing import RunSharer, SharedRun
 from collab.identity import load_or_create_identity
 from collab.swarm import PeerConfig, Swarm
 from collab.tasks import build_task
@@ -26,7 +27,6 @@ RECORD_EXPIRATION = 300.0
 
 @dataclass
 class JoinOptions:
-    config_path: Optional[Path] = None  # shown in the join command printed for others
     max_epochs: Optional[int] = None
     summary_path: Optional[Path] = None  # a JSON summary written at exit (used by `collab simulate`)
     live_display: Optional[bool] = None  # None: a live bar only on a terminal
@@ -85,7 +85,10 @@ class EpochLoss:
         return self.last_mean
 
 
-def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threading.Event) -> Summary:
+def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threading.Event,
+        shared: Optional[SharedRun] = None, swarm: Optional[Swarm] = None) -> Summary:
+    """Train until --max-epochs or a signal. `shared`: the run's manifest and files, which this peer passes on;
+    `swarm`: this peer's DHT node if it is already up (a volunteer's, started to fetch the manifest)."""
     # hivemind advances a downloaded schedule before the first optimizer step; that is intended
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
     summary = Summary()
@@ -97,7 +100,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
 
     # the data source is opened before joining: a bad --dataset fails here, before any process starts.
     # Each peer draws its own data order: the seed comes from its signing key, i.e. from who it is.
-    identity = load_or_create_identity(peer.identity)
+    identity = swarm.identity if swarm is not None else load_or_create_identity(peer.identity)
     seed = int.from_bytes(hashlib.sha256(identity.key.to_bytes()).digest()[:4], "little")
     batches = task.batches(config.training.micro_batch_size, seed)
     # one throw-away forward/backward: the first step of a process is several times slower (allocator,
@@ -108,16 +111,18 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     if stop.is_set():
         return _write_exit_summary(summary, options, "stopped by signal")
     display = ProgressDisplay(live=options.live_display)
-    swarm = Swarm(peer, identity)
+    swarm = swarm if swarm is not None else Swarm(peer, identity)
     summary.peer_id = swarm.peer_id
     log = AveragingLog()
-    opt = dashboard = None
+    opt = dashboard = sharer = None
     try:
+        sharer = RunSharer(swarm, shared).start() if shared is not None else None
         if options.dashboard_port is not None:
             dashboard = _start_dashboard(swarm, options.dashboard_port)
             print(f"Dashboard: {dashboard.url}", flush=True)
         if not peer.initial_peers:
-            print(f"Started a new swarm. Others join with:\n{swarm.join_command(options.config_path)}", flush=True)
+            line = swarm.join_command(shared.fingerprint if shared is not None else None)
+            print(f"Started a new swarm. Others join with:\n{line}", flush=True)
         opt = _build_optimizer(config, task, swarm, log, stop)
         StopOnSignal.reinstall()  # starting hivemind's averagers made this process ignore Ctrl-C
         StopOnSignal.on_stop(opt.abort_rounds)
@@ -167,6 +172,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
                     _publish(swarm, opt, config, summary, log, epoch_loss.last_mean)
                     last_publish = time.monotonic()
+                    if sharer is not None:
+                        sharer.refresh()
                 display.update(_snapshot(opt, summary, epoch_loss.last_mean, log))
         if stop.is_set():
             summary.exit_reason = "stopped by signal"
@@ -188,6 +195,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                 _checkpoint(opt, task, config, summary)
         if dashboard is not None:
             dashboard.stop()
+        if sharer is not None:
+            sharer.stop()
         swarm.shutdown()
         if summary.exit_reason == "running":
             summary.exit_reason = "failed"  # an exception is on its way up

@@ -183,11 +183,13 @@ class LocalSwarm:
     def __init__(self, num_peers: int, run_id: str, workdir: Path, join_args: list[str] = (),
                  per_peer_args: Optional[dict[int, list[str]]] = None, startup_timeout: float = 180.0,
                  env: Optional[dict] = None, network=None, links: Optional[list] = None,
-                 per_peer_program: Optional[dict[int, list[str]]] = None):
+                 per_peer_program: Optional[dict[int, list[str]]] = None,
+                 per_peer_env: Optional[dict[int, dict[str, str]]] = None):
         if num_peers < 1:
             raise ValueError("num_peers must be at least 1")
         self.run_id, self.workdir, self.startup_timeout = run_id, Path(workdir), startup_timeout
         self.env, self.network = env, network
+        self.per_peer_env = per_peer_env or {}  # e.g. another cache dir: another volunteer's machine
         self.workdir.mkdir(parents=True, exist_ok=True)
         per_peer_args = per_peer_args or {}
         ports = free_ports(num_peers) if network is None else [NAMESPACE_PORT] * num_peers
@@ -221,7 +223,7 @@ class LocalSwarm:
         """
         count = len(self.peers) if count is None else count
         first = self.peers[0]
-        first.start(["--wait-peers", str(count)], env=self.env)
+        first.start(["--wait-peers", str(count)], env=self._env(0))
         self._wait_for_join_line(first)
         self.initial_peer = first.maddr
         for peer in self.peers[1:count]:
@@ -230,7 +232,12 @@ class LocalSwarm:
     def start_peer(self, index: int, extra: list[str] = ()) -> None:
         """Start (or restart) a peer, joining through every other peer that has been started."""
         others = [p.maddr for p in self.peers if p.index != index and p.popen is not None and p.alive()]
-        self.peers[index].start(["--initial-peers", *(others or [self.initial_peer]), *extra], env=self.env)
+        self.peers[index].start(["--initial-peers", *(others or [self.initial_peer]), *extra], env=self._env(index))
+
+    def _env(self, index: int) -> Optional[dict]:
+        if index not in self.per_peer_env:
+            return self.env
+        return {**(self.env if self.env is not None else os.environ), **self.per_peer_env[index]}
 
     def _wait_for_join_line(self, peer: PeerProcess) -> None:
         deadline = time.monotonic() + self.startup_timeout

@@ -13,12 +13,17 @@ def add_parser(sub) -> None:
     p = sub.add_parser("join", help="train with a swarm (or start a new one)",
                        description="Join a collaborative run as a trainer. Without --initial-peers, start a "
                                    "new swarm and print the command others use to join it.")
-    p.add_argument("--run-id", required=True, help="name of the run; all peers of a run use the same one")
+    p.add_argument("--run-id", default=None, help="name of the run; all peers of a run use the same one")
+    p.add_argument("--run-key", default=None, metavar="FINGERPRINT",
+                   help="the organizer's key (from the join line): the run's manifest must be signed by it")
+    p.add_argument("--run", type=Path, default=None, metavar="DIR",
+                   help="start as the run's organizer, from the folder 'collab init' made")
     p.add_argument("--initial-peers", action="extend", nargs="+", default=[], metavar="MADDR",
                    help="multiaddr of any peer already in the run (/ip4/…/tcp/…/p2p/…); repeatable")
     p.add_argument("--config", type=Path, default=None,
-                   help=f"run config: a YAML file or the name of a shipped one (default: {DEFAULT_CONFIG_NAME}; "
-                        "see configs/); all peers of a run must use the same one")
+                   help=f"run config for a new run: a YAML file or the name of a shipped one (default: "
+                        f"{DEFAULT_CONFIG_NAME}; see configs/). Peers that join take the run's config from its "
+                        "manifest; theirs may only set per-peer things (micro-batch size, dataset, bandwidth)")
     p.add_argument("--host-maddrs", nargs="+", default=None, metavar="MADDR",
                    help="addresses to listen on (default /ip4/0.0.0.0/tcp/0: all interfaces, a free port)")
     p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
@@ -77,8 +82,28 @@ def run(args: argparse.Namespace) -> int:
         reap_children()
 
 
+def _run_id(args: argparse.Namespace) -> str:
+    """--run-id, or the run folder's; both given must agree."""
+    from collab.config import check_run_id
+    from collab.errors import UserError
+
+    if args.run is None:
+        if args.run_id is None:
+            raise UserError("the following arguments are required: --run-id (or --run DIR, for the organizer)")
+        return check_run_id(args.run_id)
+    if args.run_key is not None:
+        raise UserError("--run-key is for volunteers; the organizer's peer (--run) holds the key itself: drop it")
+    from collab.run.folder import MANIFEST, load_run_folder
+
+    folder_id = load_run_folder(args.run).manifest.run_id
+    if args.run_id is not None and args.run_id != folder_id:
+        raise UserError(f"--run-id {args.run_id!r} differs from the run in {args.run / MANIFEST} ({folder_id!r}); "
+                        "drop --run-id")
+    return folder_id
+
+
 def _join(args: argparse.Namespace, stop: threading.Event) -> int:
-    from collab.config import load_config
+    from collab.config import load_config, user_settings
     from collab.errors import UserError
 
     if args.max_epochs is not None and args.max_epochs < 0:
@@ -89,28 +114,45 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
         require_free_port(args.dashboard_port, "--dashboard-port")
     if args.wait_peers < 1:
         raise UserError(f"--wait-peers {args.wait_peers} must be at least 1")
+    run_id = _run_id(args)
     overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}
     config = load_config(args.config, overrides)  # a bad config is reported before hivemind and torch import
+    user = user_settings(args.config, overrides)
+    source = f"--config {args.config}" if args.config is not None else None
 
     from collab.swarm import peer_config_from_flags
 
-    peer_flags = dict(run_id=args.run_id, initial_peers=args.initial_peers, announce_maddrs=args.announce_maddrs,
+    peer_flags = dict(run_id=run_id, initial_peers=args.initial_peers, announce_maddrs=args.announce_maddrs,
                       client_mode=args.client_mode, identity=args.identity)
     if args.host_maddrs:
         peer_flags["host_maddrs"] = args.host_maddrs
     peer = peer_config_from_flags(**peer_flags)
 
     from collab import trainer
+    from collab.run import joining
 
-    options = trainer.JoinOptions(config_path=args.config, max_epochs=args.max_epochs,
-                                  summary_path=args.summary_json, live_display=False if args.no_live else None,
-                                  wait_peers=args.wait_peers, dashboard_port=args.dashboard_port)
+    options = trainer.JoinOptions(max_epochs=args.max_epochs, summary_path=args.summary_json,
+                                  live_display=False if args.no_live else None, wait_peers=args.wait_peers,
+                                  dashboard_port=args.dashboard_port)
+    swarm = None
     try:
-        summary = trainer.run(config, peer, options, stop)
+        if args.run is not None:
+            config, shared = joining.as_organizer(args.run, user, source)
+        elif not args.initial_peers:
+            config, shared = joining.as_first_peer(run_id, config, user)
+        else:  # the run's config and tokenizer come from the swarm: join it first
+            from collab.swarm import Swarm
+
+            swarm = Swarm(peer)
+            config, shared = joining.as_volunteer(swarm, args.run_key, user, source, stop)
+        summary = trainer.run(config, peer, options, stop, shared=shared, swarm=swarm)
     except UserError:
         raise
     except Exception as e:
         raise_internal_error(e)
+    finally:
+        if swarm is not None:
+            swarm.shutdown()
     losses = list(summary.loss_by_epoch.values())
     trend = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) >= 2 else ""
     print(f"Left the run at epoch {summary.final_epoch} ({summary.exit_reason}): contributed "

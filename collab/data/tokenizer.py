@@ -7,7 +7,9 @@ rejected with a clear message rather than failing deep inside the collator.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
+from typing import Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -19,13 +21,14 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MODEL_INPUT_NAMES = ["input_ids", "token_type_ids", "attention_mask"]
 
 
-def load_tokenizer(spec: str, vocab_size: int) -> PreTrainedTokenizerBase:
+def load_tokenizer(spec: str, vocab_size: int, special_tokens: Optional[dict[str, str]] = None
+                   ) -> PreTrainedTokenizerBase:
     if spec == "embedded":
         tokenizer = _wrap(embedded_tokenizer_file(vocab_size))
     elif spec.endswith(".json"):
         if not Path(spec).is_file():
             raise UserError(f"tokenizer file {spec} does not exist; pass an existing tokenizer.json with --tokenizer")
-        tokenizer = _wrap(Path(spec))
+        tokenizer = _wrap(Path(spec), special_tokens)
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec, model_input_names=MODEL_INPUT_NAMES)
@@ -68,14 +71,27 @@ def _train_bpe(corpus: Path, vocab_size: int):
     return tokenizer
 
 
-def _wrap(file: Path) -> PreTrainedTokenizerFast:
+def run_tokenizer_file(spec: str, vocab_size: int) -> tuple[Path, dict[str, str]]:
+    """The run's tokenizer as one tokenizer.json every peer gets byte for byte (collab.run), and its special
+    tokens: the embedded one or a tokenizer.json as they are; a folder or hub tokenizer exported to the cache."""
+    if spec == "embedded" or spec.endswith(".json"):
+        path = embedded_tokenizer_file(vocab_size) if spec == "embedded" else Path(spec)
+        if not path.is_file():
+            raise UserError(f"tokenizer file {spec} does not exist; pass an existing tokenizer.json with --tokenizer")
+        return path, dict(DEFAULT_SPECIAL_TOKENS)
+    tokenizer = load_tokenizer(spec, vocab_size)
+    data = tokenizer.backend_tokenizer.to_str().encode()
+    path = cache_dir() / f"tokenizer-{hashlib.sha256(data).hexdigest()[:16]}.json"
+    if not path.is_file():
+        write_atomically(path, data)
+    return path, {name: getattr(tokenizer, name) for name in DEFAULT_SPECIAL_TOKENS}
+
+
+DEFAULT_SPECIAL_TOKENS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                          "mask_token": "[MASK]"}
+
+
+def _wrap(file: Path, special_tokens: Optional[dict[str, str]] = None) -> PreTrainedTokenizerFast:
     # without model_input_names, transformers 5 returns no token_type_ids
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(file),
-        model_input_names=MODEL_INPUT_NAMES,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    return PreTrainedTokenizerFast(tokenizer_file=str(file), model_input_names=MODEL_INPUT_NAMES,
+                                   **(special_tokens or DEFAULT_SPECIAL_TOKENS))

@@ -22,7 +22,7 @@ class AlbertTask(Task):
         from collab.data.tokenizer import load_tokenizer
 
         self.config, self.training = config, training
-        self.tokenizer = load_tokenizer(config.data.tokenizer, config.data.vocab_size)
+        self.tokenizer = load_tokenizer(config.data.tokenizer, config.data.vocab_size, config.data.special_tokens)
         model_config = AlbertConfig(vocab_size=len(self.tokenizer), **config.model.model_dump(),
                                     pad_token_id=self.tokenizer.pad_token_id)
         # the same seed on every peer: all start from identical weights, so averaged gradients apply cleanly

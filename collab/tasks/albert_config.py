@@ -4,7 +4,7 @@ costs no second of imports."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -37,6 +37,8 @@ class AlbertDataConfig(Section):
     vocab_size: int = Field(8000, ge=100, description="vocabulary of the embedded tokenizer")
     seq_length: int = Field(128, ge=16)
     mlm_probability: float = Field(0.15, gt=0, lt=1)
+    # set from the run's manifest for a tokenizer exported from a folder or the hub (its own special tokens)
+    special_tokens: Optional[dict[str, str]] = None
 
 
 class AlbertTaskConfig(Section):

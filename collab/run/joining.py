@@ -1,0 +1,69 @@
+"""Which run a starting peer joins, and with what config: the three ways in.
+
+- the organizer, `collab join --run DIR`: the folder's manifest and key;
+- the first peer of a quick-start run (no `--initial-peers`, no folder): a key and manifest made now;
+- everyone else: the manifest fetched from the swarm and checked against `--run-key` (without it,
+  the one key the swarm offers is trusted, and said), then the tokenizer fetched and checked.
+
+In every case the config a peer trains with is the manifest's, with only the per-peer settings its
+user gave; a run-wide setting the user gave that differs from the manifest's is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Optional
+
+from collab.config import RunConfig
+from collab.data.cache import cache_dir, write_atomically
+from collab.errors import UserError
+from collab.run.manifest import Manifest, config_for_peer, contradictions
+from collab.run.sharing import TOKENIZER_NAME, SharedRun, fetch_manifest, fetch_run_file
+
+
+def as_organizer(folder: Path, user: dict, source: Optional[str]) -> tuple[RunConfig, SharedRun]:
+    from collab.run.folder import load_run_folder
+
+    run = load_run_folder(folder)
+    _refuse_contradictions(run.manifest, user, source)
+    config = config_for_peer(run.manifest, user, run.tokenizer_file)
+    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file)
+
+
+def as_first_peer(run_id: str, local: RunConfig, user: dict) -> tuple[RunConfig, SharedRun]:
+    from collab.run.folder import ephemeral_run
+
+    run = ephemeral_run(run_id, local)
+    config = config_for_peer(run.manifest, user, run.tokenizer_file)  # user: its checkpoint dir, not shared
+    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file)
+
+
+def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str],
+                 stop: threading.Event) -> tuple[RunConfig, SharedRun]:
+    run_id = swarm.peer.run_id
+    manifest, signed, holders = fetch_manifest(swarm.dht, run_id, run_key, stop=stop)
+    if run_key is None:
+        print(f"No --run-key given: trusting the key the swarm offers for run {run_id!r} ({manifest.fingerprint}). "
+              f"Pass --run-key {manifest.fingerprint} to be sure it is the organizer's.", flush=True)
+    _refuse_contradictions(manifest, user, source)
+    tokenizer = None
+    if manifest.tokenizer_sha256 is not None:
+        tokenizer = cache_dir() / "runs" / f"tokenizer-{manifest.tokenizer_sha256}.json"
+        if not tokenizer.is_file():  # cached: a restarted peer does not fetch it again
+            initial = [maddr.rsplit("/p2p/", 1)[-1] for maddr in swarm.peer.initial_peers if "/p2p/" in maddr]
+            ask = list(dict.fromkeys([*holders, *initial]))  # every peer that holds the manifest, then the ones given
+            data = fetch_run_file(swarm.dht, [p for p in ask if p != swarm.peer_id], TOKENIZER_NAME,
+                                  manifest.tokenizer_sha256)
+            tokenizer.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(tokenizer, data)
+    config = config_for_peer(manifest, user, tokenizer)
+    return config, SharedRun(signed, manifest.fingerprint, tokenizer)
+
+
+def _refuse_contradictions(manifest: Manifest, user: dict, source: Optional[str]) -> None:
+    found = contradictions(manifest, user, source)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise UserError(f"{found[0]}{more}; a run's model and math come from its manifest: drop that setting "
+                        "(a volunteer needs only the join line)")

@@ -1,0 +1,218 @@
+"""How peers share a run's manifest and tokenizer: the manifest in the DHT, files over libp2p streams.
+
+Every peer that holds the verified manifest stores it in the DHT under its own key (so nobody can
+overwrite another's copy, and it outlives the organizer's peer) and serves the run's files (the
+tokenizer) to peers that ask. A joining peer reads the manifest, checks it (collab.run.manifest),
+and fetches each file from the peers that hold it, checking its sha256 before using it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from collab.errors import UserError
+from collab.identity import signer_peer_id
+from collab.run.manifest import Manifest, verify
+
+MANIFEST_SUFFIX = "_manifest"
+MANIFEST_EXPIRATION = 600.0  # seconds; every holder re-stores it well before
+MAX_MANIFEST_BYTES = 256 * 1024
+MAX_FILE_BYTES = 64 * 1024 * 1024
+FILE_PROTOCOL = "collab-run-file"
+TOKENIZER_NAME = "tokenizer.json"
+
+
+def publish_manifest(dht, run_id: str, subkey: bytes, blob: bytes) -> None:
+    """Store (without waiting) this peer's copy of the signed manifest."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    dht.store(key=run_id + MANIFEST_SUFFIX, subkey=subkey, value=blob,
+              expiration_time=get_dht_time() + MANIFEST_EXPIRATION, return_future=True)
+
+
+def fetch_manifest(dht, run_id: str, run_key: Optional[str], timeout: float = 30.0,
+                   stop: Optional[threading.Event] = None) -> tuple[Manifest, bytes, list[str]]:
+    """The run's manifest (checked against `run_key` when given), its signed bytes, and who holds it."""
+    deadline = time.monotonic() + timeout
+    problems: list[str] = []
+    while True:
+        found = dht.get(run_id + MANIFEST_SUFFIX, latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        valid: dict[str, tuple[Manifest, bytes, list[str]]] = {}
+        problems = []
+        for subkey, item in entries.items():
+            blob = getattr(item, "value", None)
+            if not isinstance(blob, bytes) or len(blob) > MAX_MANIFEST_BYTES:
+                continue
+            try:
+                manifest = verify(blob, run_id, run_key)
+            except UserError as e:
+                problems.append(str(e))
+                continue
+            holder = signer_peer_id(subkey)
+            known = valid.setdefault(manifest.fingerprint + manifest.canonical().hex(), (manifest, blob, []))
+            if holder is not None:
+                known[2].append(holder)
+        if len({m.fingerprint for m, _, _ in valid.values()}) > 1:
+            keys = ", ".join(sorted({m.fingerprint for m, _, _ in valid.values()}))
+            raise UserError(f"peers of run {run_id!r} offer manifests signed by different keys ({keys}); pass "
+                            "--run-key with the organizer's key from your join line")
+        if valid:  # one organizer; if it re-issued the manifest, its newest
+            return max(valid.values(), key=lambda entry: entry[0].created_at)
+        if problems or time.monotonic() > deadline or (stop is not None and stop.wait(1.0)):
+            break
+        if stop is None:
+            time.sleep(1.0)
+    if problems:
+        raise UserError(problems[0])
+    raise UserError(f"no peer of run {run_id!r} offered its manifest within {timeout:.0f} s; check --run-id and "
+                    "--initial-peers (the organizer's peers must run collab 0.2 or later)")
+
+
+class RunFileServer:
+    """Serves the run's files (name -> path) to any peer that asks, from a thread with its own event loop."""
+
+    def __init__(self, dht, files: dict[str, Path]):
+        self.dht, self.files = dht, {name: Path(path) for name, path in files.items()}
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="run-file-server", daemon=True)
+        self.error: Optional[str] = None
+
+    def start(self) -> "RunFileServer":
+        self._thread.start()
+        self._ready.wait(30)
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._listen())
+        except Exception as e:  # serving files is a courtesy to others: it must never end this peer
+            self.error = f"{type(e).__name__}: {e}"
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _listen(self) -> None:
+        self._p2p = await own_p2p(self.dht)
+        await self._p2p.add_binary_stream_handler(FILE_PROTOCOL, self._serve)
+
+    async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from hivemind.p2p import P2P
+
+        try:
+            name = (await asyncio.wait_for(P2P.receive_raw_data(reader), timeout=10)).decode()
+            path = self.files.get(name)
+            data = path.read_bytes() if path is not None and path.is_file() else b""
+            await P2P.send_raw_data(data, writer)
+            await writer.drain()
+        except Exception:
+            pass  # a peer that hung up or sent garbage: nothing to do
+        finally:
+            writer.close()
+
+    def stop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        p2p = getattr(self, "_p2p", None)
+        if p2p is not None and not self._thread.is_alive():
+            p2p._terminate()  # closes this client's connection to p2pd; the daemon itself is the DHT's
+
+
+async def own_p2p(dht):
+    """A client of the DHT's p2pd for the calling event loop (hivemind's cached replica is bound to another)."""
+    from hivemind import DHT
+    from hivemind.p2p import P2P
+
+    return await P2P.replicate(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
+
+
+def fetch_run_file(dht, holders: list[str], name: str, sha256: str, timeout: float = 60.0) -> bytes:
+    """The run's file `name` from the first holder whose copy matches `sha256`."""
+    loop = asyncio.new_event_loop()
+    try:
+        p2p = loop.run_until_complete(own_p2p(dht))
+        try:
+            return _fetch(loop, p2p, holders, name, sha256, timeout)
+        finally:
+            loop.run_until_complete(p2p.shutdown())
+    finally:
+        loop.close()
+
+
+def _fetch(loop, p2p, holders: list[str], name: str, sha256: str, timeout: float) -> bytes:
+    from hivemind.p2p import PeerID
+
+    async def ask(peer: str) -> bytes:
+        from hivemind.p2p import P2P
+
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), FILE_PROTOCOL)
+        try:
+            await P2P.send_raw_data(name.encode(), writer)
+            header = await reader.readexactly(P2P.HEADER_LEN)
+            size = int.from_bytes(header, P2P.BYTEORDER)
+            if size > MAX_FILE_BYTES:
+                raise ValueError(f"{size} bytes is more than a run file may be")
+            return await reader.readexactly(size)
+        finally:
+            writer.close()
+
+    deadline = time.monotonic() + timeout
+    wrong = 0
+    while time.monotonic() < deadline:
+        for peer in holders:
+            try:
+                wait = max(1.0, min(30.0, deadline - time.monotonic()))
+                data = loop.run_until_complete(asyncio.wait_for(ask(peer), timeout=wait))
+            except Exception:
+                continue  # gone, unreachable (behind NAT), or too slow: ask the next one
+            if hashlib.sha256(data).hexdigest() == sha256:
+                return data
+            wrong += 1
+        time.sleep(1.0)
+    if wrong:
+        raise UserError(f"the run's {name} from its peers does not match the manifest's sha256 ({wrong} copies); "
+                        "nothing was trained - ask the organizer")
+    raise UserError(f"no peer of the run could send its {name} within {timeout:.0f} s; try again later")
+
+
+@dataclass
+class SharedRun:
+    """What every peer of a run holds and passes on: the signed manifest and the run's files."""
+
+    signed: bytes
+    fingerprint: str
+    tokenizer_file: Optional[Path]
+
+
+class RunSharer:
+    """Keeps this peer's copy of the manifest in the DHT and serves the run's files while the peer runs."""
+
+    def __init__(self, swarm, shared: SharedRun):
+        self.swarm, self.shared = swarm, shared
+        self.server: Optional[RunFileServer] = None
+        self._published = 0.0
+
+    def start(self) -> "RunSharer":
+        if self.shared.tokenizer_file is not None and not self.swarm.peer.client_mode:  # nobody can dial a client
+            self.server = RunFileServer(self.swarm.dht, {TOKENIZER_NAME: self.shared.tokenizer_file}).start()
+        self.refresh()
+        return self
+
+    def refresh(self) -> None:
+        if time.monotonic() - self._published > MANIFEST_EXPIRATION / 3:
+            publish_manifest(self.swarm.dht, self.swarm.peer.run_id, self.swarm.public_key, self.shared.signed)
+            self._published = time.monotonic()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
