@@ -76,6 +76,8 @@ def test_defaults_are_a_complete_config():
     (["join", "--run-id", "r", "--dataset", "/nonexistent/corpus"], "dataset path /nonexistent/corpus does not exist"),
     (["join", "--run-id", "r", "--tokenizer", "/nonexistent/tok.json"], "tokenizer file /nonexistent/tok.json"),
     (["simulate", "--peers", "0"], "--peers 0 must be at least 1"),
+    (["join", "--run-id", "r", "--run-key", "ab" * 16], "--run-key checks the manifest of a run you join: add"),
+    (["join", "--run", "/nonexistent/run"], "/nonexistent/run is not a run folder (no manifest.json or organizer.key)"),
     (["join", "--run-id", "my.run"], "--run-id 'my.run' is invalid; use 1-64 letters, digits, '_' or '-' (no dots"),
     (["join", "--run-id", "r", "--bandwidth", "inf"], "averaging.bandwidth: input should be a finite number"),
     (["join", "--run-id", "r", "--config", "{latin1}"], "is not UTF-8 text (byte 5); save it as UTF-8 YAML"),

@@ -88,6 +88,8 @@ def _run_id(args: argparse.Namespace) -> str:
     from collab.errors import UserError
 
     if args.run is None:
+        if args.run_key is not None and not args.initial_peers:
+            raise UserError("--run-key checks the manifest of a run you join: add the join line's --initial-peers")
         if args.run_id is None:
             raise UserError("the following arguments are required: --run-id (or --run DIR, for the organizer)")
         return check_run_id(args.run_id)
