@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--run-id", default=None, help="name of the run; all peers of a run use the same one")
     p.add_argument("--run-key", default=None, metavar="FINGERPRINT",
                    help="the organizer's key (from the join line): the run's manifest must be signed by it")
-    p.add_argument("--run", type=Path, default=None, metavar="DIR",
+    p.add_argument("--run", dest="run_dir", type=Path, default=None, metavar="DIR",
                    help="start as the run's organizer, from the folder 'collab init' made")
     p.add_argument("--initial-peers", action="extend", nargs="+", default=[], metavar="MADDR",
                    help="multiaddr of any peer already in the run (/ip4/…/tcp/…/p2p/…); repeatable")
@@ -87,7 +87,7 @@ def _run_id(args: argparse.Namespace) -> str:
     from collab.config import check_run_id
     from collab.errors import UserError
 
-    if args.run is None:
+    if args.run_dir is None:
         if args.run_key is not None and not args.initial_peers:
             raise UserError("--run-key checks the manifest of a run you join: add the join line's --initial-peers")
         if args.run_id is None:
@@ -97,9 +97,9 @@ def _run_id(args: argparse.Namespace) -> str:
         raise UserError("--run-key is for volunteers; the organizer's peer (--run) holds the key itself: drop it")
     from collab.run.folder import MANIFEST, load_run_folder
 
-    folder_id = load_run_folder(args.run).manifest.run_id
+    folder_id = load_run_folder(args.run_dir).manifest.run_id
     if args.run_id is not None and args.run_id != folder_id:
-        raise UserError(f"--run-id {args.run_id!r} differs from the run in {args.run / MANIFEST} ({folder_id!r}); "
+        raise UserError(f"--run-id {args.run_id!r} differs from the run in {args.run_dir / MANIFEST} ({folder_id!r}); "
                         "drop --run-id")
     return folder_id
 
@@ -138,8 +138,8 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
                                   dashboard_port=args.dashboard_port)
     swarm = None
     try:
-        if args.run is not None:
-            config, shared = joining.as_organizer(args.run, user, source)
+        if args.run_dir is not None:
+            config, shared = joining.as_organizer(args.run_dir, user, source)
         elif not args.initial_peers:
             config, shared = joining.as_first_peer(run_id, config, user)
         else:  # the run's config and tokenizer come from the swarm: join it first
