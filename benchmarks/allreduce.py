@@ -13,7 +13,8 @@ are checked, not hivemind's success flag (it reports partial rounds as success).
 
 Prints, per scenario and method: best round time, the bandwidth bound 2(k-1)/k * S / B (S the
 vector's bytes on the wire, B the slowest uplink), time/bound, and time relative to gloo fp32 and to gloo at the same wire precision.
-Goals: symmetric <= 1.0x gloo at equal wire precision; asymmetric <= 0.6x gloo.
+Goals: symmetric <= 1.0x gloo at equal wire precision; asymmetric <= 0.6x gloo; a private run's round
+(auth on: DHT authorizer and members-only averaging RPCs) <= 1.02x the same round with auth off.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from peers.averaging_rounds import ProbeFailed, best_of, lower_bound_seconds, me
 from peers.netns import namespaces_unavailable_reason  # noqa: E402
 from peers.profiles import LinkSpec  # noqa: E402
 
-METHODS = [("gloo", "fp32"), ("gloo", "fp16"), ("hivemind", "fp32"), ("hivemind", "fp16")]
+# (backend, wire, private): the last row is a private run's members (every DHT request signed and checked,
+# every averaging RPC gated on the caller's peer id); goal: <= 1.02x the same round with auth off
+METHODS = [("gloo", "fp32", False), ("gloo", "fp16", False), ("hivemind", "fp32", False), ("hivemind", "fp16", False),
+           ("hivemind", "fp16", True)]
 
 
 def scenarios(peers: int) -> dict[str, list[LinkSpec]]:
@@ -58,12 +62,13 @@ def main() -> int:
                 continue
             slowest = min(link.upload_mbit for link in links)
             gloo = {}  # wire -> seconds
-            for backend, wire in METHODS:
-                label = f"{'collab (hivemind)' if backend == 'hivemind' else 'gloo'} {wire}"
+            open_run = {}  # wire -> seconds of hivemind with auth off
+            for backend, wire, private in METHODS:
+                label = f"{'collab (hivemind)' if backend == 'hivemind' else 'gloo'} {wire}{' private' if private else ''}"
                 print(f"{name}: {label} ...", file=sys.stderr, flush=True)
                 try:
-                    outcomes = measure_rounds(links, backend, args.size, Path(tmp) / f"{name}-{backend}-{wire}",
-                                              rounds=args.rounds, wire=wire, timeout=900)
+                    outcomes = measure_rounds(links, backend, args.size, Path(tmp) / f"{name}-{backend}-{wire}-{private}",
+                                              rounds=args.rounds, wire=wire, timeout=900, private=private)
                 except ProbeFailed as e:
                     rows.append((name, label, "failed", "-", "-", "-", str(e).splitlines()[0][:60]))
                     continue
@@ -77,6 +82,10 @@ def main() -> int:
                     gloo[wire] = best.seconds
                 vs_gloo = " / ".join(f"{best.seconds / gloo[w]:.2f}x" if w in gloo else "-" for w in ("fp32", wire))
                 slow_share = f"slowest peer sent {best.bytes_sent[-1] / wire_bytes:.2f} S"
+                if backend == "hivemind" and not private:
+                    open_run[wire] = best.seconds
+                elif private and wire in open_run:
+                    slow_share += f"; {best.seconds / open_run[wire]:.3f}x auth off"
                 rows.append((name, label, f"{best.seconds:.2f}", f"{bound:.2f}", f"{best.seconds / bound:.2f}x",
                              vs_gloo, f"{values}; {slow_share}"))
     header = ("scenario", "method", "seconds", "bound s", "vs bound", "vs gloo fp32 / same wire", "values; traffic")

@@ -25,12 +25,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from collab.commands import dashboard, init, join, simulate, status
+    from collab.commands import dashboard, init, invite, join, revoke, simulate, status
+    from collab.commands import id as id_command
 
     parser = OneLineParser(prog="collab", description="Train one model together over the internet.")
     parser.add_argument("--version", action="version", version=f"collab {__import__('collab').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for module in (init, join, status, dashboard, simulate):
+    for module in (init, join, id_command, invite, revoke, status, dashboard, simulate):
         module.add_parser(sub)
     return parser
 

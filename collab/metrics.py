@@ -61,13 +61,15 @@ class AveragingLog:
     failed: int = 0
     last_group_size: int = 0
     group_sizes: list[int] = field(default_factory=list)
+    groups: list[dict] = field(default_factory=list)  # each successful round: {"epoch": e, "peers": [peer ids]}
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def success(self, group_size: int) -> None:
+    def success(self, group: list[str], epoch: int = -1) -> None:
         with self._lock:
             self.joined += 1
-            self.last_group_size = group_size
-            self.group_sizes.append(group_size)
+            self.last_group_size = len(group)
+            self.group_sizes.append(len(group))
+            self.groups.append({"epoch": epoch, "peers": sorted(group)})
 
     def failure(self) -> None:
         with self._lock:
@@ -78,6 +80,7 @@ class AveragingLog:
         with self._lock:
             summary.rounds_joined, summary.rounds_failed = self.joined, self.failed
             summary.group_sizes = list(self.group_sizes)
+            summary.groups = [dict(group) for group in self.groups]
 
 
 def metrics_key(run_id: str) -> str:

@@ -30,6 +30,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from collab.config import RunConfig
 from collab.metrics import AveragingLog
+from collab.run.gate import MemberGate, MembersOnly
 from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
 from collab.tracker import HonestProgressTracker
 from collab.tasks import Task
@@ -45,6 +46,14 @@ COMPRESSION: dict[str, type[CompressionBase]] = {
 LEAVE_LINGER_SECONDS = 3.0
 DONOR_LINGER_SECONDS = 60.0  # the least a leaving peer waits for a peer one epoch behind to download its state
 logger = get_logger(__name__)
+
+
+class CollabGradientAverager(MembersOnly, GradientAverager):
+    """hivemind's GradientAverager; in a private run it averages with members only (collab.run.gate)."""
+
+    def __init__(self, *args, gate: Optional[MemberGate] = None, **kwargs):
+        self.gate = gate  # before hivemind's constructor starts the averager process, which takes a copy
+        super().__init__(*args, **kwargs)
 
 
 class LeavingMidStep(Exception):
@@ -65,8 +74,10 @@ class CollabOptimizer(Optimizer):
     the whole swarm or by downloading the swarm's state at the next step, or before leaving.
     """
 
-    def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None, **kwargs):
+    def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None,
+                 gate: Optional[MemberGate] = None, **kwargs):
         self.averaging_log = averaging_log
+        self.gate = gate
         self.stop = stop if stop is not None else threading.Event()
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
@@ -85,7 +96,7 @@ class CollabOptimizer(Optimizer):
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+            client_mode=self.client_mode, auxiliary=self.auxiliary, gate=self.gate, start=True, **kwargs)
 
     def step(self, *args, **kwargs):
         self._most_peers = max(self._most_peers, self.tracker.global_progress.num_peers)
@@ -278,7 +289,7 @@ class CollabOptimizer(Optimizer):
                 group = self._wait_for_round(maybe_step_control)
                 if self._averaged_gradients_are_finite():
                     self._load_averaged_gradients_into_optimizer_()
-                    self.averaging_log.success(len(group))
+                    self.averaging_log.success([peer.to_base58() for peer in group], self.local_epoch)
                     averaged = True
                 else:
                     self.averaging_log.failure()
@@ -341,6 +352,13 @@ class CollabOptimizer(Optimizer):
                 return
             self.stop.wait(0.5)
 
+    def apply_revocations(self, revocations) -> None:
+        """A private run's newer revocation list, into both averager processes (collab.run.gate.MembersOnly)."""
+        averagers = [self.state_averager, *([self.grad_averager] if self.use_gradient_averaging else [])]
+        for averager in averagers:
+            if averager.is_alive():
+                averager._outer_pipe.send(("_apply_revocations", [revocations], {}))
+
     def has_pending_updates(self) -> bool:
         return any(not update.done() for update in self.state_averager.pending_updates)
 
@@ -366,7 +384,9 @@ class CollabOptimizer(Optimizer):
 
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
-                    client_mode: bool = False, stop: Optional[threading.Event] = None) -> CollabOptimizer:
+                    client_mode: bool = False, stop: Optional[threading.Event] = None,
+                    gate: Optional[MemberGate] = None) -> CollabOptimizer:
+    """`gate`: in a private run, the members check every averager applies (collab.run.gate)."""
     avg = config.averaging
     compression = COMPRESSION[avg.compression]()
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
@@ -374,6 +394,7 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     return CollabOptimizer(
         averaging_log=averaging_log,
         stop=stop,
+        gate=gate,
         dht=dht,
         run_id=run_id,
         target_batch_size=config.training.target_batch_size,
@@ -399,7 +420,7 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         # Likewise a joining peer starts from the swarm's exact parameters.
         state_averaging_compression=NoCompression(),
         load_state_compression=NoCompression(),
-        grad_averager_factory=partial(GradientAverager, **averager_opts),
+        grad_averager_factory=partial(CollabGradientAverager, gate=gate, **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
         shutdown_timeout=2,

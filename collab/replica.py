@@ -22,6 +22,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from collab.run.gate import MemberGate, MembersOnly
+
 KEEP_ROUNDS = 8
 
 
@@ -54,8 +56,13 @@ class _RecordOutcomes(DecentralizedAverager):
         return loaded
 
 
-class RecordingStateAverager(TrainingStateAverager, _RecordOutcomes):
-    """hivemind's TrainingStateAverager, which also says whether a round or a download really happened."""
+class RecordingStateAverager(MembersOnly, TrainingStateAverager, _RecordOutcomes):
+    """hivemind's TrainingStateAverager, which also says whether a round or a download really happened (and, in
+    a private run, averages with and serves its state to members only)."""
+
+    def __init__(self, *, gate: Optional[MemberGate] = None, **kwargs):
+        self.gate = gate  # before hivemind's constructor starts the averager process, which takes a copy
+        super().__init__(**kwargs)
 
     def round_controls(self) -> list:
         """Recent state-averaging rounds (hivemind hands them to a background step and forgets them)."""

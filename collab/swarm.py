@@ -81,7 +81,9 @@ class OwnGroupDHT(hivemind.DHT):
 class Swarm:
     """This peer's DHT node, its signing key and the run's record validators."""
 
-    def __init__(self, peer: PeerConfig, identity: Optional[Identity] = None, extra_validators: Iterable = ()):
+    def __init__(self, peer: PeerConfig, identity: Optional[Identity] = None, extra_validators: Iterable = (),
+                 authorizer=None):
+        """`authorizer`: in a private run, this peer's invite as hivemind's DHT access token (collab.run.gate)."""
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.schema import SchemaValidator
         from hivemind.utils.crypto import RSAPrivateKey
@@ -115,10 +117,13 @@ class Swarm:
                     # by the time the DHT is shut down the goodbyes are sent; do not wait 3 s for a busy loop
                     shutdown_timeout=1.0,
                     start=True,
+                    authorizer=authorizer,
                     identity_path=str(identity_path),
                     **p2p_options,
                 )
         except Exception as e:
+            if peer.initial_peers:  # refused because the run is private (and this peer's invite is none, or void)?
+                _refuse_if_private(self.identity, peer)
             raise UserError(_explain_dht_failure(e, peer)) from None
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
@@ -151,3 +156,38 @@ def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:
         return (f"could not join the swarm through {', '.join(peer.initial_peers)} ({text}); "
                 "check that the address is current and reachable, or start a new swarm without --initial-peers")
     return f"could not start the DHT node ({text}); check --host-maddrs (is the port free?)"
+
+
+def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
+    """The DHT of a private run answers nobody without an invite: ask an initial peer directly (over a libp2p
+    stream, which needs none) whether that is why, so the user reads how to get in rather than 'unreachable'."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from collab.run.sharing import ask_about_access
+
+    async def ask() -> Optional[dict]:
+        with identity.file_for_p2pd() as path:
+            p2p = await P2P.create(initial_peers=peer.initial_peers, host_maddrs=peer.host_maddrs,
+                                   identity_path=str(path), startup_timeout=15)
+        try:
+            for maddr in peer.initial_peers:
+                answer = await ask_about_access(p2p, maddr.rsplit("/p2p/", 1)[-1])
+                if answer is not None:
+                    return answer
+            return None
+        finally:
+            await p2p.shutdown()
+
+    try:
+        answer = asyncio.run(asyncio.wait_for(ask(), timeout=20))
+    except Exception:
+        return
+    if answer is None or not answer["private"] or answer["verdict"] == "member":
+        return
+    why = {"revoked": "the organizer revoked its invite", "expired": "its invite expired"}.get(
+        answer["verdict"], "it has no invite")
+    raise UserError(f"run {peer.run_id!r} is private and this peer ({identity.peer_id}) may not join: {why}. Send "
+                    "your peer id ('collab id' prints it) to the run's organizer and join with the invite they send: "
+                    "--token-file FILE")

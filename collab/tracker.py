@@ -9,7 +9,7 @@ counted and said once per signer.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.p2p import PeerID
@@ -27,6 +27,7 @@ class HonestProgressTracker(ProgressTracker):
     before, so that leaving peers wait to be its state donor), and ignores other peers' untrusted records."""
 
     held_epoch: Optional[int] = None
+    members: Optional[Callable[[str], bool]] = None  # a private run's member check: others' records are ignored
 
     def __init__(self, *args, **kwargs):
         self.rejected = Rejections()
@@ -40,13 +41,15 @@ class HonestProgressTracker(ProgressTracker):
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
-            metadata = trusted_progress(metadata, self.rejected, self._said)
+            metadata = trusted_progress(metadata, self.rejected, self._said, self.members)
         return super()._parse_swarm_progress_data(metadata)
 
 
-def trusted_progress(metadata: dict, rejected: Rejections, said: set) -> dict:
-    """The entries of hivemind's progress key that pass collab.records' checks; the others are added to
-    `rejected`, and each signer not yet in `said` is named once in the log."""
+def trusted_progress(metadata: dict, rejected: Rejections, said: set,
+                     members: Optional[Callable[[str], bool]] = None) -> dict:
+    """The entries of hivemind's progress key that pass collab.records' checks (and, in a private run, whose
+    signer is a member); the others are added to `rejected`, and each signer not yet in `said` is named once
+    in the log."""
     now = get_dht_time()
     by_signer, subkeys = [], {}
     for subkey, entry in metadata.items():
@@ -59,6 +62,10 @@ def trusted_progress(metadata: dict, rejected: Rejections, said: set) -> dict:
     kept = accept(by_signer, LocalTrainingProgress.parse_obj, lambda item: PeerID(item.peer_id).to_base58(),
                   now_rejected, now)
     kept = drop_implausible_epochs(kept, now_rejected, now)
+    if members is not None:
+        for signer in [signer for signer in kept if not members(signer)]:
+            kept.pop(signer)
+            now_rejected.add("not a member of the private run", signer)
     rejected.by_reason.update(now_rejected.by_reason)
     rejected.by_signer.update(now_rejected.by_signer)
     for signer in now_rejected.by_signer:

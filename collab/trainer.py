@@ -45,6 +45,7 @@ class Summary:
     rounds_joined: int = 0
     rounds_failed: int = 0
     group_sizes: list[int] = field(default_factory=list)
+    groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
     loaded_state_from_peers: bool = False
     checkpoint: Optional[str] = None
@@ -116,14 +117,20 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     log = AveragingLog()
     opt = dashboard = sharer = None
     try:
-        sharer = RunSharer(swarm, shared).start() if shared is not None else None
+        sharer = RunSharer(swarm, shared, on_lost=lambda why: stop.set()).start() if shared is not None else None
         if options.dashboard_port is not None:
             dashboard = _start_dashboard(swarm, options.dashboard_port)
             print(f"Dashboard: {dashboard.url}", flush=True)
         if not peer.initial_peers:
             line = swarm.join_command(shared.fingerprint if shared is not None else None)
+            if shared is not None and shared.private is not None:
+                line += (" --token-file INVITE\nThis run is private: each volunteer sends you their peer id ('collab "
+                         "id'), you run 'collab invite --run DIR --peer ID' and send back the invite it prints")
             print(f"Started a new swarm. Others join with:\n{line}", flush=True)
-        opt = _build_optimizer(config, task, swarm, log, stop)
+        opt = _build_optimizer(config, task, swarm, log, stop, shared)
+        if sharer is not None and sharer.watch is not None:  # a private run: non-members' progress is not counted
+            opt.tracker.members = shared.private.access.allows
+            sharer.watch.on_revoked.append(opt.apply_revocations)
         StopOnSignal.reinstall()  # starting hivemind's averagers made this process ignore Ctrl-C
         StopOnSignal.on_stop(opt.abort_rounds)
         StopOnSignal.before_force_exit(lambda reason: _write_exit_summary(summary, options, f"forced exit: {reason}"))
@@ -176,7 +183,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                         sharer.refresh()
                 display.update(_snapshot(opt, summary, epoch_loss.last_mean, log))
         if stop.is_set():
-            summary.exit_reason = "stopped by signal"
+            lost = shared.private.lost if shared is not None and shared.private is not None else None
+            summary.exit_reason = "stopped by signal" if lost is None else "no longer a member of the private run"
         summary.train_seconds = time.monotonic() - loop_started
     finally:
         if opt is not None:
@@ -227,11 +235,15 @@ def _settle(opt, config: RunConfig) -> str:
     return outcome
 
 
-def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event):
+def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event,
+                     shared: Optional[SharedRun]):
     from collab.optim import build_optimizer
+    from collab.run.gate import MemberGate
 
+    private = shared.private if shared is not None else None
+    gate = MemberGate(swarm.peer.run_id, private.access.organizer_key) if private is not None else None
     return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode,
-                           stop=stop)
+                           stop=stop, gate=gate)
 
 
 def _start_dashboard(swarm: Swarm, port: int):

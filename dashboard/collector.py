@@ -42,14 +42,15 @@ class PeerPoint:
 class Collector:
     def __init__(self, run_id: str, initial_peers: list[str] = (), interval: float = 3.0,
                  history_size: int = 1200, dht=None, host_maddrs: Optional[list[str]] = None,
-                 forget_after: float = 3600.0):
+                 forget_after: float = 3600.0, make_swarm=None):
+        """`make_swarm(peer_config)`: how to join the run (collab dashboard passes the reader's credentials)."""
         self.run_id, self.initial_peers, self.interval = run_id, list(initial_peers), interval
         self.history_size = history_size
         # a peer's series is dropped once it has been gone this long: short-lived (or fake) peers must not
         # grow the dashboard's memory for ever
         self.forget_after = forget_after
         self.host_maddrs = host_maddrs or ["/ip4/127.0.0.1/tcp/0"]
-        self._dht, self._swarm = dht, None
+        self._dht, self._swarm, self._make_swarm = dht, None, make_swarm
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -65,8 +66,9 @@ class Collector:
         if self._dht is None:
             from collab.swarm import PeerConfig, Swarm
 
-            self._swarm = Swarm(PeerConfig(run_id=self.run_id, initial_peers=self.initial_peers, client_mode=True,
-                                           host_maddrs=self.host_maddrs))
+            peer = PeerConfig(run_id=self.run_id, initial_peers=self.initial_peers, client_mode=True,
+                              host_maddrs=self.host_maddrs)
+            self._swarm = (self._make_swarm or Swarm)(peer)
             self._dht = self._swarm.dht
         self._thread = threading.Thread(target=self._run, name="dashboard-collector", daemon=True)
         self._thread.start()

@@ -39,13 +39,22 @@ def run_hivemind(args, vector) -> list[dict]:
     initial = []
     if args.index > 0:
         initial = [_wait_for_file(args.rendezvous, 120)]
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"], initial_peers=initial, start=True,
-                       startup_timeout=60)
+    private = _private_member(args.organizer_key) if args.organizer_key else {}
+    with private.pop("identity_file", _no_file()) as identity_file:
+        dht = hivemind.DHT(host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"], initial_peers=initial, start=True,
+                           startup_timeout=60, authorizer=private.get("authorizer"),
+                           **(dict(identity_path=str(identity_file)) if identity_file else {}))
+    if private:  # every member stores its invite; the gates read them (before the first round, as in a run)
+        from collab.run.gate import MEMBERS_SUFFIX
+        from collab.run.watch import publish
+
+        publish(dht, "probe" + MEMBERS_SUFFIX, private["subkey"], private["invite"].to_text())
+        _barrier(args.rendezvous, "invited", args.index, args.world, timeout=60)
     if args.index == 0:
         maddr = next(str(a) for a in dht.get_visible_maddrs() if args.host in str(a))
         Path(args.rendezvous).write_text(maddr)
     compression = Float16Compression() if args.wire == "fp16" else NoCompression()
-    averager = hivemind.DecentralizedAverager(
+    averager = private.get("averager_class", hivemind.DecentralizedAverager)(
         [vector], dht, prefix="probe", target_group_size=args.world, min_group_size=args.world,
         min_matchmaking_time=args.matchmaking, request_timeout=2.0, bandwidth=args.bandwidth,
         compression=compression, part_size_bytes=args.part_size, next_chunk_timeout=1.2 * args.stall_timeout,
@@ -82,6 +91,40 @@ def run_hivemind(args, vector) -> list[dict]:
         averager.shutdown()
         dht.shutdown()
     return records
+
+
+def _no_file():
+    from contextlib import nullcontext
+
+    return nullcontext(None)
+
+
+def _private_member(organizer_key_path: str) -> dict:
+    """What a private run's member runs with: its identity, its invite as the DHT token, a gated averager."""
+    import hivemind
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from collab.identity import load_or_create_identity
+    from collab.run.access import make_invite
+    from collab.run.gate import MemberGate, MembersOnly, RunAuthorizer
+
+    organizer = RSAPrivateKey.__new__(RSAPrivateKey)
+    organizer._private_key = serialization.load_der_private_key(Path(organizer_key_path).read_bytes(), None)
+    identity = load_or_create_identity(None)
+    RSAPrivateKey._process_wide_key = identity.key
+    invite = make_invite("probe", identity.peer_id, organizer, lifetime=3600)
+    gate = MemberGate("probe", invite.organizer_key)
+
+    class GatedAverager(MembersOnly, hivemind.DecentralizedAverager):
+        def __init__(self, *a, **kw):
+            self.gate = gate
+            super().__init__(*a, **kw)
+
+    return dict(identity_file=identity.file_for_p2pd(), authorizer=RunAuthorizer(identity.key, invite),
+                averager_class=GatedAverager, invite=invite,
+                subkey=RSASignatureValidator(identity.key).local_public_key)
 
 
 def run_gloo(args, vector) -> list[dict]:
@@ -142,6 +185,8 @@ def main(argv=None) -> None:
                    help="hivemind: give up on a peer's next part after this long (a broken round ends then)")
     p.add_argument("--rendezvous", default="", help="hivemind: file where process 0 writes its multiaddr")
     p.add_argument("--master", default="", help="gloo: HOST:PORT of rank 0")
+    p.add_argument("--organizer-key", default=None, metavar="PATH",
+                   help="hivemind: run as a private run's member, invited by this key (DHT authorizer + member gate)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.expected = (args.world + 1) / 2  # the mean of 1..world

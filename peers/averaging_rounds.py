@@ -46,9 +46,16 @@ def _stall_timeout(links: list[LinkSpec], size: int, wire: str) -> float:
 
 def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path, rounds: int = 2,
                    wire: str = "fp32", announce_bandwidth: bool = True, timeout: float = 600,
-                   part_size: Optional[int] = None) -> list[RoundOutcome]:
-    """`rounds` all-reduces of a `size`-element vector among len(links) processes, one per shaped link."""
+                   part_size: Optional[int] = None, private: bool = False) -> list[RoundOutcome]:
+    """`rounds` all-reduces of a `size`-element vector among len(links) processes, one per shaped link.
+    `private`: hivemind's processes are members of a private run (DHT authorizer, members-only averager)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    organizer_key = None
+    if private:
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        organizer_key = workdir / "organizer.key"
+        organizer_key.write_bytes(RSAPrivateKey().to_bytes())
     world = len(links)
     rendezvous = workdir / f"rendezvous-{backend}-{time.monotonic_ns()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", HIVEMIND_LOGLEVEL=os.environ.get("PROBE_LOGLEVEL", "WARNING"),
@@ -62,6 +69,8 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
                        "--index", str(i), "--world", str(world), "--size", str(size), "--rounds", str(rounds),
                        "--wire", wire, "--host", lab.address(i), "--rendezvous", str(rendezvous),
                        "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
+            if backend == "hivemind" and organizer_key is not None:
+                command += ["--organizer-key", str(organizer_key)]
             if backend == "hivemind" and part_size:
                 command += ["--part-size", str(part_size)]
             if backend == "hivemind":

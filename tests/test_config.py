@@ -88,6 +88,15 @@ def test_defaults_are_a_complete_config():
     (["simulate", "--dashboard-port", "{taken}"], "--dashboard-port {taken}: the port is already in use"),
     (["dashboard", "--run-id", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--port", "{taken}"],
      "--port {taken}: the port is already in use on 127.0.0.1"),
+    (["join", "--run-id", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "--token", "hello"],
+     "--token is not a collab invite (it starts with 'collab-invite:')"),
+    (["join", "--run-id", "r", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "--token-file", "/nonexistent/i"],
+     "cannot read --token-file /nonexistent/i (No such file or directory)"),
+    (["join", "--run-id", "r", "--token", "collab-invite:x"], "--token is an invite to a private run you join: add"),
+    (["invite", "--run", "/nonexistent/run", "--peer", "QmNotAPeer!"], "--peer 'QmNotAPeer!' is not a peer id"),
+    (["invite", "--run", "/nonexistent/run", "--peer", "QmX", "--expires", "1w"], "--expires '1w' is not a duration"),
+    (["revoke", "--run", "/nonexistent/run", "--peer", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"],
+     "/nonexistent/run is not a run folder"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
     import socket

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from collab.commands.status import add_watcher_flags
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("dashboard", help="serve the run's dashboard in a browser",
@@ -22,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--interval", type=float, default=3.0, help="seconds between reads of the swarm (default 3)")
     p.add_argument("--forget-after", type=float, default=3600.0, metavar="SECONDS",
                    help="drop a peer's history once it has been gone this long (default 3600)")
+    add_watcher_flags(p)
     p.set_defaults(run=run, hard_exit=True)
 
 
@@ -42,8 +45,13 @@ def run(args: argparse.Namespace) -> int:
     from dashboard.collector import Collector
     from dashboard.server import serve_forever
 
+    from functools import partial
+
+    from collab.commands.status import watcher_swarm
+
     peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers)  # validates the flags
-    collector = Collector(args.run_id, args.initial_peers, interval=args.interval, forget_after=args.forget_after)
+    collector = Collector(args.run_id, args.initial_peers, interval=args.interval, forget_after=args.forget_after,
+                          make_swarm=partial(watcher_swarm, args))
     if args.fd is not None:
         import os
         import stat

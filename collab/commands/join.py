@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from collab.config import DEFAULT_CONFIG_NAME, FLAG_TO_FIELD
+from collab.run.credentials import add_access_flags, add_identity_flag
 
 
 def add_parser(sub) -> None:
@@ -30,8 +31,8 @@ def add_parser(sub) -> None:
                    help="addresses others should dial, e.g. your public IP and forwarded port")
     p.add_argument("--client-mode", action="store_true",
                    help="for peers behind NAT or a firewall: connect out only, accept no connections")
-    p.add_argument("--identity", type=Path, default=None, metavar="PATH",
-                   help="private key file that keeps your peer id across restarts (created if missing)")
+    add_identity_flag(p)
+    add_access_flags(p)
     p.add_argument("--max-epochs", type=int, default=None, metavar="N", help="leave once the run reaches epoch N")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here and resume from them")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N epochs")
@@ -87,14 +88,18 @@ def _run_id(args: argparse.Namespace) -> str:
     from collab.config import check_run_id
     from collab.errors import UserError
 
+    token = args.token is not None or args.token_file is not None
     if args.run_dir is None:
         if args.run_key is not None and not args.initial_peers:
             raise UserError("--run-key checks the manifest of a run you join: add the join line's --initial-peers")
+        if token and not args.initial_peers:
+            raise UserError("--token is an invite to a private run you join: add the join line's --initial-peers")
         if args.run_id is None:
             raise UserError("the following arguments are required: --run-id (or --run DIR, for the organizer)")
         return check_run_id(args.run_id)
-    if args.run_key is not None:
-        raise UserError("--run-key is for volunteers; the organizer's peer (--run) holds the key itself: drop it")
+    if args.run_key is not None or token:
+        flag = "--run-key" if args.run_key is not None else "--token"
+        raise UserError(f"{flag} is for volunteers; the organizer's peer (--run) holds the key itself: drop it")
     from collab.run.folder import MANIFEST, load_run_folder
 
     folder_id = load_run_folder(args.run_dir).manifest.run_id
@@ -138,15 +143,23 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
                                   dashboard_port=args.dashboard_port)
     swarm = None
     try:
+        from collab.identity import load_or_create_identity
+        from collab.run.credentials import credentials_from_flags
+        from collab.swarm import Swarm
+
         if args.run_dir is not None:
-            config, shared = joining.as_organizer(args.run_dir, user, source)
+            identity = load_or_create_identity(args.identity)
+            config, shared = joining.as_organizer(args.run_dir, user, source, identity.peer_id)
+            if shared.private is not None:  # its own DHT node already answers only to invited peers
+                from collab.run.gate import RunAuthorizer
+
+                swarm = Swarm(peer, identity, authorizer=RunAuthorizer(identity.key, shared.private.invite))
         elif not args.initial_peers:
             config, shared = joining.as_first_peer(run_id, config, user)
         else:  # the run's config and tokenizer come from the swarm: join it first
-            from collab.swarm import Swarm
-
-            swarm = Swarm(peer)
-            config, shared = joining.as_volunteer(swarm, args.run_key, user, source, stop)
+            credentials = credentials_from_flags(args, run_id)
+            swarm = Swarm(peer, credentials.identity, authorizer=credentials.authorizer())
+            config, shared = joining.as_volunteer(swarm, credentials.run_key, user, source, stop, credentials.invite)
         summary = trainer.run(config, peer, options, stop, shared=shared, swarm=swarm)
     except UserError:
         raise
@@ -155,6 +168,8 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     finally:
         if swarm is not None:
             swarm.shutdown()
+    if shared.private is not None and shared.private.lost is not None:
+        raise UserError(shared.private.lost)
     losses = list(summary.loss_by_epoch.values())
     trend = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) >= 2 else ""
     print(f"Left the run at epoch {summary.final_epoch} ({summary.exit_reason}): contributed "

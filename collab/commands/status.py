@@ -16,17 +16,46 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the run state as one JSON object")
     p.add_argument("--wait", type=float, default=3.0, metavar="S",
                    help="seconds to let the DHT connect before reading (default 3)")
+    add_watcher_flags(p)
     p.set_defaults(run=run, hard_exit=True)
+
+
+def add_watcher_flags(p) -> None:
+    """A reader of a run is a peer: it may check the run's key, and needs an invite to read a private run."""
+    from collab.run.credentials import add_access_flags, add_identity_flag
+
+    p.add_argument("--run-key", default=None, metavar="FINGERPRINT",
+                   help="the organizer's key (from the join line): read the run only if its manifest is signed by it")
+    add_identity_flag(p)
+    add_access_flags(p)
+
+
+def watcher_swarm(args: argparse.Namespace, peer):
+    """The reader's client peer, with its invite if it has one; --run-key checked against the run's manifest."""
+    from collab.run.credentials import credentials_from_flags
+    from collab.swarm import Swarm
+
+    credentials = credentials_from_flags(args, args.run_id)
+    swarm = Swarm(peer, credentials.identity, authorizer=credentials.authorizer())
+    if credentials.run_key is not None:
+        from collab.run.sharing import fetch_manifest
+
+        try:
+            fetch_manifest(swarm.dht, args.run_id, credentials.run_key, timeout=30)
+        except BaseException:
+            swarm.shutdown()
+            raise
+    return swarm
 
 
 def run(args: argparse.Namespace) -> int:
     from collab.lifecycle import reap_children
     from collab.state import read_run_state
-    from collab.swarm import PeerConfig, Swarm, peer_config_from_flags
+    from collab.swarm import PeerConfig, peer_config_from_flags
 
     peer: PeerConfig = peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers, client_mode=True,
                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    swarm = Swarm(peer)
+    swarm = watcher_swarm(args, peer)
     try:
         time.sleep(max(0.0, args.wait))
         state = read_run_state(swarm.dht, args.run_id)

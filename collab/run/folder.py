@@ -4,6 +4,7 @@
     RUN_ID/config.yaml     the config the manifest was made from
     RUN_ID/tokenizer.json  the run's tokenizer (trained at init for `embedded`)
     RUN_ID/manifest.json   the signed manifest every peer checks against the key's fingerprint
+    RUN_ID/revoked.json    (private runs) the signed list of peer ids whose invites were revoked
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collab.errors import UserError
 from collab.run.manifest import Manifest, SignedManifest, make_manifest, run_tokenizer, sign, verify
 
 KEY, CONFIG, TOKENIZER, MANIFEST = "organizer.key", "config.yaml", "tokenizer.json", "manifest.json"
+REVOKED = "revoked.json"  # written by 'collab revoke'; the organizer's peer publishes it
 
 
 @dataclass

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from collab.errors import UserError
 from collab.identity import signer_peer_id
 from collab.run.manifest import Manifest, verify
+
+if TYPE_CHECKING:
+    from collab.run.watch import AccessWatch, PrivateRun
 
 MANIFEST_SUFFIX = "_manifest"
 MANIFEST_EXPIRATION = 600.0  # seconds; every holder re-stores it well before
@@ -26,6 +30,7 @@ MAX_MANIFEST_BYTES = 256 * 1024
 MAX_FILE_BYTES = 64 * 1024 * 1024
 FILE_PROTOCOL = "collab-run-file"
 TOKENIZER_NAME = "tokenizer.json"
+ACCESS_NAME = "access"  # not a file: the server's verdict on the asker (is the run private, is it a member)
 
 
 def publish_manifest(dht, run_id: str, subkey: bytes, blob: bytes) -> None:
@@ -76,10 +81,13 @@ def fetch_manifest(dht, run_id: str, run_key: Optional[str], timeout: float = 30
 
 
 class RunFileServer:
-    """Serves the run's files (name -> path) to any peer that asks, from a thread with its own event loop."""
+    """Serves the run's files (name -> path) from a thread with its own event loop: to any peer that asks, or in
+    a private run (`access`) to members only. Anyone may ask about themselves (ACCESS_NAME): a stranger learns
+    that the run is private and how to get in, a revoked peer that it was revoked."""
 
-    def __init__(self, dht, files: dict[str, Path]):
+    def __init__(self, dht, files: dict[str, Path], access=None):
         self.dht, self.files = dht, {name: Path(path) for name, path in files.items()}
+        self.access = access  # collab.run.access.AccessList, kept current by collab.run.watch; None: open run
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="run-file-server", daemon=True)
@@ -110,8 +118,11 @@ class RunFileServer:
 
         try:
             name = (await asyncio.wait_for(P2P.receive_raw_data(reader), timeout=10)).decode()
-            path = self.files.get(name)
+            verdict = "member" if self.access is None else self.access.verdict(stream_info.peer_id.to_base58())
+            path = self.files.get(name) if verdict == "member" else None
             data = path.read_bytes() if path is not None and path.is_file() else b""
+            if name == ACCESS_NAME:
+                data = json.dumps({"private": self.access is not None, "verdict": verdict}).encode()
             await P2P.send_raw_data(data, writer)
             await writer.drain()
         except Exception:
@@ -149,22 +160,34 @@ def fetch_run_file(dht, holders: list[str], name: str, sha256: str, timeout: flo
         loop.close()
 
 
+async def ask_for_file(p2p, peer: str, name: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    from hivemind.p2p import P2P, PeerID
+
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), FILE_PROTOCOL)
+    try:
+        await P2P.send_raw_data(name.encode(), writer)
+        header = await reader.readexactly(P2P.HEADER_LEN)
+        size = int.from_bytes(header, P2P.BYTEORDER)
+        if size > limit:
+            raise ValueError(f"{size} bytes is more than a run file may be")
+        return await reader.readexactly(size)
+    finally:
+        writer.close()
+
+
+async def ask_about_access(p2p, peer: str) -> Optional[dict]:
+    """What `peer` says about this peer's place in the run: {"private": bool, "verdict": str}, or None."""
+    try:
+        answer = json.loads(await asyncio.wait_for(ask_for_file(p2p, peer, ACCESS_NAME, limit=4096), timeout=10))
+    except Exception:
+        return None
+    ok = isinstance(answer, dict) and isinstance(answer.get("private"), bool) and isinstance(answer.get("verdict"), str)
+    return answer if ok else None
+
+
 def _fetch(loop, p2p, holders: list[str], name: str, sha256: str, timeout: float) -> bytes:
-    from hivemind.p2p import PeerID
-
-    async def ask(peer: str) -> bytes:
-        from hivemind.p2p import P2P
-
-        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), FILE_PROTOCOL)
-        try:
-            await P2P.send_raw_data(name.encode(), writer)
-            header = await reader.readexactly(P2P.HEADER_LEN)
-            size = int.from_bytes(header, P2P.BYTEORDER)
-            if size > MAX_FILE_BYTES:
-                raise ValueError(f"{size} bytes is more than a run file may be")
-            return await reader.readexactly(size)
-        finally:
-            writer.close()
+    def ask(peer: str):
+        return ask_for_file(p2p, peer, name)
 
     deadline = time.monotonic() + timeout
     wrong = 0
@@ -192,19 +215,29 @@ class SharedRun:
     signed: bytes
     fingerprint: str
     tokenizer_file: Optional[Path]
+    private: Optional["PrivateRun"] = None  # a private run's membership (collab.run.watch); None: an open run
 
 
 class RunSharer:
     """Keeps this peer's copy of the manifest in the DHT and serves the run's files while the peer runs."""
 
-    def __init__(self, swarm, shared: SharedRun):
+    def __init__(self, swarm, shared: SharedRun, on_lost: Optional[Callable[[str], None]] = None):
         self.swarm, self.shared = swarm, shared
+        self.on_lost = on_lost if on_lost is not None else (lambda why: None)
         self.server: Optional[RunFileServer] = None
+        self.watch: Optional[AccessWatch] = None
         self._published = 0.0
 
     def start(self) -> "RunSharer":
-        if self.shared.tokenizer_file is not None and not self.swarm.peer.client_mode:  # nobody can dial a client
-            self.server = RunFileServer(self.swarm.dht, {TOKENIZER_NAME: self.shared.tokenizer_file}).start()
+        from collab.run.watch import AccessWatch
+
+        private = self.shared.private
+        if private is not None:  # members known and revocations applied before this peer averages with anyone
+            self.watch = AccessWatch(self.swarm, private, self.on_lost).start()
+        files = {TOKENIZER_NAME: self.shared.tokenizer_file} if self.shared.tokenizer_file is not None else {}
+        if (files or private is not None) and not self.swarm.peer.client_mode:  # nobody can dial a client
+            access = private.access if private is not None else None
+            self.server = RunFileServer(self.swarm.dht, files, access).start()
         self.refresh()
         return self
 
@@ -214,5 +247,7 @@ class RunSharer:
             self._published = time.monotonic()
 
     def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         if self.server is not None:
             self.server.stop()

@@ -1,0 +1,93 @@
+"""A private run on real DHT, p2pd and averaging: invited peers train, strangers and revoked peers are shut out."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+
+from collab.identity import peer_id_of
+from collab.run.access import make_invite
+from collab.run.folder import load_run_folder
+from peers.launcher import LocalSwarm
+from tests.conftest import peer_env, read_summary, run_cli, wait_for
+
+pytestmark = pytest.mark.swarm
+
+
+def _invite(folder, identity, tmp_path, name: str) -> str:
+    """What an invited volunteer does: 'collab id', and the organizer's 'collab invite', saved to a file."""
+    peer_id = run_cli("id", "--identity", str(identity)).stdout.strip()
+    made = run_cli("invite", "--run", str(folder), "--peer", peer_id, "--expires", "1h")
+    assert made.returncode == 0, made.stderr
+    path = tmp_path / f"{name}.invite"
+    path.write_text(made.stdout)
+    return str(path)
+
+
+def _last_line(result) -> str:
+    return (result.stderr.strip().splitlines() or [""])[-1]
+
+
+def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped(tmp_path, micro_config, run_id,
+                                                                                 no_leftover_processes):
+    folder = tmp_path / "run"
+    assert run_cli("init", run_id, "--config", str(micro_config), "--dir", str(folder), "--private").returncode == 0
+    with LocalSwarm(3, run_id, tmp_path / "peers", env=peer_env(),
+                    join_args=["--max-epochs", "1000"], per_peer_args={0: ["--run", str(folder)]}) as swarm:
+        organizer, invited, revoked = swarm.peers
+        for peer in (invited, revoked):
+            peer.args += ["--token-file", _invite(folder, peer.identity_path, tmp_path, f"peer{peer.index}")]
+        swarm.start()
+        assert "--token-file INVITE" in organizer.log_text()
+
+        # a stranger with the join line but no invite, and a peer whose invite expired: one line each, exit 2
+        joining = ["join", "--run-id", run_id, "--initial-peers", swarm.initial_peer,
+                   "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--max-epochs", "1"]
+        stranger = run_cli(*joining, "--identity", str(tmp_path / "stranger.key"), timeout=120)
+        assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr
+        assert f"run {run_id!r} is private" in _last_line(stranger) and "collab id" in _last_line(stranger)
+        late_key = RSAPrivateKey()
+        expired = make_invite(run_id, peer_id_of(late_key.get_public_key()), load_run_folder(folder).organizer_key,
+                              lifetime=-3600)
+        (tmp_path / "expired.invite").write_text(expired.to_text())
+        refused = run_cli(*joining, "--token-file", str(tmp_path / "expired.invite"), timeout=60)
+        assert refused.returncode == 2 and "expired" in _last_line(refused), refused.stderr
+
+        # an invited watcher reads the run; the stranger is nowhere in it
+        watcher = tmp_path / "watcher.key"
+        token = _invite(folder, watcher, tmp_path, "watcher")
+        status = run_cli("status", "--run-id", run_id, "--initial-peers", swarm.initial_peer, "--json",
+                         "--identity", str(watcher), "--token-file", token, "--run-key",
+                         load_run_folder(folder).fingerprint, timeout=120)
+        assert status.returncode == 0, status.stderr
+        seen = {peer["peer_id"] for peer in json.loads(status.stdout)["peers"]}
+        assert seen == {organizer.peer_id, invited.peer_id, revoked.peer_id}, seen
+
+        # the revoked peer has averaged with the others; after 'collab revoke' it is out within 60 s
+        wait_for(lambda: revoked.summary_path.exists() and any(
+            len(g["peers"]) == 3 for g in read_summary(revoked)["groups"]), 180, what="a round of all three peers")
+        revoke = run_cli("revoke", "--run", str(folder), "--peer", revoked.peer_id)
+        assert revoke.returncode == 0, revoke.stderr
+        revoked_at = time.monotonic()
+        assert revoked.wait(75) == 2, revoked.log_text()[-3000:]
+        print(f"the revoked peer left {time.monotonic() - revoked_at:.1f} s after 'collab revoke'")
+        assert time.monotonic() - revoked_at < 60
+        assert "revoked" in revoked.log_text().strip().splitlines()[-1], revoked.log_text()[-2000:]
+        epoch_after = read_summary(organizer)["final_epoch"]  # by now every honest peer applied the revocation
+        wait_for(lambda: read_summary(organizer)["final_epoch"] >= epoch_after + 2, 150,
+                 what="two more epochs of the two honest peers")
+        swarm.stop()
+
+    honest = [read_summary(organizer), read_summary(invited)]
+    for summary in honest:
+        groups = summary["groups"]
+        assert any(revoked.peer_id in g["peers"] for g in groups), "the revoked peer never averaged: no test"
+        late = [g for g in groups if g["epoch"] > epoch_after]
+        assert late and all(revoked.peer_id not in g["peers"] for g in late), groups
+        # the stranger never was in a group (nor anyone else who was not invited)
+        assert all(set(g["peers"]) <= {organizer.peer_id, invited.peer_id, revoked.peer_id} for g in groups), groups
+        losses = [loss for _, loss in sorted((int(e), v) for e, v in summary["loss_by_epoch"].items())]
+        assert losses[-1] < losses[0], losses  # they trained
