@@ -146,7 +146,10 @@ class Swarm:
         return (public or tcp)[0]
 
     def shutdown(self) -> None:
-        if self.dht.is_alive():
+        # idempotent: the trainer shuts down the swarm it was given, and so does `collab join` on its way out; a
+        # DHT process killed "the hard way" may still look alive a moment later, and its pipe is closed by then
+        if not getattr(self, "_shut", False) and self.dht.is_alive():
+            self._shut = True
             self.dht.shutdown()
 
 

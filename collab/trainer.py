@@ -117,7 +117,12 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     log = AveragingLog()
     opt = dashboard = sharer = None
     try:
-        sharer = RunSharer(swarm, shared, on_lost=lambda why: stop.set()).start() if shared is not None else None
+        def leave(_why: str) -> None:  # this peer's invite was revoked or expired: leave as on a signal
+            stop.set()
+            if opt is not None:
+                opt.abort_rounds()
+
+        sharer = RunSharer(swarm, shared, on_lost=leave).start() if shared is not None else None
         if options.dashboard_port is not None:
             dashboard = _start_dashboard(swarm, options.dashboard_port)
             print(f"Dashboard: {dashboard.url}", flush=True)

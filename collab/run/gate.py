@@ -30,7 +30,7 @@ from collab.run.access import AccessList, Invite, expired, invite_payload, newes
 MEMBERS_SUFFIX = "_members"
 REVOKED_SUFFIX = "_revoked"
 REFRESH_SECONDS = 10.0  # how stale a peer's view of the members may get: a revocation applies within this (+ DHT)
-UNKNOWN_RETRY_SECONDS = 2.0  # a peer id not yet known triggers a re-read, at most this often
+UNKNOWN_RETRY_SECONDS = 1.0  # a peer id not yet known triggers a re-read, at most this often
 logger = logging.getLogger(__name__)
 
 
@@ -111,18 +111,27 @@ def read_revocations(found, access: AccessList) -> bool:
 
 
 class MemberGate:
-    """The averager process's view of the members, re-read from the DHT when stale or asked about a stranger."""
+    """The averager process's view of the members, re-read from the DHT when stale or asked about a stranger.
+    Concurrent askers share one read: a groupmate's parts that arrive while a read is in flight wait for it,
+    rather than being refused on the view from before it."""
 
     def __init__(self, run_id: str, organizer_key: str):
         self.access = AccessList(run_id, organizer_key)
         self._read_at = float("-inf")
+        self._reading: Optional[asyncio.Future] = None
         self._said: dict[str, float] = {}
 
     async def allows(self, dht, peer_id: PeerID, what: str) -> bool:
         name = peer_id.to_base58()
         age = time.monotonic() - self._read_at
-        if age > REFRESH_SECONDS or (not self.access.allows(name) and age > UNKNOWN_RETRY_SECONDS):
-            await self._read(dht)
+        if self._reading is not None and not self.access.allows(name):
+            await asyncio.shield(self._reading)
+        elif age > REFRESH_SECONDS or (not self.access.allows(name) and age > UNKNOWN_RETRY_SECONDS):
+            self._reading = asyncio.ensure_future(self._read(dht))
+            try:
+                await asyncio.shield(self._reading)
+            finally:
+                self._reading = None
         verdict = self.access.verdict(name)
         if verdict == "member":
             return True
@@ -166,11 +175,16 @@ class MembersOnly:
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if not await self._allows(context.remote_id, "tensor parts"):
+        if self.gate is not None and not await self._groupmate(context.remote_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
+
+    async def _groupmate(self, peer_id: PeerID) -> bool:
+        # a groupmate of a running round was checked with its group (_aggregate_with_group), unless revoked since
+        in_group = any(peer_id in runner.ordered_peer_ids for runner in self._runners())
+        return (in_group and self.gate.access.allows(peer_id.to_base58())) or await self._allows(peer_id, "tensor parts")
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:

@@ -31,7 +31,7 @@ from collab.run.gate import (
 
 RECORD_EXPIRATION = 180.0
 REPUBLISH_SECONDS = 60.0
-PROBE_SECONDS = 20.0
+PROBE_SECONDS = 10.0
 logger = logging.getLogger(__name__)
 
 
