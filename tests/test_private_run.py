@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
@@ -43,28 +44,34 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
         swarm.start()
         assert "--token-file INVITE" in organizer.log_text()
 
-        # a stranger with the join line but no invite, and a peer whose invite expired: one line each, exit 2
+        # at once (each is a process of its own): a stranger with the join line but no invite, a peer whose invite
+        # expired, and an invited watcher reading the run
         joining = ["join", "--run-id", run_id, "--initial-peers", swarm.initial_peer,
                    "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--max-epochs", "1"]
-        stranger = run_cli(*joining, "--identity", str(tmp_path / "stranger.key"), timeout=120)
-        assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr
-        assert f"run {run_id!r} is private" in _last_line(stranger) and "collab id" in _last_line(stranger)
         late_key = RSAPrivateKey()
         expired = make_invite(run_id, peer_id_of(late_key.get_public_key()), load_run_folder(folder).organizer_key,
                               lifetime=-3600)
         (tmp_path / "expired.invite").write_text(expired.to_text())
-        refused = run_cli(*joining, "--token-file", str(tmp_path / "expired.invite"), timeout=60)
-        assert refused.returncode == 2 and "expired" in _last_line(refused), refused.stderr
-
-        # an invited watcher reads the run; the stranger is nowhere in it
         watcher = tmp_path / "watcher.key"
         token = _invite(folder, watcher, tmp_path, "watcher")
-        status = run_cli("status", "--run-id", run_id, "--initial-peers", swarm.initial_peer, "--json",
-                         "--identity", str(watcher), "--token-file", token, "--run-key",
-                         load_run_folder(folder).fingerprint, timeout=120)
-        assert status.returncode == 0, status.stderr
-        seen = {peer["peer_id"] for peer in json.loads(status.stdout)["peers"]}
-        assert seen == {organizer.peer_id, invited.peer_id, revoked.peer_id}, seen
+        reading = ["status", "--run-id", run_id, "--initial-peers", swarm.initial_peer, "--json", "--wait", "2",
+                   "--identity", str(watcher), "--token-file", token, "--run-key", load_run_folder(folder).fingerprint]
+
+        def members_seen():
+            status = run_cli(*reading, timeout=120)
+            assert status.returncode == 0, status.stderr
+            seen = {peer["peer_id"] for peer in json.loads(status.stdout)["peers"]}
+            return seen if len(seen) >= 3 else None
+
+        with ThreadPoolExecutor(2) as pool:
+            stranger = pool.submit(run_cli, *joining, "--identity", str(tmp_path / "stranger.key"), timeout=120)
+            refused = pool.submit(run_cli, *joining, "--token-file", str(tmp_path / "expired.invite"), timeout=60)
+            seen = wait_for(members_seen, 150, what="all three members in the watcher's status")
+            stranger, refused = stranger.result(), refused.result()
+        assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr
+        assert f"run {run_id!r} is private" in _last_line(stranger) and "collab id" in _last_line(stranger)
+        assert refused.returncode == 2 and "expired" in _last_line(refused), refused.stderr
+        assert seen == {organizer.peer_id, invited.peer_id, revoked.peer_id}, seen  # the stranger is nowhere
 
         # the revoked peer has averaged with the others; after 'collab revoke' it is out within 60 s
         wait_for(lambda: revoked.summary_path.exists() and any(

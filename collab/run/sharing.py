@@ -107,7 +107,10 @@ class RunFileServer:
             self._ready.set()
             return
         self._ready.set()
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:
+            close_loop(self._loop, getattr(self, "_p2p", None))
 
     async def _listen(self) -> None:
         self._p2p = await own_p2p(self.dht)
@@ -133,10 +136,25 @@ class RunFileServer:
     def stop(self) -> None:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        p2p = getattr(self, "_p2p", None)
-        if p2p is not None and not self._thread.is_alive():
-            p2p._terminate()  # closes this client's connection to p2pd; the daemon itself is the DHT's
+        self._thread.join(timeout=5)  # the thread closes its client of p2pd (the daemon itself is the DHT's)
+
+
+def close_loop(loop, p2p=None) -> None:
+    """Close a thread's event loop and its client of p2pd (`p2p`, from own_p2p; the daemon is the DHT's), letting
+    what that cancels finish first: nothing is left pending to complain at exit."""
+
+    async def finish() -> None:  # inside the loop: hivemind cancels its tasks through the running loop
+        if p2p is not None:
+            p2p._terminate()
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        loop.run_until_complete(finish())
+    finally:
+        loop.close()
 
 
 async def own_p2p(dht):
@@ -150,14 +168,12 @@ async def own_p2p(dht):
 def fetch_run_file(dht, holders: list[str], name: str, sha256: str, timeout: float = 60.0) -> bytes:
     """The run's file `name` from the first holder whose copy matches `sha256`."""
     loop = asyncio.new_event_loop()
+    p2p = None
     try:
         p2p = loop.run_until_complete(own_p2p(dht))
-        try:
-            return _fetch(loop, p2p, holders, name, sha256, timeout)
-        finally:
-            loop.run_until_complete(p2p.shutdown())
+        return _fetch(loop, p2p, holders, name, sha256, timeout)
     finally:
-        loop.close()
+        close_loop(loop, p2p)
 
 
 async def ask_for_file(p2p, peer: str, name: str, limit: int = MAX_FILE_BYTES) -> bytes:

@@ -92,13 +92,9 @@ class AccessWatch:
                 if self.lost is not None:
                     return
         finally:
-            if p2p is not None:
-                p2p._terminate()
-            pending = asyncio.all_tasks(loop)  # let what _terminate cancelled finish, quietly, before closing
-            for task in pending:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
+            from collab.run.sharing import close_loop
+
+            close_loop(loop, p2p)
 
     def _refresh(self) -> None:
         dht, run_id, access = self.swarm.dht, self.swarm.peer.run_id, self.private.access
