@@ -49,6 +49,8 @@ def main() -> int:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--only", choices=["symmetric", "asymmetric"], default=None)
+    p.add_argument("--methods", default=None, metavar="LIST",
+                   help="comma-separated subset, e.g. hivemind-fp16,hivemind-fp16-private (default: all)")
     args = p.parse_args()
     reason = namespaces_unavailable_reason()
     if reason is not None:
@@ -64,6 +66,8 @@ def main() -> int:
             gloo = {}  # wire -> seconds
             open_run = {}  # wire -> seconds of hivemind with auth off
             for backend, wire, private in METHODS:
+                if args.methods and f"{backend}-{wire}{'-private' if private else ''}" not in args.methods.split(","):
+                    continue
                 label = f"{'collab (hivemind)' if backend == 'hivemind' else 'gloo'} {wire}{' private' if private else ''}"
                 print(f"{name}: {label} ...", file=sys.stderr, flush=True)
                 try:

@@ -121,12 +121,15 @@ class MemberGate:
         self._reading: Optional[asyncio.Future] = None
         self._said: dict[str, float] = {}
 
-    async def allows(self, dht, peer_id: PeerID, what: str) -> bool:
+    async def allows(self, dht, peer_id: PeerID, what: str, refresh: bool = True) -> bool:
+        """`refresh=False`: a known member passes on the current view (inside an all-reduce, where a DHT read would
+        cost time; revocations reach this process at once anyway, pushed by the trainer)."""
         name = peer_id.to_base58()
         age = time.monotonic() - self._read_at
-        if self._reading is not None and not self.access.allows(name):
+        known = self.access.allows(name)
+        if self._reading is not None and not known:
             await asyncio.shield(self._reading)
-        elif age > REFRESH_SECONDS or (not self.access.allows(name) and age > UNKNOWN_RETRY_SECONDS):
+        elif (refresh and age > REFRESH_SECONDS) or (not known and age > UNKNOWN_RETRY_SECONDS):
             self._reading = asyncio.ensure_future(self._read(dht))
             try:
                 await asyncio.shield(self._reading)
@@ -162,8 +165,8 @@ class MembersOnly:
 
     gate: Optional[MemberGate] = None
 
-    async def _allows(self, peer_id: PeerID, what: str) -> bool:
-        return self.gate is None or peer_id == self.peer_id or await self.gate.allows(self.dht, peer_id, what)
+    async def _allows(self, peer_id: PeerID, what: str, refresh: bool = True) -> bool:
+        return self.gate is None or peer_id == self.peer_id or await self.gate.allows(self.dht, peer_id, what, refresh)
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -184,7 +187,8 @@ class MembersOnly:
     async def _groupmate(self, peer_id: PeerID) -> bool:
         # a groupmate of a running round was checked with its group (_aggregate_with_group), unless revoked since
         in_group = any(peer_id in runner.ordered_peer_ids for runner in self._runners())
-        return (in_group and self.gate.access.allows(peer_id.to_base58())) or await self._allows(peer_id, "tensor parts")
+        return (in_group and self.gate.access.allows(peer_id.to_base58())) or \
+            await self._allows(peer_id, "tensor parts", refresh=False)
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
@@ -196,7 +200,7 @@ class MembersOnly:
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         # as a follower this checks the leader's member list before sending a byte; as a leader, its own group
         for peer_id in group_info.peer_ids:
-            if not await self._allows(peer_id, "a place in an averaging group"):
+            if not await self._allows(peer_id, "a place in an averaging group", refresh=False):
                 raise NotAMember(f"the group holds {peer_id}, who is not a member of this private run")
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
