@@ -183,8 +183,11 @@ def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
         finally:
             await p2p.shutdown()
 
-    try:
-        answer = asyncio.run(asyncio.wait_for(ask(), timeout=20))
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:  # in a thread of its own: the caller may be inside an event loop (the dashboard's)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(lambda: asyncio.run(asyncio.wait_for(ask(), timeout=20))).result()
     except Exception:
         return
     if answer is None or not answer["private"] or answer["verdict"] == "member":

@@ -50,4 +50,10 @@ def serve_forever(collector: Collector, host: str, port: int, fd: Optional[int] 
     gc.collect()
     gc.freeze()
     where = dict(fd=fd) if fd is not None else dict(host=host, port=port)
-    uvicorn.run(create_app(collector), log_level="warning", **where)
+    # joined before uvicorn starts: an unreachable run, or a private one without an invite, is the CLI's one
+    # line (exit 2), not a traceback from inside uvicorn's startup
+    collector.start()
+    try:
+        uvicorn.run(create_app(collector, manage_collector=False), log_level="warning", **where)
+    finally:
+        collector.stop()

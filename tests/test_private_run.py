@@ -12,7 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from collab.identity import peer_id_of
 from collab.run.access import make_invite
 from collab.run.folder import load_run_folder
-from peers.launcher import LocalSwarm
+from peers.launcher import LocalSwarm, free_ports
 from tests.conftest import peer_env, read_summary, run_cli, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -63,14 +63,17 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
             seen = {peer["peer_id"] for peer in json.loads(status.stdout)["peers"]}
             return seen if len(seen) >= 3 else None
 
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
             stranger = pool.submit(run_cli, *joining, "--identity", str(tmp_path / "stranger.key"), timeout=120)
+            uninvited_dashboard = pool.submit(run_cli, "dashboard", "--run-id", run_id, "--initial-peers",
+                                              swarm.initial_peer, "--port", str(free_ports(1)[0]), timeout=120)
             refused = pool.submit(run_cli, *joining, "--token-file", str(tmp_path / "expired.invite"), timeout=60)
             seen = wait_for(members_seen, 150, what="all three members in the watcher's status")
-            stranger, refused = stranger.result(), refused.result()
+            stranger, refused, dashboard = stranger.result(), refused.result(), uninvited_dashboard.result()
         assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr
         assert f"run {run_id!r} is private" in _last_line(stranger) and "collab id" in _last_line(stranger)
         assert refused.returncode == 2 and "expired" in _last_line(refused), refused.stderr
+        assert dashboard.returncode == 2 and f"run {run_id!r} is private" in _last_line(dashboard), dashboard.stderr
         assert seen == {organizer.peer_id, invited.peer_id, revoked.peer_id}, seen  # the stranger is nowhere
 
         # the revoked peer has averaged with the others; after 'collab revoke' it is out within 60 s
