@@ -100,3 +100,31 @@ def test_durations(text, seconds):
 def test_bad_durations_name_the_flag(text):
     with pytest.raises(UserError, match="--expires .* is not a duration"):
         parse_duration(text)
+
+
+def test_state_is_downloaded_from_members_only(keys):
+    """hivemind picks donors from a DHT list that may still name a revoked peer; the averager skips non-members."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    from collab.run.gate import MemberGate, MembersOnly
+
+    class Averager:
+        @classmethod
+        def get_stub(cls, p2p, peer, *, namespace=None):
+            return ("stub", peer)
+
+    class Gated(MembersOnly, Averager):
+        pass
+
+    averager = Gated()
+    averager.gate = MemberGate("run", keys["organizer"].get_public_key().to_bytes().decode())
+    averager.gate.access.add_invite(make_invite("run", _peer_id(keys["peer"]), keys["organizer"], 3600).to_text())
+    member, stranger = (PeerID.from_base58(_peer_id(keys[name])) for name in ("peer", "other"))
+    assert averager._donor_stub(None, member, namespace="x") == ("stub", member)
+
+    async def download(stub) -> list:
+        return [part async for part in await stub.rpc_download_state(None)]
+
+    assert asyncio.run(download(averager._donor_stub(None, stranger, namespace="x"))) == []

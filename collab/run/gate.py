@@ -121,6 +121,22 @@ class MemberGate:
         self._reading: Optional[asyncio.Future] = None
         self._said: dict[str, float] = {}
 
+    async def refresh(self, dht) -> None:
+        """Re-read the members now (or wait for a read in flight)."""
+        if self._reading is not None:
+            await asyncio.shield(self._reading)
+            return
+        self._reading = asyncio.ensure_future(self._read(dht))
+        try:
+            await asyncio.shield(self._reading)
+        finally:
+            self._reading = None
+
+    def refuse(self, name: str, what: str, verdict: str) -> None:
+        if time.monotonic() - self._said.get(name, float("-inf")) > 60:  # attributed, but not a line per request
+            self._said[name] = time.monotonic()
+            logger.warning(f"Refused {what} from peer {name}: {verdict} (this run is private)")
+
     async def allows(self, dht, peer_id: PeerID, what: str, refresh: bool = True) -> bool:
         """`refresh=False`: a known member passes on the current view (inside an all-reduce, where a DHT read would
         cost time; revocations reach this process at once anyway, pushed by the trainer)."""
@@ -130,17 +146,11 @@ class MemberGate:
         if self._reading is not None and not known:
             await asyncio.shield(self._reading)
         elif (refresh and age > REFRESH_SECONDS) or (not known and age > UNKNOWN_RETRY_SECONDS):
-            self._reading = asyncio.ensure_future(self._read(dht))
-            try:
-                await asyncio.shield(self._reading)
-            finally:
-                self._reading = None
+            await self.refresh(dht)
         verdict = self.access.verdict(name)
         if verdict == "member":
             return True
-        if time.monotonic() - self._said.get(name, float("-inf")) > 60:  # attributed, but not a line per request
-            self._said[name] = time.monotonic()
-            logger.warning(f"Refused {what} from peer {name}: {verdict} (this run is private)")
+        self.refuse(name, what, verdict)
         return False
 
     async def _read(self, dht) -> None:
@@ -154,6 +164,17 @@ class MemberGate:
             return
         read_members(members, self.access)
         read_revocations(revoked, self.access)
+
+
+class _NoState:
+    """A donor that is not asked: its download yields nothing."""
+
+    async def rpc_download_state(self, _request):
+        async def nothing():
+            return
+            yield
+
+        return nothing()
 
 
 class NotAMember(MatchmakingException):
@@ -203,6 +224,21 @@ class MembersOnly:
             if not await self._allows(peer_id, "a place in an averaging group", refresh=False):
                 raise NotAMember(f"the group holds {peer_id}, who is not a member of this private run")
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    async def _load_state_from_peers(self, future, timeout=None):
+        # hivemind picks donors from the DHT's list of averagers, which may still hold a revoked peer's entry:
+        # download only from members (its one call of self.get_stub, below, is where a donor is chosen)
+        if self.gate is not None:
+            await self.gate.refresh(self.dht)
+            self.get_stub = self._donor_stub
+        return await super()._load_state_from_peers(future, timeout=timeout)
+
+    def _donor_stub(self, p2p, peer: PeerID, *, namespace=None):
+        verdict = self.gate.access.verdict(peer.to_base58())
+        if verdict == "member":
+            return type(self).get_stub(p2p, peer, namespace=namespace)
+        self.gate.refuse(peer.to_base58(), "an offer of its state", verdict)
+        return _NoState()  # hivemind hears "no state" and asks the next donor
 
     async def _apply_revocations(self, revocations) -> None:
         """Sent by the trainer (through hivemind's pipe to this averager's process) when the organizer revokes
