@@ -70,7 +70,6 @@ def _read_identity(path: Path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
 
     try:
         message = crypto_pb2.PrivateKey.FromString(path.read_bytes())
@@ -81,6 +80,20 @@ def _read_identity(path: Path):
     if message.key_type != crypto_pb2.KeyType.RSA or not isinstance(private, rsa.RSAPrivateKey):
         raise UserError(f"{path} holds a non-RSA key; collab signs records with the identity key, which must be "
                         "RSA: pass a new --identity path")
+    return wrap_rsa_key(private)
+
+
+def rsa_key_from_der(data: bytes):
+    """hivemind's RSAPrivateKey from DER bytes (RSAPrivateKey.to_bytes()); ValueError if they hold none."""
+    from cryptography.hazmat.primitives import serialization
+
+    return wrap_rsa_key(serialization.load_der_private_key(data, password=None))
+
+
+def wrap_rsa_key(private):
+    """hivemind's RSAPrivateKey around a `cryptography` RSA key (hivemind has no constructor that takes one)."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key._private_key = private
     return key

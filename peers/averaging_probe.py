@@ -102,16 +102,14 @@ def _no_file():
 def _private_member(organizer_key_path: str) -> dict:
     """What a private run's member runs with: its identity, its invite as the DHT token, a gated averager."""
     import hivemind
-    from cryptography.hazmat.primitives import serialization
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from collab.identity import load_or_create_identity
+    from collab.identity import load_or_create_identity, rsa_key_from_der
     from collab.run.access import make_invite
     from collab.run.gate import MemberGate, MembersOnly, RunAuthorizer
 
-    organizer = RSAPrivateKey.__new__(RSAPrivateKey)
-    organizer._private_key = serialization.load_der_private_key(Path(organizer_key_path).read_bytes(), None)
+    organizer = rsa_key_from_der(Path(organizer_key_path).read_bytes())
     identity = load_or_create_identity(None)
     RSAPrivateKey._process_wide_key = identity.key
     invite = make_invite("probe", identity.peer_id, organizer, lifetime=3600)

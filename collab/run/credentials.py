@@ -24,7 +24,7 @@ def default_identity_path() -> Path:
 def add_identity_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", type=Path, default=None, metavar="PATH",
                    help="private key file that keeps your peer id across restarts (created if missing); with "
-                        f"--token the default is the one 'collab id' uses")
+                        "--token the default is the one 'collab id' uses")
 
 
 def add_access_flags(p: argparse.ArgumentParser) -> None:

@@ -69,15 +69,13 @@ def create_run_folder(run_id: str, config_path: Path, config, folder: Path, priv
 
 
 def load_run_folder(folder: Path) -> Run:
-    from cryptography.hazmat.primitives import serialization
-    from hivemind.utils.crypto import RSAPrivateKey
-
     if not (folder / MANIFEST).is_file() or not (folder / KEY).is_file():
         raise UserError(f"{folder} is not a run folder (no {MANIFEST} or {KEY}); make one with "
                         "'collab init RUN_ID', or pass the folder it printed with --run")
+    from collab.identity import rsa_key_from_der
+
     try:
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key._private_key = serialization.load_der_private_key((folder / KEY).read_bytes(), password=None)
+        key = rsa_key_from_der((folder / KEY).read_bytes())
     except (ValueError, TypeError):
         raise UserError(f"{folder / KEY} is not a valid organizer key; restore it from your copy") from None
     signed = (folder / MANIFEST).read_bytes()

@@ -33,12 +33,16 @@ TOKENIZER_NAME = "tokenizer.json"
 ACCESS_NAME = "access"  # not a file: the server's verdict on the asker (is the run private, is it a member)
 
 
-def publish_manifest(dht, run_id: str, subkey: bytes, blob: bytes) -> None:
-    """Store (without waiting) this peer's copy of the signed manifest."""
+def store_own_copy(dht, key: str, subkey: bytes, value, lifetime: float) -> None:
+    """Store (without waiting) this peer's copy of a run record under its own signing key (`subkey`): nobody
+    else can overwrite it, and readers know who holds it (manifest, invites, revocation list)."""
     from hivemind.utils.timed_storage import get_dht_time
 
-    dht.store(key=run_id + MANIFEST_SUFFIX, subkey=subkey, value=blob,
-              expiration_time=get_dht_time() + MANIFEST_EXPIRATION, return_future=True)
+    dht.store(key=key, subkey=subkey, value=value, expiration_time=get_dht_time() + lifetime, return_future=True)
+
+
+def publish_manifest(dht, run_id: str, subkey: bytes, blob: bytes) -> None:
+    store_own_copy(dht, run_id + MANIFEST_SUFFIX, subkey, blob, MANIFEST_EXPIRATION)
 
 
 def fetch_manifest(dht, run_id: str, run_key: Optional[str], timeout: float = 30.0,

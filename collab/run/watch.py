@@ -47,10 +47,9 @@ class PrivateRun:
 
 
 def publish(dht, key: str, subkey: bytes, value) -> None:
-    from hivemind.utils.timed_storage import get_dht_time
+    from collab.run.sharing import store_own_copy
 
-    dht.store(key=key, subkey=subkey, value=value, expiration_time=get_dht_time() + RECORD_EXPIRATION,
-              return_future=True)
+    store_own_copy(dht, key, subkey, value, RECORD_EXPIRATION)
 
 
 class AccessWatch:
