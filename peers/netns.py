@@ -55,6 +55,27 @@ def namespaces_unavailable_reason() -> Optional[str]:
     return None
 
 
+def namespaces_skip_reason() -> Optional[str]:
+    """Why namespace tests may be skipped here: only off Linux or without root. As root (CI) they must run, and
+    fail with NetworkLab's error if namespaces do not work, rather than pass by skipping."""
+    if os.name != "posix" or not os.path.isdir("/proc/self/ns"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root"
+    return None
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (delay, loss): tried on the loopback of a throw-away namespace."""
+    probe = f"{NS_PREFIX}{os.getpid()}-netem{uuid.uuid4().hex[:4]}"
+    _run("ip", "netns", "add", probe)
+    try:
+        return _run("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                    check=False).returncode == 0
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+
+
 def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(command, capture_output=True, text=True)
     if check and result.returncode != 0:

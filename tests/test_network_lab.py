@@ -10,11 +10,11 @@ import time
 import pytest
 
 from peers.averaging_rounds import measure_rounds
-from peers.netns import NetworkLab, namespaces_unavailable_reason
+from peers.netns import NetworkLab, namespaces_skip_reason
 from peers.profiles import LinkSpec
 
-pytestmark = pytest.mark.skipif(namespaces_unavailable_reason() is not None,
-                                reason=f"no network namespaces here: {namespaces_unavailable_reason()}")
+pytestmark = pytest.mark.skipif(namespaces_skip_reason() is not None,
+                                reason=f"no network namespaces here: {namespaces_skip_reason()}")
 
 RECEIVER = """
 import socket, sys, time

@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AlbertForPreTraining, AutoTokenizer
 
 from collab.checkpoint import list_checkpoints
+from collab.config import load_config
+from collab.tasks import build_task
 from peers.launcher import LocalSwarm
 from tests.conftest import peer_env, read_summary, train_swarm_to_epoch
 
@@ -70,10 +71,8 @@ def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftov
     for other in models[1:]:
         worst = max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
         assert worst < PARAM_TOLERANCE, f"parameters differ by {worst:.2e} (> {PARAM_TOLERANCE})"
-    # against the real initial weights (every peer builds them under the config's seed, 0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        initial = AlbertForPreTraining(models[0].config)
+    # against the real initial weights: the task builds them, as every peer does, under the config's seed
+    initial = build_task(load_config(micro_config)).model
     moved = max((reference[n] - p).abs().max().item() for n, p in initial.named_parameters())
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
 
