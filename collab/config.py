@@ -84,6 +84,14 @@ class AveragingConfig(Section):
         "the optimizer step; or the gradient all-reduce too (one step of staleness)")
     average_state_every: int = Field(5, gt=0, description="also average parameters every N epochs (repairs drift)")
     bandwidth: Optional[float] = Field(None, gt=0, le=1e6, description="announced upload bandwidth, Mbit/s")
+    aggregation: Literal["auto", "mean", "centered_clip"] = Field(
+        "auto", description="how each part of a round is combined: mean, or centered_clip (bounds what a few bad "
+        "peers can do); auto: centered_clip in an open run, mean in a private one (the manifest records which)")
+    clip_tau: float = Field(2.0, gt=0, le=100, description="centered_clip's radius, in median distances of the "
+                            "parts from their median (honest parts lie within it)")
+    clip_iterations: int = Field(5, ge=1, le=100)
+    max_weight_ratio: float = Field(10.0, ge=1, le=1e6, description="a peer's averaging weight (its samples) is "
+                                    "capped at this many times its group's median")
 
 
 class CheckpointConfig(Section):

@@ -8,52 +8,26 @@ computed (hivemind's delayed gradient averaging / delayed optimizer step, one st
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from functools import partial
 from typing import Optional
 import torch
 from hivemind import Optimizer
 from hivemind.averaging.control import StepControl
-from hivemind.compression import (
-    CompressionBase,
-    Float16Compression,
-    NoCompression,
-    Quantile8BitQuantization,
-    Uniform8BitQuantization,
-)
-from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
-from collab.config import RunConfig
 from collab.metrics import AveragingLog
-from collab.run.gate import MemberGate, MembersOnly
+from collab.aggregation import Aggregation
+from collab.rejections import RejectionLog
+from collab.run.gate import MemberGate
 from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
 from collab.tracker import HonestProgressTracker
-from collab.tasks import Task
-
-COMPRESSION: dict[str, type[CompressionBase]] = {
-    "none": NoCompression,
-    "fp16": Float16Compression,
-    "uniform8bit": Uniform8BitQuantization,
-    "quantile8bit": Quantile8BitQuantization,
-}
-
 
 LEAVE_LINGER_SECONDS = 3.0
 DONOR_LINGER_SECONDS = 60.0  # the least a leaving peer waits for a peer one epoch behind to download its state
 logger = get_logger(__name__)
-
-
-class CollabGradientAverager(MembersOnly, GradientAverager):
-    """hivemind's GradientAverager; in a private run it averages with members only (collab.run.gate)."""
-
-    def __init__(self, *args, gate: Optional[MemberGate] = None, **kwargs):
-        self.gate = gate  # before hivemind's constructor starts the averager process, which takes a copy
-        super().__init__(*args, **kwargs)
 
 
 class LeavingMidStep(Exception):
@@ -61,23 +35,26 @@ class LeavingMidStep(Exception):
 
 
 class CollabOptimizer(Optimizer):
-    """hivemind.Optimizer that records each gradient-averaging round, refuses non-finite averages, and knows
+    """hivemind.Optimizer that records each gradient-averaging round, refuses averages it cannot trust, and knows
     whether its replica is the swarm's.
 
-    hivemind applies whatever the group returned; one faulty or malicious peer can send NaN/inf,
-    which would poison every model in the group. Here such an average is discarded. A failed round
-    (that, a timeout, no group) makes this epoch's step hivemind's fallback "on local gradients" -
-    which are zeros by then, since GradientAverager.step reset them before the all-reduce, so the
-    step is LAMB's momentum and weight decay alone. Either way the replica is one update away from
-    the swarm: it is recorded as an `OwnStep` (collab.replica), published as the epoch before (so
-    a leaving peer waits to be its state donor), and undone by a state-averaging round that gathered
-    the whole swarm or by downloading the swarm's state at the next step, or before leaving.
+    hivemind applies whatever the group returned. Here the averagers check every round (collab.robust_rounds)
+    and a refused round fails. A failed round (refused, a timeout, no group) makes this epoch's step one on this
+    peer's own gradients: the ones it sent into the round, kept by collab.grad_averager (hivemind's fallback
+    loaded its zeroed accumulators instead, a step of momentum and weight decay alone). Why a step and not
+    none: when a whole group fails (a network blip), each of its peers still learns from its own batch, and the
+    next state round averages those steps, as local SGD does. Either way the replica is one update away from
+    the swarm: it is recorded as an `OwnStep` (collab.replica), published as the epoch before (so a leaving
+    peer waits to be its state donor), and undone by a state-averaging round that gathered the whole swarm or
+    by downloading the swarm's state at the next step, or before leaving.
     """
 
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None,
-                 gate: Optional[MemberGate] = None, **kwargs):
+                 gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
+                 rejections: Optional[RejectionLog] = None, **kwargs):
         self.averaging_log = averaging_log
-        self.gate = gate
+        self.gate, self.rule = gate, rule
+        self.rejections = rejections if rejections is not None else RejectionLog()
         self.stop = stop if stop is not None else threading.Event()
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
@@ -96,7 +73,8 @@ class CollabOptimizer(Optimizer):
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, gate=self.gate, start=True, **kwargs)
+            client_mode=self.client_mode, auxiliary=self.auxiliary, gate=self.gate, rule=self.rule,
+            findings=self.rejections.queue, start=True, **kwargs)
 
     def step(self, *args, **kwargs):
         self._most_peers = max(self._most_peers, self.tracker.global_progress.num_peers)
@@ -308,6 +286,30 @@ class CollabOptimizer(Optimizer):
             self._load_local_gradients_into_optimizer()
             self._record_own_step(failure)
 
+    def _load_local_gradients_into_optimizer(self) -> None:
+        # the gradients this peer sent into the failed round (hivemind would load its zeroed accumulators); when
+        # no round took them, the accumulators still hold them and hivemind's own fallback is right
+        own = self.grad_averager.take_own_gradients()
+        if own is None:
+            return super()._load_local_gradients_into_optimizer()
+        self.grad_averager.restore_own_gradients_(own)
+        self._load_averaged_gradients_into_optimizer_()
+
+    def _load_averaged_gradients_into_optimizer_(self) -> None:
+        super()._load_averaged_gradients_into_optimizer_()
+        self.grad_averager.take_own_gradients()  # used: a later failure must not step on them again
+
+    def drop_micro_batch(self) -> None:
+        """The last backward pass gave non-finite gradients (collab.guard): make sure they are never sent. With
+        reuse_grad_buffers they were added into the epoch's accumulator in .grad, which is then unusable too:
+        it is reset, and the samples it held are un-counted from this peer's progress."""
+        if self.grad_averager.reuse_grad_buffers:
+            self.grad_averager.reset_accumulated_grads_()
+            self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+        else:
+            for param in self.grad_averager.parameters:  # the model's: hivemind adds .grad in at opt.step()
+                param.grad = None
+
     def _tag_along_with_zero_weight(self, control) -> None:
         # on the way out, hivemind would sit through a running round (up to averaging_timeout) with zero
         # weight; a leaving peer cancels instead, and the group finishes without it
@@ -381,49 +383,3 @@ class CollabOptimizer(Optimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
-                    client_mode: bool = False, stop: Optional[threading.Event] = None,
-                    gate: Optional[MemberGate] = None) -> CollabOptimizer:
-    """`gate`: in a private run, the members check every averager applies (collab.run.gate)."""
-    avg = config.averaging
-    compression = COMPRESSION[avg.compression]()
-    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
-    averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2))
-    return CollabOptimizer(
-        averaging_log=averaging_log,
-        stop=stop,
-        gate=gate,
-        dht=dht,
-        run_id=run_id,
-        target_batch_size=config.training.target_batch_size,
-        batch_size_per_step=config.training.micro_batch_size,
-        params=task.parameter_groups(),
-        optimizer=task.optimizer_factory(),
-        scheduler=task.scheduler_factory(),
-        matchmaking_time=avg.matchmaking_time,
-        averaging_timeout=avg.averaging_timeout,
-        next_chunk_timeout=avg.next_chunk_timeout,
-        load_state_timeout=avg.load_state_timeout,
-        offload_optimizer=True,
-        # accumulate micro-batches in the model's own .grad: no copy and no zeroing per micro-batch
-        # (2% of a CPU peer's time); the delayed all-reduce of overlap=full needs a separate buffer
-        reuse_grad_buffers=avg.overlap != "full",
-        delay_optimizer_step=avg.overlap in ("optimizer", "full"),
-        delay_grad_averaging=avg.overlap == "full",
-        average_state_every=avg.average_state_every,
-        client_mode=client_mode,
-        grad_compression=compression,
-        # parameters travel exactly: state averaging exists to make replicas identical, and fp16 would
-        # leave them 2^-11 apart (LayerNorm weights ~1.0); it runs only every `average_state_every` epochs.
-        # Likewise a joining peer starts from the swarm's exact parameters.
-        state_averaging_compression=NoCompression(),
-        load_state_compression=NoCompression(),
-        grad_averager_factory=partial(CollabGradientAverager, gate=gate, **averager_opts),
-        averager_opts=averager_opts,
-        tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
-        shutdown_timeout=2,
-        # hivemind's per-round messages ("Averaged gradients with 3 peers") when its log level is INFO or lower
-        verbose=logging.getLogger("hivemind").getEffectiveLevel() <= logging.INFO,
-    )

@@ -22,6 +22,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from collab.aggregation import Aggregation
+from collab.robust_rounds import CheckedRounds
 from collab.run.gate import MemberGate, MembersOnly
 
 KEEP_ROUNDS = 8
@@ -56,12 +58,14 @@ class _RecordOutcomes(DecentralizedAverager):
         return loaded
 
 
-class RecordingStateAverager(MembersOnly, TrainingStateAverager, _RecordOutcomes):
-    """hivemind's TrainingStateAverager, which also says whether a round or a download really happened (and, in
-    a private run, averages with and serves its state to members only)."""
+class RecordingStateAverager(MembersOnly, CheckedRounds, TrainingStateAverager, _RecordOutcomes):
+    """hivemind's TrainingStateAverager, which also says whether a round or a download really happened, checks
+    its rounds (collab.robust_rounds) and, in a private run, averages with and serves its state to members only."""
 
-    def __init__(self, *, gate: Optional[MemberGate] = None, **kwargs):
-        self.gate = gate  # before hivemind's constructor starts the averager process, which takes a copy
+    def __init__(self, *, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
+                 **kwargs):
+        # before hivemind's constructor starts the averager process, which takes a copy
+        self.gate, self.rule, self.kind, self.findings = gate, rule, "state", findings
         super().__init__(**kwargs)
 
     def round_controls(self) -> list:

@@ -116,9 +116,12 @@ def run_tokenizer(config: RunConfig) -> Optional[tuple[Path, dict[str, str]]]:
 
 def make_manifest(run_id: str, config: RunConfig, organizer_key, private: bool = False) -> Manifest:
     tokenizer = run_tokenizer(config)
+    shared = run_wide(config)
+    if shared["averaging"]["aggregation"] == "auto":  # an open run admits anyone: its averaging must be robust
+        shared["averaging"]["aggregation"] = "mean" if private else "centered_clip"
     return Manifest(
         run_id=run_id,
-        config=run_wide(config),
+        config=shared,
         tokenizer_sha256=hashlib.sha256(tokenizer[0].read_bytes()).hexdigest() if tokenizer else None,
         tokenizer_special_tokens=tokenizer[1] if tokenizer else None,
         collab_version=__version__,

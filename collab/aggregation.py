@@ -1,0 +1,152 @@
+"""How one part of an all-reduce is combined: the reducer that every non-client peer runs for its share.
+
+hivemind's TensorPartReducer adds each sender's part into a running sum with whatever weight the sender
+claims, so one NaN makes everyone's average NaN, one weight of 1e9 makes a sender's part the average, and
+one part scaled by 1000 moves it a thousandfold. This reducer keeps the parts until every sender's has
+arrived, then:
+- leaves out the parts of senders banned here (collab.robust_rounds), and drops a part that is not finite, or whose weight is not a finite number >= 0 (the others' mean stays
+  exact), and reports the sender;
+- caps each weight at `max_weight_ratio` times the group's median weight (a peer's weight is the samples it
+  accumulated; fast peers legitimately bring several times the median, not hundreds);
+- combines what is left by the weighted mean or by CenteredClip (Karimireddy et al. 2021, as used in BTARD,
+  Gorbunov et al. 2022): from the coordinate-wise median, iterate v <- v + sum_i w_i c_i (x_i - v) / sum_i w_i
+  with c_i = min(1, tau / ||x_i - v||). tau is `tau` times the median distance of the parts from their
+  median, so it follows the gradients' scale: honest parts, which lie at similar distances, are not clipped
+  at all (the result is then exactly the mean), and one part far away moves the result by at most tau / n
+  per iteration, however far it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Collection, Optional, Sequence
+
+import torch
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+
+AGGREGATIONS = ("mean", "centered_clip")
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """A run's aggregation rule (the manifest fixes it: every reducer of a run must combine alike)."""
+
+    method: str = "centered_clip"
+    tau: float = 2.0  # clip radius, in median distances of the parts from their median
+    iterations: int = 5
+    max_weight_ratio: float = 10.0  # a sender's weight is capped at this many times the group's median
+
+
+def centered_clip(parts: torch.Tensor, weights: torch.Tensor, tau: float, iterations: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CenteredClip of `parts` (n x d) with `weights` (n, summing to > 0). Returns (result, each part's last
+    clip coefficient: 1.0 = taken whole)."""
+    center = parts.median(dim=0).values if len(parts) > 2 else parts.T @ weights / weights.sum()
+    radius = tau * (parts - center).norm(dim=1).median()
+    coefficients = torch.ones(len(parts))
+    if not radius > 0:
+        return parts.T @ weights / weights.sum(), coefficients  # the parts agree (or there are two): the mean
+    for _ in range(iterations):
+        diffs = parts - center
+        coefficients = (radius / diffs.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)
+        step = diffs.T @ (weights * coefficients) / weights.sum()
+        center = center + step
+        if step.norm() <= 1e-6 * radius:
+            break
+    return center, coefficients
+
+
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer, but it keeps every sender's part and combines them when all are in (see above).
+    `report(sender_index, reason)` is called once per sender and reason, when the reducer finishes."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, rule: Aggregation,
+                 report: Optional[Callable[[int, str], None]] = None, excluded: Collection[int] = ()):
+        self.rule, self.report, self.excluded = rule, report, frozenset(excluded)
+        self.received: list[tuple[int, torch.Tensor, float]] = []
+        self.findings: dict[int, set[str]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        self.received = []
+        self.accumulator = None  # no running sum: the parts are kept in `received`
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        # hivemind's own bookkeeping and waiting, with "keep the part" in place of "add it to the sum"
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await self._wait_for_previous_parts()
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.received.append((sender_index, tensor_part, weight))
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    async def _wait_for_previous_parts(self) -> None:
+        import asyncio
+
+        await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                           return_when=asyncio.FIRST_COMPLETED)
+        if self.finished.is_set():
+            raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            try:
+                self.current_part_future.set_result(self.combine(self.received))
+            except AllreduceException as e:
+                self.current_part_future.set_exception(e)
+            self.reset_accumulators()
+
+    def combine(self, received: list[tuple[int, torch.Tensor, float]]) -> torch.Tensor:
+        shape = self.part_shapes[self.current_part_index]
+        senders, parts, weights = [], [], []
+        for sender, part, weight in received:
+            if sender in self.excluded:
+                self._found(sender, "part left out (sender banned here)")
+            elif not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+                self._found(sender, "weight not a finite number >= 0")
+            elif part.shape != shape:
+                self._found(sender, "part of the wrong shape")
+            elif not bool(torch.isfinite(part).all()):
+                self._found(sender, "part not finite")
+            elif weight > 0:
+                senders.append(sender)
+                parts.append(part.float().flatten())
+                weights.append(float(weight))
+        if not parts:
+            raise AllreduceException("no sender's part of this round could be used")
+        w = torch.tensor(weights)
+        cap = self.rule.max_weight_ratio * float(w.median())
+        for i in (w > cap).nonzero().flatten().tolist():
+            self._found(senders[i], "weight above the group's bound")
+        w = w.clamp(max=cap)
+        stacked = torch.stack(parts)
+        if self.rule.method == "centered_clip" and len(parts) > 2:
+            result, coefficients = centered_clip(stacked, w, self.rule.tau, self.rule.iterations)
+            for i in (coefficients < 0.5).nonzero().flatten().tolist():
+                self._found(senders[i], "part clipped (far from the others')")
+        else:
+            result = stacked.T @ w / w.sum()
+        return result.reshape(shape)
+
+    def _found(self, sender: int, reason: str) -> None:
+        self.findings.setdefault(sender, set()).add(reason)
+
+    def finalize(self):
+        if not self.finished.is_set() and self.report is not None:
+            for sender, reasons in self.findings.items():
+                for reason in sorted(reasons):
+                    self.report(sender, reason)
+            self.findings = {}
+        super().finalize()

@@ -1,0 +1,46 @@
+"""What this peer refused from others, counted and attributed, and who it thinks is suspect.
+
+The averager processes (collab.robust_rounds) put each finding - (peer id, reason, "gradients" | "state") -
+on a multiprocessing queue; the trainer drains it when it publishes its metrics record, which carries the
+counts (bounded: the most-reported peers and reasons only) for `collab status` and the dashboard. A peer's
+own word about others is untrusted too, so "suspect" is decided by the reader (dashboard.collector) from
+how many peers report hard evidence against it, not by any one report.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+from typing import Optional
+
+MAX_PEERS_IN_RECORD = 16
+MAX_REASONS_PER_PEER = 8
+
+
+class RejectionLog:
+    def __init__(self, context: Optional[mp.context.BaseContext] = None):
+        self.queue = (context or mp.get_context()).Queue()
+        self.counts: dict[str, dict[str, int]] = {}  # peer id -> reason -> count
+
+    def drain(self) -> dict[str, dict[str, int]]:
+        while True:
+            try:
+                peer, reason, what = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            except (OSError, ValueError, EOFError):  # the queue was closed at shutdown
+                break
+            key = f"{reason} ({what})"
+            by_reason = self.counts.setdefault(str(peer)[:128], {})
+            by_reason[key] = by_reason.get(key, 0) + 1
+        return self.counts
+
+    def for_record(self) -> dict[str, dict[str, int]]:
+        """The most-reported peers and reasons, within the metrics record's bounds."""
+        counts = self.drain()
+        top = sorted(counts.items(), key=lambda item: -sum(item[1].values()))[:MAX_PEERS_IN_RECORD]
+        return {peer: dict(sorted(reasons.items(), key=lambda r: -r[1])[:MAX_REASONS_PER_PEER])
+                for peer, reasons in top}
+
+    def total(self) -> int:
+        return sum(sum(reasons.values()) for reasons in self.drain().values())

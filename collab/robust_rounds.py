@@ -1,0 +1,178 @@
+"""Averaging rounds that another peer cannot poison: a DecentralizedAverager mixin for both of collab's averagers.
+
+Three things hivemind leaves unchecked (see DESIGN.md, "hivemind facts"), checked here:
+- what this peer reduces for others: collab.aggregation's reducer (non-finite parts dropped, weights bounded,
+  mean or CenteredClip), in place of hivemind's running sum;
+- what other peers' reducers send back: every returned part must be finite and of a plausible size, or the
+  reducer is caught; the round's updates are held until all have arrived and been checked, then applied all
+  at once or not at all (hivemind applies each as it comes, so a bad part would already be in the model).
+  For gradients "plausible" is at most GRADIENT_BOUND times the larger of this peer's own gradient and the
+  recent averages (an average of honest gradients is never longer than the longest of them); for the
+  training state (parameters, optimizer statistics) a change of at most STATE_BOUND of its own norm
+  (honest replicas are near-identical);
+- a round that is rejected fails at once for this peer, without hivemind's retry (its group has finished),
+  and the trainer treats it as any failed round (collab.optim).
+A peer caught sending a non-finite part or returning a bad one is banned for BAN_SECONDS: hard evidence, unlike
+a clipped part, which an honest peer with odd data may send. A banned peer's parts are left out of what this
+peer reduces (refusing whole groups that hold it would fail the honest peers' rounds too). Every finding
+goes to `findings` (a multiprocessing queue: the averager runs in its own process) for the trainer to count,
+attribute and publish (collab.rejections).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import statistics
+import time
+from typing import Optional
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from collab.aggregation import Aggregation, RobustPartReducer
+
+GRADIENT_BOUND = 10.0
+STATE_BOUND = 0.25
+BAN_SECONDS = 600.0
+HARD_EVIDENCE = ("part not finite", "weight not a finite number >= 0", "part of the wrong shape",
+                 "returned a non-finite average", "returned an implausible average")
+_step_in_progress: contextvars.ContextVar = contextvars.ContextVar("collab_step_in_progress", default=None)
+
+
+class RejectedRound(MatchmakingException):
+    """This peer refused the average its group computed: nothing was applied."""
+
+
+class _CheckedRunner(AllReduceRunner):
+    """hivemind's all-reduce runner with collab's reducer, and every part other reducers return checked."""
+
+    def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, **kwargs):
+        super().__init__(**kwargs)
+        self.bound, self.on_finding = bound, on_finding
+        self.caught: dict[int, str] = {}  # peer index -> why its returned part was refused
+        banned = {i for i, peer_id in enumerate(self.sender_peer_ids) if is_banned(peer_id)}
+        self.tensor_part_reducer = RobustPartReducer(
+            self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids), rule,
+            report=lambda sender, reason: on_finding(self.sender_peer_ids[sender], reason), excluded=banned)
+        register = self.tensor_part_container.register_processed_part
+
+        def checked(peer_index: int, part_index: int, delta: torch.Tensor):
+            if peer_index not in self.caught:
+                if not bool(torch.isfinite(delta).all()):
+                    self.caught[peer_index] = "returned a non-finite average"
+                elif float(delta.float().norm()) > self.bound:
+                    self.caught[peer_index] = "returned an implausible average"
+            register(peer_index, part_index, delta)
+
+        self.tensor_part_container.register_processed_part = checked
+
+
+class CheckedRounds:
+    """A DecentralizedAverager mixin. Set `rule`, `kind` ("gradients" or "state") and `findings` (a queue, or
+    None) before hivemind's constructor starts the averager process."""
+
+    rule: Aggregation = Aggregation()
+    kind: str = "gradients"
+    findings = None
+
+    def _report(self, peer_id, reason: str, what: Optional[str] = None) -> None:
+        peer = peer_id.to_base58() if isinstance(peer_id, PeerID) else str(peer_id)
+        if reason in HARD_EVIDENCE:
+            self._bans()[peer] = time.monotonic() + BAN_SECONDS
+        if self.findings is not None:
+            self.findings.put((peer, reason, what or self.kind))
+
+    def _bans(self) -> dict:
+        if not hasattr(self, "_banned_until"):
+            self._banned_until = {}
+        return self._banned_until
+
+    def banned(self, peer_id: PeerID) -> bool:
+        return self._bans().get(peer_id.to_base58(), 0.0) > time.monotonic()
+
+    async def _step(self, *, step, **kwargs):
+        _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
+        return await super()._step(step=step, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        own_norm = _norm(tensors)
+        bound = self._bound(own_norm)
+        runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
+                                on_finding=self._report, is_banned=self.banned, **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+            return
+        updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
+        why = self._refusal(runner, tensors, updates, bound)
+        if why is not None:
+            step = _step_in_progress.get()
+            if step is not None and not step.done():
+                step.set_exception(RejectedRound(why))  # ends the step: hivemind would retry a finished group
+            raise RejectedRound(why)
+        for tensor, update in zip(tensors, updates):
+            tensor.add_(update, alpha=self._averaging_alpha)
+        if self.kind == "gradients":
+            self._recent_norms().append(_norm([t for t in tensors]))
+            del self._recent_norms()[:-16]
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
+    def _refusal(self, runner: _CheckedRunner, tensors, updates, bound: float) -> Optional[str]:
+        for peer_index, reason in runner.caught.items():
+            self._report(runner.ordered_peer_ids[peer_index], reason)
+        if runner.caught:
+            return f"{len(runner.caught)} reducer(s) of the group returned bad parts"
+        if self.kind == "gradients":
+            result = _norm([t + u for t, u in zip(tensors, updates)])
+            if not result <= bound:
+                self._report("(the group)", "average out of bounds")
+                return f"the averaged gradient's norm {result:.3g} is above this peer's bound {bound:.3g}"
+        elif not _norm(updates) <= bound:
+            self._report("(the group)", "average out of bounds")
+            return f"the averaged state moves this replica by {_norm(updates):.3g}, above the bound {bound:.3g}"
+        return None
+
+    def _bound(self, own_norm: float) -> float:
+        if self.kind == "gradients":
+            recent = self._recent_norms()
+            return GRADIENT_BOUND * max(own_norm, statistics.median(recent) if recent else 0.0) + 1e-12
+        return STATE_BOUND * own_norm + 1e-12
+
+    def _recent_norms(self) -> list:
+        if not hasattr(self, "_norms"):
+            self._norms = []
+        return self._norms
+
+
+def _norm(tensors) -> float:
+    return float(torch.stack([t.detach().float().norm() for t in tensors]).norm()) if len(tensors) else 0.0
+
+
+class _QuietRejections(logging.Filter):
+    """hivemind logs a failed round with its traceback; a round this peer refused is reported by collab, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        while error is not None:
+            if isinstance(error, RejectedRound):
+                return False
+            error = error.__cause__ or error.__context__
+        return True
+
+
+def quiet_rejections() -> None:
+    for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer", "hivemind.optim.state_averager"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietRejections) for f in logger.filters):
+            logger.addFilter(_QuietRejections())
