@@ -41,9 +41,21 @@ class PeerMetricsRecord(pydantic.BaseModel):
     rounds_failed: pydantic.conint(ge=0, strict=True)
     last_group_size: pydantic.conint(ge=0, le=100_000, strict=True)
     time: pydantic.confloat(ge=0, strict=True)
+    # what this peer kept from the swarm (collab.guard) and refused from others (collab.rejections)
+    batches_dropped: pydantic.conint(ge=0, le=10**15, strict=True) = 0
+    rejected: Dict[pydantic.constr(max_length=128, strict=True),
+                   Dict[pydantic.constr(max_length=160, strict=True), pydantic.conint(ge=0, le=10**12, strict=True)]] = {}
 
     class Config:
         extra = pydantic.Extra.forbid
+
+    @pydantic.validator("rejected")
+    def _bounded(cls, value):
+        from collab.rejections import MAX_PEERS_IN_RECORD, MAX_REASONS_PER_PEER
+
+        if len(value) > MAX_PEERS_IN_RECORD or any(len(reasons) > MAX_REASONS_PER_PEER for reasons in value.values()):
+            raise ValueError(f"at most {MAX_PEERS_IN_RECORD} peers and {MAX_REASONS_PER_PEER} reasons each")
+        return value
 
 
 class MetricsSchema(pydantic.BaseModel):

@@ -33,6 +33,11 @@ class PeerState(BaseModel):
     last_seen: float  # seconds since the peer last published
     online: bool
     straggler: bool  # online but an epoch or more behind, or under a quarter of the median speed
+    batches_dropped: int = 0  # its own micro-batches it did not send (non-finite loss or gradients)
+    contributions_rejected: int = 0  # what other peers refused from it (collab.rejections), summed over them
+    rejected_by_reason: dict[str, int] = {}
+    reported_by: int = 0  # how many other peers refused something from it
+    suspect: bool = False  # reported by at least half of the other peers (one peer's word is not enough)
 
 
 class RunState(BaseModel):
@@ -89,8 +94,10 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
             last_seen=max(0.0, now - seen),
             online=now - seen < stale_after,
             straggler=False,
+            batches_dropped=r.batches_dropped if r else 0,
         ))
     _flag_stragglers(peers, global_epoch)
+    _flag_suspects(peers, records)
     return RunState(
         run_id=run_id,
         global_epoch=global_epoch,
@@ -130,3 +137,21 @@ def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:
         if p.role != "trainer":
             continue
         p.straggler = p.epoch < global_epoch - 1 or (median > 0 and p.samples_per_second < 0.25 * median)
+
+
+def _flag_suspects(peers: list[PeerState], records: dict) -> None:
+    """Each peer's record says what it refused from whom; a reporter may lie, so a peer is a suspect only when
+    at least half of the others (one, in a pair) have refused something from it."""
+    by_id = {p.peer_id: p for p in peers}
+    for reporter, record in records.items():
+        for accused, reasons in record.rejected.items():
+            peer = by_id.get(accused)
+            if peer is None or accused == reporter:
+                continue
+            peer.reported_by += 1
+            for reason, count in reasons.items():
+                peer.contributions_rejected += count
+                peer.rejected_by_reason[reason] = peer.rejected_by_reason.get(reason, 0) + count
+    others = max(1, len(records) - 1)
+    for peer in peers:
+        peer.suspect = peer.reported_by > 0 and peer.reported_by >= others / 2

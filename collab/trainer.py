@@ -13,6 +13,7 @@ from typing import Optional
 
 from collab.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.config import RunConfig
+from collab.guard import RELOAD_AFTER, BatchGuard
 from collab.lifecycle import StopOnSignal
 from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.progress import ProgressDisplay, Snapshot
@@ -50,6 +51,9 @@ class Summary:
     loaded_state_from_peers: bool = False
     checkpoint: Optional[str] = None
     nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
+    batches_dropped: dict[str, int] = field(default_factory=dict)  # micro-batches not sent (collab.guard), by why
+    reloads: int = 0  # times the replica was reloaded from the swarm after many dropped micro-batches
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> what this peer refused from it
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
@@ -151,6 +155,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         summary.start_epoch = opt.local_epoch
         micro = config.training.micro_batch_size
         epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
+        guard = BatchGuard(task.model.parameters())
         checkpoint_due = False
         loop_started = time.monotonic()
         with display:
@@ -160,11 +165,20 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     break
                 task.set_step(opt.local_epoch)
                 loss = task.loss(next(batches))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                epoch_loss.add(loss.item())
-                summary.samples_contributed += micro
+                if guard.loss_ok(loss):
+                    loss.backward()
+                    if guard.gradients_ok():
+                        opt.step()
+                        opt.zero_grad()
+                        epoch_loss.add(loss.item())
+                        summary.samples_contributed += micro
+                    else:
+                        opt.drop_micro_batch()
+                if guard.in_a_row:  # a dropped micro-batch: never sent, never counted toward the target
+                    summary.batches_dropped = dict(guard.dropped)
+                    if guard.replica_is_broken():
+                        _reload_broken_replica(opt, guard, summary, display)
+                    continue
 
                 new_epoch = opt.local_epoch != last_epoch
                 if new_epoch:
@@ -179,6 +193,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     summary.final_epoch = opt.local_epoch
                     summary.train_seconds = time.monotonic() - loop_started
                     log.copy_to(summary)
+                    summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
                     summary.nonfinite_parameters = nonfinite_parameters(task.model)
                     write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
@@ -199,6 +214,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.final_epoch = opt.local_epoch
             summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
             log.copy_to(summary)
+            summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
             summary.nonfinite_parameters = nonfinite_parameters(task.model)
             # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
             # a peer whose last step was its own: that model is nobody else's
@@ -215,6 +231,18 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.exit_reason = "failed"  # an exception is on its way up
         write_summary(summary, options.summary_path)
     return summary
+
+
+def _reload_broken_replica(opt, guard: BatchGuard, summary: Summary, display: ProgressDisplay) -> None:
+    """Micro-batch after micro-batch gave NaN or inf: the replica itself is broken (its weights, or a corrupted
+    checkpoint it resumed from). The swarm's state replaces it; alone, there is nothing to reload from."""
+    why = ", ".join(f"{n} {reason}" for reason, n in guard.dropped.items())
+    display.message(f"{RELOAD_AFTER} micro-batches in a row were dropped ({why} so far): this replica is broken; "
+                    "reloading the swarm's state")
+    summary.reloads += 1
+    guard.in_a_row = 0
+    if not opt.load_state_from_peers(deadline=time.monotonic() + opt.load_state_timeout):
+        display.message("No peer gave its state: training on with this replica")
 
 
 def _write_exit_summary(summary: Summary, options: JoinOptions, reason: str) -> Summary:
@@ -242,7 +270,7 @@ def _settle(opt, config: RunConfig) -> str:
 
 def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event,
                      shared: Optional[SharedRun]):
-    from collab.optim import build_optimizer
+    from collab.make_optimizer import build_optimizer
     from collab.run.gate import MemberGate
 
     private = shared.private if shared is not None else None
@@ -314,6 +342,8 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         rounds_failed=log.failed,
         last_group_size=log.last_group_size,
         time=time.time(),
+        batches_dropped=sum(summary.batches_dropped.values()),
+        rejected=opt.rejections.for_record(),
     )
     publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
 

@@ -52,6 +52,14 @@ class RunMetrics:
             "collab_peer_epoch": ("Peer's local epoch", lambda p: p.epoch),
             "collab_peer_samples_contributed": ("Samples a peer contributed", lambda p: p.samples_contributed),
             "collab_peer_loss": ("Peer's mean loss over its last epoch", lambda p: p.loss),
+            "collab_peer_batches_dropped": ("Micro-batches a peer did not send (non-finite loss or gradients)",
+                                            lambda p: p.batches_dropped),
+            "collab_peer_contributions_rejected": ("What other peers refused from this peer (parts, averages, "
+                                                   "states), summed over them", lambda p: p.contributions_rejected),
+            "collab_peer_reported_by": ("How many other peers refused something from this peer",
+                                        lambda p: p.reported_by),
+            "collab_peer_suspect": ("1 if at least half of the other peers refused something from this peer",
+                                    lambda p: p.suspect),
         }
         for name, (doc, get) in per_peer.items():
             family = GaugeMetricFamily(name, doc, labels=["run_id", "peer_id", "client_mode"])

@@ -77,15 +77,24 @@ def format_state(state) -> str:
     target = state.target_batch_size or "?"
     table = Table(title=f"run {state.run_id}: epoch {state.global_epoch}, {state.samples_accumulated}/{target} samples "
                         f"toward the next step, {state.samples_per_second:.1f} samples/s, ETA {eta}")
-    for column in ("peer", "client", "samples/s", "epoch", "loss", "contributed", "last seen"):
+    for column in ("peer", "client", "samples/s", "epoch", "loss", "contributed", "last seen", "refused by others"):
         table.add_column(column)
     for p in state.peers:
+        refused = f"{p.contributions_rejected} (by {p.reported_by})" if p.contributions_rejected else "0"
         table.add_row(p.peer_id[-12:], "yes" if p.client_mode else "no", f"{p.samples_per_second:.1f}", str(p.epoch),
                       f"{p.loss:.3f}" if p.loss is not None else "-",
-                      f"{p.samples_contributed} ({p.contribution:.0%})", f"{p.last_seen:.0f} s ago")
+                      f"{p.samples_contributed} ({p.contribution:.0%})", f"{p.last_seen:.0f} s ago",
+                      refused + (" SUSPECT" if p.suspect else ""))
     console = Console(width=140, record=True)
     with console.capture() as capture:
         console.print(table)
+        for p in state.peers:
+            if p.suspect:
+                reasons = ", ".join(f"{n} {why}" for why, n in sorted(p.rejected_by_reason.items(), key=lambda r: -r[1]))
+                console.print(f"suspect {p.peer_id}: {p.reported_by} peers refused from it: {reasons}")
+            if p.batches_dropped:
+                console.print(f"{p.peer_id[-12:]} dropped {p.batches_dropped} of its own micro-batches "
+                              "(non-finite loss or gradients; none were sent)")
         if state.rejected_records:
             reasons = ", ".join(f"{n} {why}" for why, n in sorted(state.rejected_by_reason.items()))
             signers = ", ".join(f"{who[-12:]} ({n})" for who, n in state.rejected_by_signer.items())

@@ -35,16 +35,20 @@ function renderRun(run) {
   body.replaceChildren(...run.peers.map((p) => {
     const row = document.createElement("tr");
     row.dataset.peerId = p.peer_id;
-    row.className = !p.online ? "stale" : p.straggler ? "straggler" : "";
-    const state = !p.online ? "stale" : p.straggler ? "straggler" : "online";
+    row.className = p.suspect ? "suspect" : !p.online ? "stale" : p.straggler ? "straggler" : "";
+    const state = p.suspect ? "suspect" : !p.online ? "stale" : p.straggler ? "straggler" : "online";
+    const refused = p.contributions_rejected ? `${p.contributions_rejected} (by ${p.reported_by})` : "0";
     const cells = [p.peer_id.slice(-10), p.client_mode ? "client / NAT" : "full", fmt(p.samples_per_second),
-      `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), p.epoch, `${duration(p.last_seen)} ago`, state];
+      `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), p.epoch, `${duration(p.last_seen)} ago`, refused, state];
     for (const value of cells) {
       const cell = document.createElement("td");
       cell.textContent = value;
       row.appendChild(cell);
     }
     row.firstChild.title = p.peer_id;
+    // what was refused, and why: a clipped part (odd data, or an attack) reads differently from a NaN
+    row.children[7].title = Object.entries(p.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n")
+      + (p.batches_dropped ? `\nits own dropped micro-batches: ${p.batches_dropped}` : "");
     return row;
   }));
 

@@ -1,0 +1,82 @@
+"""A real collab peer that attacks the run, for tests and benchmarks: `python tests/attacker_peer.py ATTACK join ARGS`.
+
+Like tests/faulty_peer.py, it patches collab from outside before running the ordinary CLI: the product has no
+test switch. Each attack acts where a hostile peer can, after the honest peer's own guards (collab.guard):
+
+  --sign-flip SCALE   every gradient it sends is its own times -SCALE
+  --nan               every gradient it sends is NaN
+  --weight W          it claims averaging weight W (as if it had accumulated W samples)
+  --garbage-reducer   the part it reduces for the group comes back as noise x 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def poison_sent_gradients(transform) -> None:
+    import torch
+
+    from collab.grad_averager import CollabGradientAverager
+
+    load = CollabGradientAverager.load_accumulators_into_averager_
+
+    @torch.no_grad()
+    def poisoned(self):
+        load(self)
+        with self.get_tensors() as averaged:
+            for tensor in averaged:
+                tensor.copy_(transform(tensor))
+
+    CollabGradientAverager.load_accumulators_into_averager_ = poisoned
+
+
+def claim_weight(weight: float) -> None:
+    from collab.grad_averager import CollabGradientAverager
+
+    step = CollabGradientAverager.step
+
+    def heavy(self, *args, **kwargs):
+        kwargs["weight"] = weight
+        return step(self, *args, **kwargs)
+
+    CollabGradientAverager.step = heavy
+
+
+def reduce_garbage() -> None:
+    import torch
+
+    from collab.aggregation import RobustPartReducer
+
+    def garbage(self, received):
+        return 1000 * torch.randn(self.part_shapes[self.current_part_index])
+
+    RobustPartReducer.combine = garbage
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    attack = parser.add_mutually_exclusive_group(required=True)
+    attack.add_argument("--sign-flip", type=float)
+    attack.add_argument("--nan", action="store_true")
+    attack.add_argument("--weight", type=float)
+    attack.add_argument("--garbage-reducer", action="store_true")
+    args, rest = parser.parse_known_args()
+    if args.sign_flip is not None:
+        poison_sent_gradients(lambda t: -args.sign_flip * t)
+    elif args.nan:
+        poison_sent_gradients(lambda t: t.fill_(float("nan")))
+    elif args.weight is not None:
+        claim_weight(args.weight)
+    else:
+        reduce_garbage()
+    print(f"[attack] {' '.join(sys.argv[1:3])}", flush=True)
+
+    from collab.cli import main as collab_main
+
+    return collab_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

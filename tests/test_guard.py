@@ -1,0 +1,81 @@
+"""A peer never sends what it should not (collab.guard), and a failed round steps on what it did send."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from collab.guard import RELOAD_AFTER, BatchGuard
+from collab.metrics import PeerMetricsRecord
+from collab.state import PeerState, _flag_suspects
+
+
+def test_nonfinite_loss_and_gradients_are_dropped_counted_and_many_in_a_row_mean_reload():
+    model = torch.nn.Linear(4, 1)
+    guard = BatchGuard(model.parameters())
+    assert guard.loss_ok(torch.tensor(1.0))
+    model(torch.ones(1, 4)).sum().backward()
+    assert guard.gradients_ok() and guard.in_a_row == 0
+    assert not guard.loss_ok(torch.tensor(float("nan")))
+    model.weight.grad[0, 0] = float("inf")
+    assert guard.loss_ok(torch.tensor(1.0)) and not guard.gradients_ok()
+    assert guard.dropped == {"loss not finite": 1, "gradients not finite": 1} and guard.in_a_row == 2
+    for _ in range(RELOAD_AFTER - 2):
+        guard.loss_ok(torch.tensor(float("inf")))
+    assert guard.replica_is_broken()
+    model.zero_grad()
+    assert guard.loss_ok(torch.tensor(0.5)) and guard.gradients_ok() and guard.in_a_row == 0
+
+
+def test_a_failed_round_keeps_the_gradients_this_peer_sent(no_leftover_processes):
+    """hivemind zeroes the accumulators when the round starts; the copy taken then is what a failed round
+    steps on (before, its fallback loaded zeros: a step of momentum and weight decay alone)."""
+    import hivemind
+
+    from collab.grad_averager import CollabGradientAverager
+
+    model = torch.nn.Linear(8, 2)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = CollabGradientAverager(model.parameters(), dht=dht, prefix=f"guard-{time.time_ns()}", start=True,
+                                      min_matchmaking_time=0.5, request_timeout=0.25)
+    try:
+        model(torch.randn(3, 8)).pow(2).sum().backward()
+        sent = [p.grad.clone() for p in model.parameters()]
+        averager.accumulate_grads_(batch_size=3)
+        control = averager.step(wait=False, timeout=2.0)  # nobody to average with: the round fails
+        try:
+            control.result(timeout=10)
+        except Exception:
+            pass
+        assert all(float(acc.abs().sum()) == 0 for acc in averager._grad_accumulators())  # hivemind zeroed them
+        own = averager.take_own_gradients()
+        assert own is not None and all(torch.allclose(o, s) for o, s in zip(own, sent))
+        assert averager.take_own_gradients() is None  # used once
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def record(peer: str, rejected: dict) -> PeerMetricsRecord:
+    return PeerMetricsRecord(peer_id=peer, role="trainer", epoch=3, loss=1.0, samples_per_second=1.0,
+                             samples_contributed=10, target_batch_size=64, client_mode=False, bandwidth_mbps=None,
+                             rounds_joined=1, rounds_failed=0, last_group_size=2, time=time.time(), rejected=rejected)
+
+
+def peer_state(peer: str) -> PeerState:
+    return PeerState(peer_id=peer, role="trainer", client_mode=False, samples_per_second=1.0, epoch=3, loss=1.0,
+                     samples_contributed=10, contribution=0.25, samples_accumulated=0, bandwidth_mbps=None,
+                     rounds_joined=1, rounds_failed=0, last_seen=0.0, online=True, straggler=False)
+
+
+def test_a_peer_is_suspect_only_when_half_of_the_others_report_it():
+    clipped = {"part clipped (far from the others') (gradients)": 4}
+    records = {"a": record("a", {"x": clipped}), "b": record("b", {"x": clipped}), "c": record("c", {}),
+               "x": record("x", {"a": {"part not finite (gradients)": 99}})}  # the attacker accuses an honest peer
+    peers = [peer_state(p) for p in "abcx"]
+    _flag_suspects(peers, records)
+    by_id = {p.peer_id: p for p in peers}
+    assert by_id["x"].suspect and by_id["x"].reported_by == 2 and by_id["x"].contributions_rejected == 8
+    assert not by_id["a"].suspect and by_id["a"].reported_by == 1  # one accuser of three others is not enough
+    assert not by_id["b"].suspect and not by_id["c"].suspect
