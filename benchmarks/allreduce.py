@@ -33,8 +33,12 @@ from peers.profiles import LinkSpec  # noqa: E402
 
 # (backend, wire, private): the last row is a private run's members (every DHT request signed and checked,
 # every averaging RPC gated on the caller's peer id); goal: <= 1.02x the same round with auth off
-METHODS = [("gloo", "fp32", False), ("gloo", "fp16", False), ("hivemind", "fp32", False), ("hivemind", "fp16", False),
-           ("hivemind", "fp16", True)]
+# The "checked" rows are an open run's rounds (collab.robust_rounds: collab's reducer, every returned part
+# checked, the result applied at once) with the mean and with centered_clip; goal: centered_clip <= 1.1x the
+# same round through hivemind's own reducer
+METHODS = [("gloo", "fp32", False, None), ("gloo", "fp16", False, None), ("hivemind", "fp32", False, None),
+           ("hivemind", "fp16", False, None), ("hivemind", "fp16", True, None), ("hivemind", "fp16", False, "mean"),
+           ("hivemind", "fp16", False, "centered_clip")]
 
 
 def scenarios(peers: int) -> dict[str, list[LinkSpec]]:
@@ -50,7 +54,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--only", choices=["symmetric", "asymmetric"], default=None)
     p.add_argument("--methods", default=None, metavar="LIST",
-                   help="comma-separated subset, e.g. hivemind-fp16,hivemind-fp16-private (default: all)")
+                   help="comma-separated subset, e.g. hivemind-fp16,hivemind-fp16-private,hivemind-fp16-centered_clip "
+                   "(default: all)")
     args = p.parse_args()
     reason = namespaces_unavailable_reason()
     if reason is not None:
@@ -65,14 +70,17 @@ def main() -> int:
             slowest = min(link.upload_mbit for link in links)
             gloo = {}  # wire -> seconds
             open_run = {}  # wire -> seconds of hivemind with auth off
-            for backend, wire, private in METHODS:
-                if args.methods and f"{backend}-{wire}{'-private' if private else ''}" not in args.methods.split(","):
+            for backend, wire, private, aggregation in METHODS:
+                key = f"{backend}-{wire}{'-private' if private else ''}{'-' + aggregation if aggregation else ''}"
+                if args.methods and key not in args.methods.split(","):
                     continue
                 label = f"{'collab (hivemind)' if backend == 'hivemind' else 'gloo'} {wire}{' private' if private else ''}"
+                label += f" checked {aggregation}" if aggregation else ""
                 print(f"{name}: {label} ...", file=sys.stderr, flush=True)
                 try:
                     outcomes = measure_rounds(links, backend, args.size, Path(tmp) / f"{name}-{backend}-{wire}-{private}",
-                                              rounds=args.rounds, wire=wire, timeout=900, private=private)
+                                              rounds=args.rounds, wire=wire, timeout=900, private=private,
+                                              aggregation=aggregation)
                 except ProbeFailed as e:
                     rows.append((name, label, "failed", "-", "-", "-", str(e).splitlines()[0][:60]))
                     continue
@@ -86,10 +94,10 @@ def main() -> int:
                     gloo[wire] = best.seconds
                 vs_gloo = " / ".join(f"{best.seconds / gloo[w]:.2f}x" if w in gloo else "-" for w in ("fp32", wire))
                 slow_share = f"slowest peer sent {best.bytes_sent[-1] / wire_bytes:.2f} S"
-                if backend == "hivemind" and not private:
+                if backend == "hivemind" and not private and not aggregation:
                     open_run[wire] = best.seconds
-                elif private and wire in open_run:
-                    slow_share += f"; {best.seconds / open_run[wire]:.3f}x auth off"
+                elif (private or aggregation) and wire in open_run:
+                    slow_share += f"; {best.seconds / open_run[wire]:.3f}x hivemind's own round"
                 rows.append((name, label, f"{best.seconds:.2f}", f"{bound:.2f}", f"{best.seconds / bound:.2f}x",
                              vs_gloo, f"{values}; {slow_share}"))
     header = ("scenario", "method", "seconds", "bound s", "vs bound", "vs gloo fp32 / same wire", "values; traffic")

@@ -24,6 +24,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from collab.aggregation import Aggregation
 from collab.robust_rounds import CheckedRounds
+from collab.state_download import CheckedDownloads
 from collab.run.gate import MemberGate, MembersOnly
 
 KEEP_ROUNDS = 8
@@ -53,14 +54,17 @@ class _RecordOutcomes(DecentralizedAverager):
 
     def load_state_from_peers(self, *args, **kwargs):
         loaded = super().load_state_from_peers(*args, **kwargs)
+        if loaded is not None and not self.check_download(loaded, self.local_epoch):  # collab.state_download
+            return None
         if loaded is not None and isinstance(loaded[0], dict) and isinstance(loaded[0].get("epoch"), int):
             self.downloaded_epoch = loaded[0]["epoch"]
         return loaded
 
 
-class RecordingStateAverager(MembersOnly, CheckedRounds, TrainingStateAverager, _RecordOutcomes):
+class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, TrainingStateAverager, _RecordOutcomes):
     """hivemind's TrainingStateAverager, which also says whether a round or a download really happened, checks
-    its rounds (collab.robust_rounds) and, in a private run, averages with and serves its state to members only."""
+    its rounds (collab.robust_rounds) and downloads (collab.state_download) and, in a private run, averages with
+    and serves its state to members only."""
 
     def __init__(self, *, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  **kwargs):

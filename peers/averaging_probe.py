@@ -54,6 +54,8 @@ def run_hivemind(args, vector) -> list[dict]:
         maddr = next(str(a) for a in dht.get_visible_maddrs() if args.host in str(a))
         Path(args.rendezvous).write_text(maddr)
     compression = Float16Compression() if args.wire == "fp16" else NoCompression()
+    if args.aggregation:
+        private["averager_class"] = _checked_averager(args.aggregation)
     averager = private.get("averager_class", hivemind.DecentralizedAverager)(
         [vector], dht, prefix="probe", target_group_size=args.world, min_group_size=args.world,
         min_matchmaking_time=args.matchmaking, request_timeout=2.0, bandwidth=args.bandwidth,
@@ -97,6 +99,19 @@ def _no_file():
     from contextlib import nullcontext
 
     return nullcontext(None)
+
+
+def _checked_averager(method: str):
+    """What an open run's peers average with: collab's reducer and checks (collab.robust_rounds)."""
+    import hivemind
+
+    from collab.aggregation import Aggregation
+    from collab.robust_rounds import CheckedRounds
+
+    class CheckedAverager(CheckedRounds, hivemind.DecentralizedAverager):
+        rule = Aggregation(method=method)
+
+    return CheckedAverager
 
 
 def _private_member(organizer_key_path: str) -> dict:
@@ -185,6 +200,8 @@ def main(argv=None) -> None:
     p.add_argument("--master", default="", help="gloo: HOST:PORT of rank 0")
     p.add_argument("--organizer-key", default=None, metavar="PATH",
                    help="hivemind: run as a private run's member, invited by this key (DHT authorizer + member gate)")
+    p.add_argument("--aggregation", choices=["mean", "centered_clip"], default=None,
+                   help="hivemind: collab's checked rounds with this rule (default: hivemind's own reducer)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.expected = (args.world + 1) / 2  # the mean of 1..world

@@ -46,7 +46,8 @@ def _stall_timeout(links: list[LinkSpec], size: int, wire: str) -> float:
 
 def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path, rounds: int = 2,
                    wire: str = "fp32", announce_bandwidth: bool = True, timeout: float = 600,
-                   part_size: Optional[int] = None, private: bool = False) -> list[RoundOutcome]:
+                   part_size: Optional[int] = None, private: bool = False,
+                   aggregation: Optional[str] = None) -> list[RoundOutcome]:
     """`rounds` all-reduces of a `size`-element vector among len(links) processes, one per shaped link.
     `private`: hivemind's processes are members of a private run (DHT authorizer, members-only averager)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +70,8 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
                        "--index", str(i), "--world", str(world), "--size", str(size), "--rounds", str(rounds),
                        "--wire", wire, "--host", lab.address(i), "--rendezvous", str(rendezvous),
                        "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
+            if backend == "hivemind" and aggregation:
+                command += ["--aggregation", aggregation]
             if backend == "hivemind" and organizer_key is not None:
                 command += ["--organizer-key", str(organizer_key)]
             if backend == "hivemind" and part_size:

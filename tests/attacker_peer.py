@@ -7,6 +7,7 @@ test switch. Each attack acts where a hostile peer can, after the honest peer's 
   --nan               every gradient it sends is NaN
   --weight W          it claims averaging weight W (as if it had accumulated W samples)
   --garbage-reducer   the part it reduces for the group comes back as noise x 1000
+  --poison-state      it claims the highest state-sharing priority and serves its state x 1000
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ def reduce_garbage() -> None:
     RobustPartReducer.combine = garbage
 
 
+def serve_poisoned_state() -> None:
+    """Claims the highest state-sharing priority (hivemind picks donors by it) and serves its state x 1000."""
+    from hivemind.averaging import DecentralizedAverager
+
+    from collab.replica import RecordingStateAverager
+
+    current = RecordingStateAverager.get_current_state
+
+    def poisoned(self):
+        metadata, tensors, infos = current(self)
+        return metadata, [t * 1000 for t in tensors], infos
+
+    RecordingStateAverager.get_current_state = poisoned
+    declared = DecentralizedAverager.state_sharing_priority
+    RecordingStateAverager.state_sharing_priority = property(declared.fget, lambda self, _: declared.fset(self, 1e9))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     attack = parser.add_mutually_exclusive_group(required=True)
@@ -62,6 +80,7 @@ def main() -> int:
     attack.add_argument("--nan", action="store_true")
     attack.add_argument("--weight", type=float)
     attack.add_argument("--garbage-reducer", action="store_true")
+    attack.add_argument("--poison-state", action="store_true")
     args, rest = parser.parse_known_args()
     if args.sign_flip is not None:
         poison_sent_gradients(lambda t: -args.sign_flip * t)
@@ -69,8 +88,10 @@ def main() -> int:
         poison_sent_gradients(lambda t: t.fill_(float("nan")))
     elif args.weight is not None:
         claim_weight(args.weight)
-    else:
+    elif args.garbage_reducer:
         reduce_garbage()
+    else:
+        serve_poisoned_state()
     print(f"[attack] {' '.join(sys.argv[1:3])}", flush=True)
 
     from collab.cli import main as collab_main

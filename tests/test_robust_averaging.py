@@ -1,7 +1,14 @@
-"""Averaging that survives a hostile peer: real collab peers, one of them started through tests/attacker_peer.py."""
+"""Averaging that survives hostile peers: real collab peers, two of them started through tests/attacker_peer.py.
+
+benchmarks/robustness.py runs each attack alone, with mean against centered_clip, against a clean run. Measured
+there (4 honest + 1 attacker, 5 epochs): a clean run's honest loss fell 7.60 -> 7.45 (mean) and 7.60 -> 7.47
+(centered_clip); with a sign-flip x1000 attacker it rose to 7.76 with the mean, and fell to 7.39 with
+centered_clip.
+"""
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -10,55 +17,77 @@ from transformers import AlbertForPreTraining
 
 from collab.checkpoint import list_checkpoints
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary
+from tests.conftest import peer_env, read_summary, status_json, wait_for
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = pytest.mark.swarm
 ATTACKER = [sys.executable, str(Path(__file__).with_name("attacker_peer.py"))]
 
 
-def run_with_attacker(tmp_path, micro_config, run_id, attack: list[str], honest: int, max_epochs: int):
-    """`honest` peers and one attacker (the last peer); the honest peers' summaries and final models."""
-    n = honest + 1
+def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, micro_config, run_id,
+                                                               no_leftover_processes):
+    """Two of six peers attack in every round: one sends NaN, one its gradient times -1000. With hivemind's
+    mean, the NaN failed every round (19 of 19) and one sign-flipped round set the honest peers back by 25
+    epochs. With centered_clip (an open run's default) the NaN part is left out and the sign-flipped one
+    clipped: the honest peers' rounds succeed, they learn, they agree, and each of them names both attackers."""
+    honest, epochs = 4, 5
+    attacks = {honest: ["--nan"], honest + 1: ["--sign-flip", "1000"]}
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(honest)}
-    with LocalSwarm(n, run_id, tmp_path, ["--config", str(micro_config), "--max-epochs", str(max_epochs),
-                                          "--wait-peers", str(n)],
-                    per_peer_args=per_peer, env=peer_env(), per_peer_program={honest: [*ATTACKER, *attack]}) as swarm:
+    with LocalSwarm(honest + 2, run_id, tmp_path, ["--config", str(micro_config), "--max-epochs", str(epochs),
+                                                   "--wait-peers", str(honest + 2)],
+                    per_peer_args=per_peer, env=peer_env(),
+                    per_peer_program={i: [*ATTACKER, *attack] for i, attack in attacks.items()}) as swarm:
         swarm.start()
         codes = [swarm.peers[i].wait(timeout=420) for i in range(honest)]
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
-        assert codes == [0] * honest, f"the honest peers did not reach epoch {max_epochs}: exit codes {codes}\n{logs}"
+        assert codes == [0] * honest, f"the honest peers did not reach epoch {epochs}: exit codes {codes}\n{logs}"
         summaries = [read_summary(p) for p in swarm.peers[:honest]]
-        attacker_id = swarm.peers[honest].peer_id
-    models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}")[-1]) for i in range(honest)]
-    return summaries, models, attacker_id, logs
+        nan_id, flip_id = swarm.peers[honest].peer_id, swarm.peers[honest + 1].peer_id
 
-
-def test_sign_flip_x1000_every_round_is_clipped(tmp_path, micro_config, run_id, no_leftover_processes):
-    """One peer in five sends its gradient times -1000 in every round. With hivemind's mean, one such round set
-    the honest peers back by 25 epochs; with centered_clip (an open run's default) they learn as usual, agree
-    with each other, and each of them names the attacker."""
-    summaries, models, attacker, logs = run_with_attacker(tmp_path, micro_config, run_id, ["--sign-flip", "1000"],
-                                                          honest=4, max_epochs=4)
     for s in summaries:
-        losses = [v for _, v in sorted((int(k), v) for k, v in s["loss_by_epoch"].items())]
         assert s["nonfinite_parameters"] == [], s
-        assert losses[-1] < losses[0] - 0.5, f"honest peer {s['peer_id']} did not learn: {losses}\n{logs}"
         assert s["rounds_joined"] >= 2, s
-        assert any(reason.startswith("part clipped") for reason in s["rejected"].get(attacker, {})), s["rejected"]
+    # a round may fail: hivemind can match an honest peer with the sign-flipper alone, and of two parts no rule
+    # can tell which is honest; the peer refuses that average (it is out of bounds) and steps alone
+    ok, failed = sum(s["rounds_joined"] for s in summaries), sum(s["rounds_failed"] for s in summaries)
+    assert ok / (ok + failed) >= 0.75, f"{ok} rounds ok, {failed} failed\n{logs}"
+    # each attacker is named by most honest peers (all that shared a round with it): a suspect on the dashboard
+    named_nan = sum("part not finite (gradients)" in s["rejected"].get(nan_id, {}) for s in summaries)
+    named_flip = sum(any(r.startswith("part clipped") for r in s["rejected"].get(flip_id, {})) for s in summaries)
+    assert named_nan >= 3 and named_flip >= 3, [s["rejected"] for s in summaries]
+    first = statistics.mean(s["loss_by_epoch"]["0"] for s in summaries)
+    last = statistics.mean(s["loss_by_epoch"][str(epochs - 1)] for s in summaries)
+    # a clean run falls by ~0.13 in these epochs; with the mean, this attack made the loss rise by 0.16
+    assert last < first - 0.05, f"the honest peers did not learn: {first:.3f} -> {last:.3f}\n{logs}"
+
+    models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}")[-1]) for i in range(honest)]
     reference = dict(models[0].named_parameters())
     for other in models[1:]:
         worst = max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
         assert worst < PARAM_TOLERANCE, f"honest replicas differ by {worst:.2e}"
 
 
-def test_nan_every_round_is_excluded_and_rounds_succeed(tmp_path, micro_config, run_id, no_leftover_processes):
-    """One peer in five sends NaN in every round. hivemind's guard threw every round away (19 of 19 failed);
-    here its part is excluded, the others' mean is exact, and the honest peers' rounds succeed."""
-    summaries, _, attacker, logs = run_with_attacker(tmp_path, micro_config, run_id, ["--nan"], honest=4,
-                                                     max_epochs=4)
-    for s in summaries:
-        assert s["nonfinite_parameters"] == [], s
-        ok, failed = s["rounds_joined"], s["rounds_failed"]
-        assert ok >= 3 and ok / (ok + failed) >= 0.9, f"{ok} rounds ok, {failed} failed\n{logs}"
-        assert "part not finite (gradients)" in s["rejected"].get(attacker, {}), s["rejected"]
+def test_a_poisoned_state_is_never_loaded(tmp_path, micro_config, run_id, no_leftover_processes):
+    """An attacker claims the highest state-sharing priority (hivemind picks donors by it) and serves its state
+    times 1000. A peer that joins late downloads a state at once: it refuses the attacker's, names it, skips
+    it, and catches up from an honest peer."""
+    # the attacker stays to the end (the others leave at epoch 8); the late peer joins as soon as there is a state
+    with LocalSwarm(4, run_id, tmp_path, ["--config", str(micro_config)], env=peer_env(),
+                    per_peer_args={0: ["--max-epochs", "8"], 1: ["--max-epochs", "8"], 3: ["--max-epochs", "8"]},
+                    per_peer_program={2: [*ATTACKER, "--poison-state"]}) as swarm:
+        swarm.start(count=3)
+        wait_for(lambda: status_json(run_id, swarm.initial_peer)["global_epoch"] >= 1, timeout=240,
+                 what="global epoch 1")
+        swarm.start_peer(3)
+        late = swarm.peers[3]
+        code = late.wait(timeout=300)
+        logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
+        assert code == 0, f"the late peer: exit code {code}\n{logs}"
+        summary, attacker = read_summary(late), swarm.peers[2].peer_id
+    assert summary["loaded_state_from_peers"] and summary["start_epoch"] >= 1, summary
+    assert summary["nonfinite_parameters"] == [], summary
+    refused = summary["rejected"].get(attacker, {})
+    assert any(reason.startswith("a state") for reason in refused), summary["rejected"]
+    assert summary["batches_dropped"] == {}, summary  # it never trained on the poisoned replica
+    losses = [v for _, v in sorted((int(k), v) for k, v in summary["loss_by_epoch"].items())]
+    assert losses and max(losses) < 8.0, losses  # the swarm's model, not one a thousand times too large

@@ -1,0 +1,82 @@
+"""Honest peers' learning under attack, with mean against centered_clip, on this machine.
+
+For each attack (tests/attacker_peer.py) and each aggregation, --honest ALBERT-micro peers and one attacker
+train on 127.0.0.1 to --epochs; a clean run (no attacker, --honest + 1 honest peers) is the reference. For
+each run it prints the honest peers' mean loss at epoch 0 and at the last epoch, the loss decrease against
+the clean run's with the same aggregation (goal with centered_clip: >= 0.95), their gradient rounds ok and
+failed, and the contributions they refused.
+
+    python3 benchmarks/robustness.py [--honest 4] [--epochs 6] [--attacks sign-flip,nan,weight,garbage-reducer]
+                                     [--aggregations mean,centered_clip]
+
+The cost side (a centered_clip round's time against mean's) is benchmarks/allreduce.py's symmetric case:
+    sudo python3 benchmarks/allreduce.py --only symmetric --methods hivemind-fp16,collab-centered-clip
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from peers.launcher import LocalSwarm  # noqa: E402
+from tests.conftest import peer_env, read_summary, write_config  # noqa: E402
+
+ATTACKS = {"clean": None, "sign-flip": ["--sign-flip", "1000"], "nan": ["--nan"], "weight": ["--weight", "1e9"],
+           "garbage-reducer": ["--garbage-reducer"]}
+ATTACKER = [sys.executable, str(ROOT / "tests" / "attacker_peer.py")]
+
+
+def run(workdir: Path, config: Path, honest: int, epochs: int, attack) -> list[dict]:
+    n = honest + 1
+    programs = {honest: [*ATTACKER, *attack]} if attack else None
+    with LocalSwarm(n, f"bench-{workdir.name}", workdir, ["--config", str(config), "--max-epochs", str(epochs),
+                                                          "--wait-peers", str(n)],
+                    env=peer_env(), per_peer_program=programs) as swarm:
+        swarm.start()
+        for peer in swarm.peers[:honest]:
+            peer.wait(timeout=600)
+        return [read_summary(p) for p in swarm.peers[:honest]]
+
+
+def loss_at(summaries: list[dict], epoch: str) -> float:
+    values = [s["loss_by_epoch"][epoch] for s in summaries if epoch in s["loss_by_epoch"]]
+    return statistics.mean(values) if values else float("nan")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--honest", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--attacks", default="sign-flip,nan,weight,garbage-reducer")
+    p.add_argument("--aggregations", default="mean,centered_clip")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="collab-robustness-") as tmp:
+        for aggregation in args.aggregations.split(","):
+            config = write_config(Path(tmp), {"averaging.aggregation": aggregation}, name=f"{aggregation}.yaml")
+            clean_drop = None
+            for attack in ["clean", *args.attacks.split(",")]:
+                workdir = Path(tmp) / f"{aggregation}-{attack}"
+                summaries = run(workdir, config, args.honest, args.epochs, ATTACKS[attack])
+                first, last = loss_at(summaries, "0"), loss_at(summaries, str(args.epochs - 1))
+                drop = first - last
+                clean_drop = drop if attack == "clean" else clean_drop
+                rows.append((attack, aggregation, first, last, drop / clean_drop if clean_drop else float("nan"),
+                             sum(s["rounds_joined"] for s in summaries), sum(s["rounds_failed"] for s in summaries),
+                             sum(sum(r.values()) for s in summaries for r in s["rejected"].values())))
+                print(f"  {aggregation:13s} {attack:16s} done", flush=True)
+    print(f"\n{args.honest} honest peers + 1 attacker, ALBERT-micro, {args.epochs} epochs; loss: the honest peers' mean")
+    print(f"{'attack':16s} {'aggregation':13s} {'loss e0':>8s} {'loss eN':>8s} {'drop/clean':>10s} "
+          f"{'rounds ok':>9s} {'failed':>6s} {'refused':>7s}")
+    for attack, aggregation, first, last, ratio, ok, failed, refused in rows:
+        print(f"{attack:16s} {aggregation:13s} {first:8.3f} {last:8.3f} {ratio:10.2f} {ok:9d} {failed:6d} {refused:7d}")
+
+
+if __name__ == "__main__":
+    main()

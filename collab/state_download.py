@@ -1,0 +1,141 @@
+"""A downloaded state is checked before it is loaded, and the donor is chosen with care.
+
+hivemind picks the donor by the priority each averager declares in the DHT (unsigned: any peer can claim the
+highest), and loads whatever that donor sends. Here:
+- donors are those whose *signed* progress (hivemind's tracker records) is at most one epoch behind the
+  newest one: a peer claiming priority without training is not asked;
+- a donor that served a bad state (not finite, the wrong shapes, a norm 10x ours or a tenth of it, or - while
+  this peer is not far behind - absurdly far from this replica) is skipped for the rest of the run and
+  reported;
+- "caught up" is claimed only when a state was actually loaded (collab.replica).
+The download runs in the averager's process, the check in the trainer's (which holds the optimizer); the
+donor's id travels in the state's metadata, and a bad donor goes back to the averager through hivemind's pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+import torch
+from hivemind.p2p import PeerID
+
+FAR_APART = 1.0  # a state further than this (relative to the replica's norm) from ours is not a near-peer's
+NOT_FAR_BEHIND = 2  # epochs: within these, an honest donor's parameters are close to ours
+NORM_RATIO = 10.0  # a donor's parameters may have at most this many times our norm, or a tenth of it
+DONOR_KEY = "collab_donor"
+
+
+class _NoState:
+    async def rpc_download_state(self, _request):
+        async def nothing():
+            return
+            yield
+
+        return nothing()
+
+
+class _TagDonor:
+    """hivemind's download future, seen through: what it sets carries the donor's id in its metadata."""
+
+    def __init__(self, future, donor):
+        self.future, self.donor = future, donor
+
+    def set_result(self, value):
+        if value is not None and isinstance(value[0], dict) and self.donor() is not None:
+            value[0][DONOR_KEY] = self.donor()
+        self.future.set_result(value)
+
+    def __getattr__(self, name):
+        return getattr(self.future, name)
+
+
+class CheckedDownloads:
+    """A mixin for TrainingStateAverager (both processes); set `findings` before the averager process starts."""
+
+    findings = None
+
+    # -- in the averager's process ------------------------------------------------------------------------
+
+    async def _load_state_from_peers(self, future, timeout=None):
+        plausible = await self._plausible_donors()
+        inner = self.__dict__.get("get_stub")  # collab.run.gate may have put a members-only stub here
+        asked: list[str] = []
+
+        def stub(p2p, peer: PeerID, *, namespace=None):
+            name = peer.to_base58()
+            if name in self._skipped_donors() or (plausible is not None and name not in plausible):
+                return _NoState()  # hivemind hears "no state" and asks the next donor
+            asked.append(name)
+            return (inner or type(self).get_stub)(p2p, peer, namespace=namespace)
+
+        self.get_stub = stub
+        try:
+            return await super()._load_state_from_peers(_TagDonor(future, lambda: asked[-1] if asked else None),
+                                                        timeout=timeout)
+        finally:
+            if inner is None:
+                del self.get_stub
+            else:
+                self.get_stub = inner
+
+    async def _plausible_donors(self) -> Optional[set]:
+        """Peers whose signed progress is at most one epoch behind the newest (None: no records could be read,
+        and hivemind's own choice stands)."""
+        from collab.state import progress_records
+
+        run_id = self.prefix[:-len("_state_averager")] if self.prefix.endswith("_state_averager") else self.prefix
+        try:
+            records = await asyncio.get_event_loop().run_in_executor(None, progress_records, self.dht, run_id)
+        except Exception:
+            return None
+        if not records:
+            return None
+        newest = max(p.epoch for p in records.values())
+        return {peer for peer, p in records.items() if p.epoch >= newest - 1}
+
+    def _skipped_donors(self) -> set:
+        if not hasattr(self, "_bad_donors"):
+            self._bad_donors = set()
+        return self._bad_donors
+
+    async def _skip_donor(self, donor: str) -> None:
+        self._skipped_donors().add(donor)
+
+    # -- in the trainer's process -------------------------------------------------------------------------
+
+    def check_download(self, loaded, own_epoch: int) -> bool:
+        """Whether a downloaded (metadata, tensors) may be loaded; if not, its donor is reported and skipped."""
+        metadata, tensors = loaded
+        donor = metadata.pop(DONOR_KEY, None) if isinstance(metadata, dict) else None
+        why = self._what_is_wrong(metadata, tensors, own_epoch)
+        if why is None:
+            return True
+        if self.findings is not None:
+            self.findings.put((donor or "(unknown donor)", why, "state"))
+        if donor is not None and self.is_alive():
+            self._outer_pipe.send(("_skip_donor", [donor], {}))
+        print(f"Refused the state downloaded from {donor}: {why}; asking another peer", flush=True)
+        return False
+
+    @torch.no_grad()
+    def _what_is_wrong(self, metadata, tensors, own_epoch: int) -> Optional[str]:
+        own = [p for group in self.optimizer.param_groups for p in group["params"]] + list(self.extra_tensors)
+        if len(tensors) < len(own) or any(t.shape != o.shape for t, o in zip(tensors, own)):
+            return "a state of the wrong shape"
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            return "a state that is not finite"
+        norm = torch.stack([o.float().norm() for o in own]).norm()
+        theirs = torch.stack([t.float().norm() for t in tensors[:len(own)]]).norm()
+        if not 1 / NORM_RATIO <= float(theirs / norm.clamp_min(1e-30)) <= NORM_RATIO:
+            # however far behind: training moves a model's norm by a small factor (LAMB, weight decay), not 10x
+            return f"a state whose norm is {float(theirs / norm.clamp_min(1e-30)):.3g}x this replica's"
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        if isinstance(epoch, int) and epoch - own_epoch <= NOT_FAR_BEHIND:
+            distance = torch.stack([(t.float() - o.float()).norm() for t, o in zip(tensors, own)]).norm()
+            if distance > FAR_APART * norm:
+                return f"a state {float(distance / norm):.1f}x this replica's norm away from it, {epoch - own_epoch} " \
+                       "epochs ahead"
+        return None
+
+
