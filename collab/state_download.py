@@ -20,19 +20,12 @@ from typing import Optional
 import torch
 from hivemind.p2p import PeerID
 
+from collab.run.gate import _NoState  # a donor that is not asked: hivemind hears "no state"
+
 FAR_APART = 1.0  # a state further than this (relative to the replica's norm) from ours is not a near-peer's
 NOT_FAR_BEHIND = 2  # epochs: within these, an honest donor's parameters are close to ours
 NORM_RATIO = 10.0  # a donor's parameters may have at most this many times our norm, or a tenth of it
 DONOR_KEY = "collab_donor"
-
-
-class _NoState:
-    async def rpc_download_state(self, _request):
-        async def nothing():
-            return
-            yield
-
-        return nothing()
 
 
 class _TagDonor:
