@@ -13,7 +13,9 @@ arrived, then:
   with c_i = min(1, tau / ||x_i - v||). tau is `tau` times the median distance of the parts from their
   median, so it follows the gradients' scale: honest parts, which lie at similar distances, are not clipped
   at all (the result is then exactly the mean), and one part far away moves the result by at most tau / n
-  per iteration, however far it is.
+  per iteration, however far it is. A part more than DROP_BEYOND radii away is left out altogether: clipped,
+  it would still pull by tau / n at every round, in its own direction (a sign-flipping peer of 5 held the
+  honest loss flat in a test run), and no honest part lies that far beyond the others' spread.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
 AGGREGATIONS = ("mean", "centered_clip")
+DROP_BEYOND = 5.0  # clip radii: a part further than this from the coordinate-wise median is not taken at all
 
 
 @dataclass(frozen=True)
@@ -41,15 +44,18 @@ class Aggregation:
 def centered_clip(parts: torch.Tensor, weights: torch.Tensor, tau: float, iterations: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """CenteredClip of `parts` (n x d) with `weights` (n, summing to > 0). Returns (result, each part's last
-    clip coefficient: 1.0 = taken whole)."""
+    clip coefficient: 1.0 = taken whole, 0.0 = left out)."""
     center = parts.median(dim=0).values if len(parts) > 2 else parts.T @ weights / weights.sum()
-    radius = tau * (parts - center).norm(dim=1).median()
+    distances = (parts - center).norm(dim=1)
+    radius = tau * distances.median()
     coefficients = torch.ones(len(parts))
     if not radius > 0:
         return parts.T @ weights / weights.sum(), coefficients  # the parts agree (or there are two): the mean
+    kept = (distances <= DROP_BEYOND * radius).float()  # the median-distance parts are always kept
+    weights = weights * kept
     for _ in range(iterations):
         diffs = parts - center
-        coefficients = (radius / diffs.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)
+        coefficients = (radius / diffs.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0) * kept
         step = diffs.T @ (weights * coefficients) / weights.sum()
         center = center + step
         if step.norm() <= 1e-6 * radius:
@@ -140,7 +146,8 @@ class RobustPartReducer(TensorPartReducer):
             result, coefficients = centered_clip(stacked, w, self.rule.tau, self.rule.iterations)
             # reported when cut to under a fifth: far beyond the honest spread (a clean run's parts are within it)
             for i in (coefficients < 0.2).nonzero().flatten().tolist() if self.report_clipping else ():
-                self._found(senders[i], "part clipped (far from the others')")
+                self._found(senders[i], "part clipped (far from the others')" if coefficients[i] > 0 else
+                            f"part dropped (over {DROP_BEYOND:g} clip radii from the others')")
         else:
             result = stacked.T @ w / w.sum()
         return result.reshape(shape)

@@ -220,6 +220,9 @@ class CollabOptimizer(Optimizer):
             return True  # that round also healed a lineage split, with the whole swarm's parameters: no download
 
         loaded = False
+        for peer in self.rejections.take_caught():  # a peer caught cheating in a round is no donor either
+            if self.state_averager.is_alive():
+                self.state_averager._outer_pipe.send(("_skip_donor", [peer], {}))
         with self.tracker.pause_updates():
             while not self.stop.is_set():
                 answered = False

@@ -13,6 +13,8 @@ import multiprocessing as mp
 import queue
 from typing import Optional
 
+from collab.robust_rounds import HARD_EVIDENCE
+
 MAX_PEERS_IN_RECORD = 16
 MAX_REASONS_PER_PEER = 8
 
@@ -21,6 +23,8 @@ class RejectionLog:
     def __init__(self, context: Optional[mp.context.BaseContext] = None):
         self.queue = (context or mp.get_context()).Queue()
         self.counts: dict[str, dict[str, int]] = {}  # peer id -> reason -> count
+        self._caught: list[str] = []  # peers caught with hard evidence, not yet taken by `take_caught`
+        self._ever_caught: set[str] = set()
 
     def drain(self) -> dict[str, dict[str, int]]:
         while True:
@@ -31,9 +35,19 @@ class RejectionLog:
             except (OSError, ValueError, EOFError):  # the queue was closed at shutdown
                 break
             key = f"{reason} ({what})"
+            if reason in HARD_EVIDENCE and str(peer) not in self._ever_caught:
+                self._ever_caught.add(str(peer))
+                self._caught.append(str(peer))
             by_reason = self.counts.setdefault(str(peer)[:128], {})
             by_reason[key] = by_reason.get(key, 0) + 1
         return self.counts
+
+    def take_caught(self) -> list[str]:
+        """Peers caught with hard evidence since the last call: the state averager never takes a state from them
+        (the gradient averager, which caught them, runs in another process)."""
+        self.drain()
+        caught, self._caught = self._caught, []
+        return [peer for peer in caught if not peer.startswith("(")]  # "(the group)", "(this peer's own ...)"
 
     def for_record(self) -> dict[str, dict[str, int]]:
         """The most-reported peers and reasons, within the metrics record's bounds."""

@@ -12,8 +12,11 @@ Three things hivemind leaves unchecked (see DESIGN.md, "hivemind facts"), checke
 - a round that is rejected fails at once for this peer, without hivemind's retry (its group has finished),
   and the trainer treats it as any failed round (collab.optim).
 A peer caught sending a non-finite part or returning a bad one is banned for BAN_SECONDS: hard evidence, unlike
-a clipped part, which an honest peer with odd data may send. A banned peer's parts are left out of what this
-peer reduces (refusing whole groups that hold it would fail the honest peers' rounds too). Every finding
+a clipped part, which an honest peer with odd data may send. This peer then neither accepts a banned peer's join
+request as a leader nor asks it to lead; in a group another leader put it in (a leader that has not caught it),
+its parts are left out of what this peer reduces and this peer's parts are not sent to it: what it would have
+reduced stays this peer's own for that round, as with any reducer that fails in hivemind (refusing whole groups
+that hold it would fail the honest peers' rounds too). Every finding
 goes to `findings` (a multiprocessing queue: the averager runs in its own process) for the trainer to count,
 attribute and publish (collab.rejections).
 """
@@ -30,7 +33,8 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
@@ -57,7 +61,7 @@ class _CheckedRunner(AllReduceRunner):
 
     def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, report_clipping: bool, **kwargs):
         super().__init__(**kwargs)
-        self.bound, self.on_finding = bound, on_finding
+        self.bound, self.on_finding, self.is_banned = bound, on_finding, is_banned
         self.caught: dict[int, str] = {}  # peer index -> why its returned part was refused
         banned = {i for i, peer_id in enumerate(self.sender_peer_ids) if is_banned(peer_id)}
         self.tensor_part_reducer = RobustPartReducer(
@@ -77,6 +81,13 @@ class _CheckedRunner(AllReduceRunner):
             register(peer_index, part_index, delta)
 
         self.tensor_part_container.register_processed_part = checked
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id != self.peer_id and self.is_banned(peer_id):
+            self.on_finding(peer_id, "banned: left out of a group")
+            self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
+            return
+        await super()._communicate_with_peer(peer_id)
 
 
 class CheckedRounds:
@@ -102,9 +113,30 @@ class CheckedRounds:
     def banned(self, peer_id: PeerID) -> bool:
         return self._bans().get(peer_id.to_base58(), 0.0) > time.monotonic()
 
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext):
+        if self.banned(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
     async def _step(self, *, step, **kwargs):
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
+        self._never_follow_banned_leaders()
         return await super()._step(step=step, **kwargs)
+
+    def _never_follow_banned_leaders(self) -> None:
+        # hivemind's Matchmaking (made in the averager process) asks each leader it finds in the DHT, and any leader
+        # a disbanding one suggests, through this one method
+        matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is None or getattr(matchmaking, "_collab_checked", False):
+            return
+        request_join = matchmaking._request_join_group
+
+        async def unless_banned(leader: PeerID):
+            return None if self.banned(leader) else await request_join(leader)
+
+        matchmaking._request_join_group, matchmaking._collab_checked = unless_banned, True
 
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id

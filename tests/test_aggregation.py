@@ -68,8 +68,23 @@ def test_centered_clip_bounds_a_sign_flipped_x1000_part():
     clipped, found = reduce(attacked, [1.0] * 5, Aggregation(method="centered_clip"))
     spread = torch.stack([(p - clean).norm() for p in parts[:4]]).mean()
     assert (mean - clean).norm() > 100 * spread  # the mean is the attacker's
-    assert (clipped - clean).norm() < spread  # centered clip stays within the honest parts' noise
-    assert found == {4: ["part clipped (far from the others')"]}
+    # that far beyond the honest spread, the part is left out: the honest parts' exact mean, not a pull of
+    # tau / n in the attacker's direction at every round
+    assert torch.allclose(clipped, clean, atol=1e-5), (clipped - clean).norm()
+    assert found == {4: ["part dropped (over 5 clip radii from the others')"]}
+
+
+def test_a_part_somewhat_beyond_the_spread_is_clipped_not_dropped():
+    parts = torch.stack(honest(5))
+    center = parts[:4].median(dim=0).values
+    radius = 2.0 * (parts[:4] - center).norm(dim=1).median()
+    direction = torch.randn(parts.shape[1], generator=torch.Generator().manual_seed(1))
+    parts[4] = parts[:4].mean(dim=0) + 3 * radius * direction / direction.norm()  # 3 radii out: odd, not absurd
+    result, coefficients = centered_clip(parts, torch.ones(5), tau=2.0, iterations=5)
+    assert 0.2 < float(coefficients[4]) < 1.0 and bool((coefficients[:4] == 1).all()), coefficients
+    pull = (result - parts[:4].mean(dim=0)).norm()
+    # at the fixed point its pull is radius / (honest parts); from the median, 5 iterations get near it
+    assert 0 < pull <= radius / 3, (pull, radius)
 
 
 def test_centered_clip_is_the_mean_when_nothing_is_far():

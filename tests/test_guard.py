@@ -8,6 +8,7 @@ import torch
 
 from collab.guard import RELOAD_AFTER, BatchGuard
 from collab.metrics import PeerMetricsRecord
+from collab.rejections import RejectionLog
 from collab.state import PeerState, _flag_suspects
 
 
@@ -79,3 +80,20 @@ def test_a_peer_is_suspect_only_when_half_of_the_others_report_it():
     assert by_id["x"].suspect and by_id["x"].reported_by == 2 and by_id["x"].contributions_rejected == 8
     assert not by_id["a"].suspect and by_id["a"].reported_by == 1  # one accuser of three others is not enough
     assert not by_id["b"].suspect and not by_id["c"].suspect
+
+
+def test_a_peer_caught_with_hard_evidence_is_handed_over_once_and_a_clipped_one_never():
+    """The gradient averager catches a cheat in its own process; the trainer hands it to the state averager,
+    which then never downloads a state from it (a test run loaded the NaN attacker's replica before this)."""
+    log = RejectionLog()
+    for finding in [("QmNaN", "part not finite", "gradients"), ("QmFlip", "part clipped (far from the others')",
+                                                                 "gradients"),
+                    ("(the group)", "returned a non-finite average", "gradients"),
+                    ("QmNaN", "part not finite", "gradients"), ("QmGarbage", "returned a non-finite average", "state")]:
+        log.queue.put(finding)
+    time.sleep(0.5)  # a multiprocessing queue's feeder thread
+    assert log.take_caught() == ["QmNaN", "QmGarbage"]
+    log.queue.put(("QmNaN", "part not finite", "gradients"))
+    time.sleep(0.5)
+    assert log.take_caught() == []
+    assert log.drain()["QmNaN"] == {"part not finite (gradients)": 3}

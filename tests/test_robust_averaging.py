@@ -24,10 +24,6 @@ pytestmark = pytest.mark.swarm
 ATTACKER = [sys.executable, str(Path(__file__).with_name("attacker_peer.py"))]
 
 
-@pytest.mark.xfail(strict=False, reason="known defect, open in issue 11: in one fresh-clone CI run of 9ada52a the honest "
-                   "loss rose 7.599 -> 7.656 under these two attackers (it fell 7.60 -> 7.43 in three other runs); "
-                   "rounds where hivemind matches an honest peer with an attacker alone fail, and a banned peer still "
-                   "reduces a part, so its rounds keep failing")
 def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, micro_config, run_id,
                                                                no_leftover_processes):
     """Two of six peers attack in every round: one sends NaN, one its gradient times -1000. With hivemind's
@@ -57,7 +53,7 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, micro_co
     assert ok / (ok + failed) >= 0.75, f"{ok} rounds ok, {failed} failed\n{logs}"
     # each attacker is named by most honest peers (all that shared a round with it): a suspect on the dashboard
     named_nan = sum("part not finite (gradients)" in s["rejected"].get(nan_id, {}) for s in summaries)
-    named_flip = sum(any(r.startswith("part clipped") for r in s["rejected"].get(flip_id, {})) for s in summaries)
+    named_flip = sum(any(r.startswith(("part clipped", "part dropped")) for r in s["rejected"].get(flip_id, {})) for s in summaries)
     assert named_nan >= 3 and named_flip >= 3, [s["rejected"] for s in summaries]
     first = statistics.mean(s["loss_by_epoch"]["0"] for s in summaries)
     last = statistics.mean(s["loss_by_epoch"][str(epochs - 1)] for s in summaries)
