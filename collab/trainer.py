@@ -49,6 +49,7 @@ class Summary:
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
     loaded_state_from_peers: bool = False
+    swarm_epoch_at_join: int = 0  # the swarm's epoch when this peer came in (0: nothing to catch up on yet)
     checkpoint: Optional[str] = None
     nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
     batches_dropped: dict[str, int] = field(default_factory=dict)  # micro-batches not sent (collab.guard), by why
@@ -148,6 +149,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
         if peer.initial_peers:
             summary.loaded_state_from_peers = _catch_up(opt, display, stop)
+            summary.swarm_epoch_at_join = opt.tracker.global_epoch
 
         _publish(swarm, opt, config, summary, log, None)  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:

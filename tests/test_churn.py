@@ -57,7 +57,8 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
         # trained have one, and are required below)
         assert {s["peer_id"] for s in later if s["peer_id"]} <= {churned.peers[index].peer_id}, later
         restarted += later
-    # (a peer restarted in the last seconds, or hit again while loading, had no time to train)
-    trained = [s for s in restarted if s["final_epoch"] > s["start_epoch"]]
+    # (a peer restarted in the last seconds, or hit again while loading, had no time to train; one restarted
+    # while the swarm was still at epoch 0 had nothing to catch up on: a CI run had one)
+    trained = [s for s in restarted if s["final_epoch"] > s["start_epoch"] and s["swarm_epoch_at_join"] > 0]
     assert len(trained) >= 2, restarted
     assert all(s["loaded_state_from_peers"] and s["start_epoch"] > 0 and s["peer_id"] for s in trained), trained
