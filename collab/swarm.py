@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
 from collab.identity import Identity, load_or_create_identity
+from collab.rejoin import Rejoiner
 
 
 class PeerConfig(BaseModel):
@@ -127,6 +128,16 @@ class Swarm:
             raise UserError(_explain_dht_failure(e, peer)) from None
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
+        self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
+
+    def rejoin(self) -> int:
+        """Ask again for peers the DHT lost (collab.rejoin), at most every REJOIN_EVERY s; how many answered so far."""
+        before = self._rejoiner.found_back
+        self._rejoiner.maybe_run()
+        if self._rejoiner.found_back > before:
+            print(f"Reached {self._rejoiner.found_back - before} peer(s) again that had been unreachable "
+                  "(a network split healed)", flush=True)
+        return self._rejoiner.found_back
 
     def join_command(self, run_key: Optional[str] = None) -> str:
         """The exact command another participant runs to join this swarm: with the run's key, nothing else."""

@@ -53,6 +53,7 @@ class Summary:
     checkpoint: Optional[str] = None
     nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
     batches_dropped: dict[str, int] = field(default_factory=dict)  # micro-batches not sent (collab.guard), by why
+    peers_found_back: int = 0  # lost peers that answered again (collab.rejoin: a network split healed)
     reloads: int = 0  # times the replica was reloaded from the swarm after many dropped micro-batches
     rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> what this peer refused from it
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
@@ -199,6 +200,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     summary.nonfinite_parameters = nonfinite_parameters(task.model)
                     write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
+                    summary.peers_found_back = swarm.rejoin()
                     _publish(swarm, opt, config, summary, log, epoch_loss.last_mean)
                     last_publish = time.monotonic()
                     if sharer is not None:

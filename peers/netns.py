@@ -126,6 +126,21 @@ class NetworkLab:
         stats = json.loads(result.stdout)[0]["stats64"]
         return {"bytes_sent": stats["tx"]["bytes"], "bytes_received": stats["rx"]["bytes"]}
 
+    def partition(self, side: list[int]) -> None:
+        """Cut the peers in `side` off from the others (they still reach each other): their switch ports move to
+        a second bridge. Packets across the cut are lost, as in a real outage; nothing is refused."""
+        _run("ip", "-n", self.switch, "link", "add", "br1", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br1", "up")
+        for i in side:
+            _run("ip", "-n", self.switch, "link", "set", f"p{i}", "master", "br1")
+
+    def heal(self) -> None:
+        result = _run("ip", "-n", self.switch, "-j", "link", "show", "master", "br1", check=False)
+        ports = [link["ifname"] for link in json.loads(result.stdout or "[]")] if result.returncode == 0 else []
+        for port in ports:
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+        _run("ip", "-n", self.switch, "link", "del", "br1", check=False)
+
     # -- building and tearing down --------------------------------------------------------------
 
     def create(self) -> None:

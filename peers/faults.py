@@ -1,0 +1,132 @@
+"""Two faults on real local peers, measured: a peer frozen mid-run (SIGSTOP), and a swarm split in two.
+
+Shared by tests/test_faults.py (short faults, strict checks) and benchmarks/faults.py (the full 60 s).
+Each scenario returns what happened; it judges nothing. Every wait is bounded (FaultTimeout).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from peers.launcher import LocalSwarm
+from peers.netns import NetworkLab
+from peers.profiles import LinkSpec
+
+
+class FaultTimeout(RuntimeError):
+    pass
+
+
+def progress(peer) -> dict:
+    """The peer's summary as of its last epoch (it rewrites it at each), or an empty one before its first."""
+    try:
+        return json.loads(peer.summary_path.read_text())
+    except (OSError, ValueError):
+        return {"final_epoch": -1, "rounds_joined": 0, "samples_contributed": 0, "group_sizes": []}
+
+
+def epochs(peers) -> list[int]:
+    return [progress(p)["final_epoch"] for p in peers]
+
+
+def logs(swarm: LocalSwarm) -> str:
+    return "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, swarm: LocalSwarm) -> float:
+    """Seconds it took; FaultTimeout (with the peers' logs) if it did not happen within `timeout`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise FaultTimeout(f"timed out after {timeout:.0f} s waiting for {what}\n{logs(swarm)}")
+
+
+@dataclass
+class FreezeResult:
+    others_epochs_while_frozen: int  # how far the run went while the peer was stopped
+    seconds_to_catch_up: float  # after SIGCONT, until it had the swarm's epoch and averaged with others twice
+    at_freeze: dict = field(default_factory=dict)  # the frozen peer's summary when it was stopped
+    after: dict = field(default_factory=dict)  # ... and once it had caught up
+
+
+def freeze_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None
+                    ) -> FreezeResult:
+    """3 peers; peer 2's whole session gets SIGSTOP for `seconds` while it is matching or averaging (its epochs
+    start their matchmaking before the last one ends, so a peer is in a round most of the time), then SIGCONT."""
+    with LocalSwarm(3, run_id, workdir, ["--config", str(config)], env=env) as swarm:
+        swarm.start()
+        frozen, others = swarm.peers[2], swarm.peers[:2]
+        wait_until(lambda: min(epochs(swarm.peers)) >= 2, 240, "epoch 2 on every peer", swarm)
+        before = progress(frozen)["final_epoch"]
+        wait_until(lambda: progress(frozen)["final_epoch"] > before, 60, "the next epoch on the peer to freeze", swarm)
+        time.sleep(3)  # into the next round's matchmaking
+        frozen.signal_session(signal.SIGSTOP)
+        try:
+            at_freeze, others_at_freeze = progress(frozen), min(epochs(others))
+            time.sleep(seconds)
+            others_at_thaw = min(epochs(others))
+        finally:
+            frozen.signal_session(signal.SIGCONT)
+        took = wait_until(lambda: progress(frozen)["final_epoch"] >= min(epochs(others)) - 1
+                          and progress(frozen)["rounds_joined"] >= at_freeze["rounds_joined"] + 2, 120,
+                          "the thawed peer to catch up", swarm)
+        return FreezeResult(others_at_thaw - others_at_freeze, took, at_freeze, progress(frozen))
+
+
+@dataclass
+class SplitResult:
+    split_at: list[int]  # each peer's epoch when the network was cut
+    healed_at: list[int]  # ... and when it was healed
+    apart: float  # largest parameter difference between the halves at one epoch number while split
+    first_common_epoch: Optional[int]  # the first epoch >= 3 after the heal that all four checkpointed
+    difference_after: float  # largest parameter difference among all four there (inf: none)
+    found_back: list[int] = field(default_factory=list)  # peers each one reached again (collab.rejoin)
+
+
+def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None
+                   ) -> SplitResult:
+    """4 peers in network namespaces (root); peers 0, 1 and peers 2, 3 lose each other for `seconds` (their
+    switch ports on two bridges), then the network heals. `config` must checkpoint every epoch."""
+    per_peer = {i: ["--checkpoint-dir", str(workdir / f"peer{i}")] for i in range(4)}
+    links = [LinkSpec()] * 4
+    with NetworkLab(links) as lab, LocalSwarm(4, run_id, workdir, ["--config", str(config)], per_peer_args=per_peer,
+                                              env=env, network=lab, links=links) as swarm:
+        swarm.start()
+        wait_until(lambda: min(epochs(swarm.peers)) >= 2, 240, "epoch 2 on every peer", swarm)
+        split_at = epochs(swarm.peers)
+        lab.partition([2, 3])
+        try:
+            time.sleep(seconds)
+            healed_at = epochs(swarm.peers)
+        finally:
+            lab.heal()
+        target = max(healed_at) + 3
+        wait_until(lambda: min(epochs(swarm.peers)) >= target + 2, 180, f"epoch {target + 2} on every peer", swarm)
+        found_back = [progress(p).get("peers_found_back", 0) for p in swarm.peers]
+    checkpoints = [_checkpoints(workdir / f"peer{i}") for i in range(4)]
+    while_split = sorted(set(checkpoints[0]) & set(checkpoints[2]) & set(range(max(split_at) + 1, min(healed_at) + 1)))
+    apart = _max_difference([checkpoints[0][while_split[-1]], checkpoints[2][while_split[-1]]]) if while_split else 0.0
+    common = sorted(set.intersection(*(set(c) for c in checkpoints)) & set(range(target, target + 3)))
+    after = _max_difference([c[common[0]] for c in checkpoints]) if common else float("inf")
+    return SplitResult(split_at, healed_at, apart, common[0] if common else None, after, found_back)
+
+
+def _checkpoints(directory: Path) -> dict[int, Path]:
+    from collab.checkpoint import list_checkpoints
+
+    return {int(path.name.split("-")[1]): path for path in list_checkpoints(directory)}
+
+
+def _max_difference(paths) -> float:
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(path / "model.safetensors")) for path in paths]
+    return max(float((weights[0][name].float() - other[name].float()).abs().max())
+               for other in weights[1:] for name in weights[0])
