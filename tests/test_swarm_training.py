@@ -12,7 +12,7 @@ from collab.checkpoint import list_checkpoints
 from collab.config import load_config
 from collab.tasks import build_task
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, train_swarm_to_epoch
+from tests.conftest import peer_env, read_summary, train_swarm_to_epoch, write_config
 
 pytestmark = pytest.mark.swarm
 
@@ -77,12 +77,28 @@ def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftov
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
 
 
-def test_client_mode_peer_averages_and_is_reported_as_client(tmp_path, micro_config, run_id, no_leftover_processes):
-    """A volunteer behind NAT (--client-mode accepts no connections) still takes part in every round."""
-    with LocalSwarm(2, run_id, tmp_path, ["--config", str(micro_config), "--max-epochs", "4"],
-                    per_peer_args={1: ["--client-mode"]}, env=peer_env()) as swarm:
+def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(tmp_path, run_id,
+                                                                                no_leftover_processes):
+    """A volunteer behind NAT (--client-mode accepts no connections) takes part in every round, and with state
+    averaging off (it would make the replicas equal whether gradients were averaged or not) the two replicas end
+    equal: each drew its own data, so only identical averaged gradients can keep them together. Stepping on
+    its own gradients once moves a replica ~lr = 1e-2 away from the other."""
+    config = write_config(tmp_path, {"averaging.average_state_every": 1000})
+    per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
+    per_peer[1].append("--client-mode")
+    with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", "4"],
+                    per_peer_args=per_peer, env=peer_env()) as swarm:
         swarm.start()
         assert swarm.wait(timeout=240), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
         server, client = read_summary(swarm.peers[0]), read_summary(swarm.peers[1])
     for s in (server, client):
         assert s["final_epoch"] == 4 and s["rounds_joined"] >= 3 and set(s["group_sizes"]) == {2}, s
+        assert s["rounds_failed"] == 0 and s["final_replica"] == "swarm", s
+
+    models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}")[-1]) for i in range(2)]
+    reference = dict(models[0].named_parameters())
+    worst = max((reference[n] - p).abs().max().item() for n, p in models[1].named_parameters())
+    assert worst < PARAM_TOLERANCE, f"without state averaging the replicas differ by {worst:.2e}"
+    initial = build_task(load_config(config)).model
+    moved = max((reference[n] - p).abs().max().item() for n, p in initial.named_parameters())
+    assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
