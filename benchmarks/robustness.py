@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections import Counter
 import sys
 import tempfile
 from pathlib import Path
@@ -67,15 +68,22 @@ def main(argv=None) -> None:
                 first, last = loss_at(summaries, "0"), loss_at(summaries, str(args.epochs - 1))
                 drop = first - last
                 clean_drop = drop if attack == "clean" else clean_drop
+                reasons = Counter()
+                for s in summaries:
+                    for by_reason in s["rejected"].values():
+                        reasons.update(by_reason)
                 rows.append((attack, aggregation, first, last, drop / clean_drop if clean_drop else float("nan"),
                              sum(s["rounds_joined"] for s in summaries), sum(s["rounds_failed"] for s in summaries),
-                             sum(sum(r.values()) for s in summaries for r in s["rejected"].values())))
+                             sum(reasons.values()), reasons))
                 print(f"  {aggregation:13s} {attack:16s} done", flush=True)
     print(f"\n{args.honest} honest peers + 1 attacker, ALBERT-micro, {args.epochs} epochs; loss: the honest peers' mean")
     print(f"{'attack':16s} {'aggregation':13s} {'loss e0':>8s} {'loss eN':>8s} {'drop/clean':>10s} "
           f"{'rounds ok':>9s} {'failed':>6s} {'refused':>7s}")
-    for attack, aggregation, first, last, ratio, ok, failed, refused in rows:
+    for attack, aggregation, first, last, ratio, ok, failed, refused, _ in rows:
         print(f"{attack:16s} {aggregation:13s} {first:8.3f} {last:8.3f} {ratio:10.2f} {ok:9d} {failed:6d} {refused:7d}")
+    print("\nwhat the honest peers refused, and why:")
+    for attack, aggregation, *_, reasons in rows:
+        print(f"  {attack} / {aggregation}: " + ("; ".join(f"{why} x{n}" for why, n in reasons.most_common(4)) or "-"))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,17 @@ one part scaled by 1000 moves it a thousandfold. This reducer keeps the parts un
 arrived, then:
 - leaves out the parts of senders banned here (collab.robust_rounds), and drops a part that is not finite, or whose weight is not a finite number >= 0 (the others' mean stays
   exact), and reports the sender;
-- caps each weight at `max_weight_ratio` times the group's median weight (a peer's weight is the samples it
+- caps each weight at what the sender's own signed progress record makes plausible (`caps`, from
+  collab.robust_rounds: a weight must be backed by a public claim that carries its name), or, for a sender
+  without a record, at `max_weight_ratio` times the group's median weight (a peer's weight is the samples it
   accumulated; fast peers legitimately bring several times the median, not hundreds);
 - combines what is left by the weighted mean or by CenteredClip (Karimireddy et al. 2021, as used in BTARD,
   Gorbunov et al. 2022): from the coordinate-wise median, iterate v <- v + sum_i w_i c_i (x_i - v) / sum_i w_i
   with c_i = min(1, tau / ||x_i - v||). tau is `tau` times the median distance of the parts from their
   median, so it follows the gradients' scale: honest parts, which lie at similar distances, are not clipped
   at all (the result is then exactly the mean), and one part far away moves the result by at most tau / n
-  per iteration, however far it is. A part more than DROP_BEYOND radii away is left out altogether: clipped,
+  per iteration, however far it is. A part more than DROP_BEYOND radii away (scaled by sqrt(its weight / the
+  median weight): a part from few samples is noisier) is left out altogether: clipped,
   it would still pull by tau / n at every round, in its own direction (a sign-flipping peer of 5 held the
   honest loss flat in a test run), and no honest part lies that far beyond the others' spread.
 """
@@ -51,7 +54,10 @@ def centered_clip(parts: torch.Tensor, weights: torch.Tensor, tau: float, iterat
     coefficients = torch.ones(len(parts))
     if not radius > 0:
         return parts.T @ weights / weights.sum(), coefficients  # the parts agree (or there are two): the mean
-    kept = (distances <= DROP_BEYOND * radius).float()  # the median-distance parts are always kept
+    # left out: a part far beyond the others in units of its own noise (a gradient of w samples strays ~1/sqrt(w):
+    # an honest peer that brought few samples is farther, and is not an outlier for it). The median is kept.
+    scaled = distances * (weights / weights.median()).sqrt()
+    kept = (scaled <= DROP_BEYOND * tau * scaled.median()).float()
     weights = weights * kept
     for _ in range(iterations):
         diffs = parts - center
@@ -69,10 +75,11 @@ class RobustPartReducer(TensorPartReducer):
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, rule: Aggregation,
                  report: Optional[Callable[[int, str], None]] = None, excluded: Collection[int] = (),
-                 report_clipping: bool = True):
+                 report_clipping: bool = True, caps: Optional[dict[int, float]] = None):
         # clipping is reported for gradients only: replicas in a state round are near-identical, so the clip
         # radius is tiny and a replica one own step away is "far" without anything wrong with its peer
         self.rule, self.report, self.excluded = rule, report, frozenset(excluded)
+        self.caps = caps or {}  # sender index -> the most weight its signed progress makes plausible
         self.report_clipping = report_clipping
         self.received: list[tuple[int, torch.Tensor, float]] = []
         self.findings: dict[int, set[str]] = {}
@@ -137,17 +144,26 @@ class RobustPartReducer(TensorPartReducer):
         if not parts:
             raise AllreduceException("no sender's part of this round could be used")
         w = torch.tensor(weights)
-        cap = self.rule.max_weight_ratio * float(w.median())
-        for i in (w > cap).nonzero().flatten().tolist():
-            self._found(senders[i], "weight above the group's bound")
-        w = w.clamp(max=cap)
+        median = float(w.median())
+        for i, sender in enumerate(senders):
+            signed = self.caps.get(sender)
+            if signed is not None:
+                # backed by its own signed progress (never doubted up to the group's median: records lag). A
+                # weight so backed is not held to the median: in a group of peers that brought a micro-batch
+                # or two, an honest peer with a whole epoch's samples is 60x the median
+                if w[i] > max(signed, median):
+                    self._found(sender, "weight above its signed progress")
+                    w[i] = max(signed, median)
+            elif w[i] > self.rule.max_weight_ratio * median:  # no record to back it: the group's median bounds it
+                self._found(sender, "weight above the group's bound")
+                w[i] = self.rule.max_weight_ratio * median
         stacked = torch.stack(parts)
         if self.rule.method == "centered_clip" and len(parts) > 2:
             result, coefficients = centered_clip(stacked, w, self.rule.tau, self.rule.iterations)
-            # reported when cut to under a fifth: far beyond the honest spread (a clean run's parts are within it)
-            for i in (coefficients < 0.2).nonzero().flatten().tolist() if self.report_clipping else ():
-                self._found(senders[i], "part clipped (far from the others')" if coefficients[i] > 0 else
-                            f"part dropped (over {DROP_BEYOND:g} clip radii from the others')")
+            # reported when left out only: a part clipped within DROP_BEYOND radii is an odd batch as much as an
+            # attack, and a report counts toward a "suspect" flag
+            for i in (coefficients == 0).nonzero().flatten().tolist() if self.report_clipping else ():
+                self._found(senders[i], f"part dropped (over {DROP_BEYOND:g} clip radii from the others')")
         else:
             result = stacked.T @ w / w.sum()
         return result.reshape(shape)

@@ -1,8 +1,9 @@
 """Averaging rounds that another peer cannot poison: a DecentralizedAverager mixin for both of collab's averagers.
 
 Three things hivemind leaves unchecked (see DESIGN.md, "hivemind facts"), checked here:
-- what this peer reduces for others: collab.aggregation's reducer (non-finite parts dropped, weights bounded,
-  mean or CenteredClip), in place of hivemind's running sum;
+- what this peer reduces for others: collab.aggregation's reducer (non-finite parts dropped, weights bounded
+  by the group's median and by each sender's signed progress, read here in the background; mean or
+  CenteredClip), in place of hivemind's running sum;
 - what other peers' reducers send back: every returned part must be finite and of a plausible size, or the
   reducer is caught; the round's updates are held until all have arrived and been checked, then applied all
   at once or not at all (hivemind applies each as it comes, so a bad part would already be in the model).
@@ -23,8 +24,10 @@ attribute and publish (collab.rejections).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
+import math
 import statistics
 import time
 from typing import Optional
@@ -41,6 +44,8 @@ from hivemind.utils.asyncio import as_aiter, azip
 from collab.aggregation import Aggregation, RobustPartReducer
 
 GRADIENT_BOUND = 10.0
+PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's signed progress makes plausible
+PROGRESS_REFRESH = 5.0  # seconds: the signed progress records are re-read (in the background) at most this often
 STATE_BOUND = 1.0
 BAN_SECONDS = 600.0
 # what only a broken or hostile peer does. Not an implausible returned average: an honest reducer returns one
@@ -59,7 +64,8 @@ class RejectedRound(MatchmakingException):
 class _CheckedRunner(AllReduceRunner):
     """hivemind's all-reduce runner with collab's reducer, and every part other reducers return checked."""
 
-    def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, report_clipping: bool, **kwargs):
+    def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, report_clipping: bool,
+                 weight_caps: dict, **kwargs):
         super().__init__(**kwargs)
         self.bound, self.on_finding, self.is_banned = bound, on_finding, is_banned
         self.caught: dict[int, str] = {}  # peer index -> why its returned part was refused
@@ -67,7 +73,8 @@ class _CheckedRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(
             self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids), rule,
             report=lambda sender, reason: on_finding(self.sender_peer_ids[sender], reason), excluded=banned,
-            report_clipping=report_clipping)
+            report_clipping=report_clipping,
+            caps={i: weight_caps[p.to_base58()] for i, p in enumerate(self.sender_peer_ids) if p.to_base58() in weight_caps})
         register = self.tensor_part_container.register_processed_part
         clipped_group = rule.method == "centered_clip" and len(self.sender_peer_ids) >= 3
 
@@ -123,6 +130,7 @@ class CheckedRounds:
     async def _step(self, *, step, **kwargs):
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
         self._never_follow_banned_leaders()
+        self._signed_progress()  # a fresh read starts while the group is being matched
         return await super()._step(step=step, **kwargs)
 
     def _never_follow_banned_leaders(self) -> None:
@@ -144,7 +152,8 @@ class CheckedRounds:
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
                                 on_finding=self._report, is_banned=self.banned,
-                                report_clipping=self.kind == "gradients", **kwargs)
+                                report_clipping=self.kind == "gradients",
+                                weight_caps=self._weight_caps() if self.kind == "gradients" else {}, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -191,10 +200,52 @@ class CheckedRounds:
         # let through by a finite-only check, took the honest loss from 7.6 to 5244: benchmarks/robustness.py)
         return STATE_BOUND * own_norm + 1e-12
 
+    def _weight_caps(self) -> dict[str, float]:
+        """Per peer id, the most averaging weight (samples) its signed progress makes plausible now: the samples
+        it reported plus its reported rate times the time since, with slack (records lag; rates are averages)."""
+        now, caps = get_dht_time(), {}
+        for peer, record in self._signed_progress().items():
+            try:
+                rate = record.samples_per_second
+                plausible = record.samples_accumulated + rate * max(0.0, now - record.time)
+            except (AttributeError, TypeError):
+                continue
+            # hivemind's rate is over compute time only, so rate x wall time over-estimates: honest weights pass.
+            # A record with no rate yet (a peer that just started) bounds nothing: a cap would wrong a new peer
+            if rate >= 1e-3 and math.isfinite(plausible):
+                caps[peer] = max(1.0, PROGRESS_SLACK * plausible)
+        return caps
+
+    def _signed_progress(self) -> dict:
+        """The run's progress records (hivemind's tracker, signed; collab.state drops untrusted ones) as last
+        read; a read older than PROGRESS_REFRESH starts another in the background, so no round waits for one."""
+        cache = self.__dict__.setdefault("_progress_cache", {"read_at": float("-inf"), "records": {}, "task": None})
+        if (cache["task"] is None or cache["task"].done()) and time.monotonic() - cache["read_at"] > PROGRESS_REFRESH:
+            cache["read_at"] = time.monotonic()
+            cache["task"] = asyncio.ensure_future(self._read_signed_progress(cache))
+        return cache["records"]
+
+    async def _read_signed_progress(self, cache: dict) -> None:
+        from collab.state import progress_records
+
+        try:
+            cache["records"] = await asyncio.get_event_loop().run_in_executor(
+                None, progress_records, self.dht, run_id_of(self.prefix))
+        except Exception as e:  # no records: no caps from them this time (the median cap still holds)
+            logging.getLogger(__name__).debug(f"could not read the run's progress: {e!r}")
+
     def _recent_norms(self) -> list:
         if not hasattr(self, "_norms"):
             self._norms = []
         return self._norms
+
+
+def run_id_of(prefix: str) -> str:
+    """hivemind names a run's averagers RUN_ID + "_grad_averager" / "_state_averager"."""
+    for suffix in ("_grad_averager", "_state_averager"):
+        if prefix.endswith(suffix):
+            return prefix[:-len(suffix)]
+    return prefix
 
 
 def _norm(tensors) -> float:

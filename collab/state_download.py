@@ -77,9 +77,11 @@ class CheckedDownloads:
         and hivemind's own choice stands)."""
         from collab.state import progress_records
 
-        run_id = self.prefix[:-len("_state_averager")] if self.prefix.endswith("_state_averager") else self.prefix
+        from collab.robust_rounds import run_id_of
+
         try:
-            records = await asyncio.get_event_loop().run_in_executor(None, progress_records, self.dht, run_id)
+            records = await asyncio.get_event_loop().run_in_executor(None, progress_records, self.dht,
+                                                                     run_id_of(self.prefix))
         except Exception:
             return None
         if not records:

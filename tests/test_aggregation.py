@@ -10,12 +10,13 @@ import torch
 from collab.aggregation import Aggregation, RobustPartReducer, centered_clip
 
 
-def reduce(parts: list[torch.Tensor], weights: list[float], rule: Aggregation) -> tuple[torch.Tensor, dict]:
+def reduce(parts: list[torch.Tensor], weights: list[float], rule: Aggregation, caps: dict | None = None
+           ) -> tuple[torch.Tensor, dict]:
     """One part, sent by every sender at once, through the real reducer (hivemind's waiting and all)."""
     found: dict[int, list[str]] = {}
 
     async def run():
-        reducer = RobustPartReducer([parts[0].shape], len(parts), rule,
+        reducer = RobustPartReducer([parts[0].shape], len(parts), rule, caps=caps,
                                     report=lambda sender, why: found.setdefault(sender, []).append(why))
         results = await asyncio.gather(*(reducer.accumulate_part(i, 0, part, weight)
                                          for i, (part, weight) in enumerate(zip(parts, weights))))
@@ -60,6 +61,16 @@ def test_a_huge_claimed_weight_is_capped_and_reported():
     assert list(found) == [3]
 
 
+def test_a_weight_above_the_senders_signed_progress_is_capped_there():
+    """A sender claiming 5x the samples its own signed progress record makes plausible counts for the plausible
+    amount (collab.robust_rounds computes the caps from the run's records); within its cap, a weight stands."""
+    parts = honest(4)
+    result, found = reduce(parts, [8.0, 8.0, 8.0, 40.0], Aggregation(method="mean"), caps={2: 16.0, 3: 16.0})
+    expected = (8 * (parts[0] + parts[1] + parts[2]) + 16 * parts[3]) / 40
+    assert torch.allclose(result, expected, atol=1e-5)
+    assert found == {3: ["weight above its signed progress"]}
+
+
 def test_centered_clip_bounds_a_sign_flipped_x1000_part():
     parts = honest(5)
     clean = sum(parts[:4]) / 4
@@ -100,3 +111,39 @@ def test_every_part_bad_fails_the_part_for_everyone():
     nan = torch.full((10,), float("nan"))
     with pytest.raises(AllreduceException, match="no sender's part"):
         reduce([nan, nan, nan], [1.0] * 3, Aggregation())
+
+
+def test_weight_caps_follow_each_senders_signed_progress():
+    """What a sender's signed progress makes plausible now: its samples plus its rate times the record's age
+    (records lag the round), times a slack of 2; a peer that reported nothing yet gets the floor of 1 sample, and
+    one with no rate yet (just started) no cap."""
+    import time
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from collab.robust_rounds import PROGRESS_SLACK, CheckedRounds
+
+    now = get_dht_time()
+    record = lambda samples, rate, age: SimpleNamespace(  # noqa: E731
+        samples_accumulated=samples, samples_per_second=rate, time=now - age)
+    rounds = CheckedRounds()
+    rounds._progress_cache = {"read_at": time.monotonic(), "task": None,
+                              "records": {"fast": record(100, 10.0, 2.0), "idle": record(0, 0.1, 0.0),
+                                          "new": record(0, 1e-30, 30.0)}}
+    caps = rounds._weight_caps()
+    assert abs(caps["fast"] - PROGRESS_SLACK * (100 + 10.0 * 2.0)) < 1.0, caps
+    assert caps["idle"] == 1.0 and set(caps) == {"fast", "idle"}
+
+
+def test_a_part_from_few_samples_is_noisy_not_an_outlier():
+    """An honest peer that brought 2 samples where the others brought 512 strays ~16x further (noise ~ 1/sqrt(w)):
+    it is clipped by its distance but neither dropped nor reported; a sign-flipped part of full weight is."""
+    g = torch.Generator().manual_seed(3)
+    signal = torch.randn(1000, generator=g)
+    full = [signal + 0.5 * torch.randn(1000, generator=g) for _ in range(4)]
+    few = signal + 0.5 * 16 * torch.randn(1000, generator=g)
+    result, found = reduce(full + [few], [512.0] * 4 + [2.0], Aggregation(method="centered_clip"))
+    assert found == {}, found
+    flipped, found = reduce(full + [few, -1000 * full[0]], [512.0] * 4 + [2.0, 512.0], Aggregation())
+    assert found == {5: ["part dropped (over 5 clip radii from the others')"]}, found
