@@ -130,7 +130,8 @@ class CheckedRounds:
     async def _step(self, *, step, **kwargs):
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
         self._never_follow_banned_leaders()
-        self._signed_progress()  # a fresh read starts while the group is being matched
+        if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
+            self._signed_progress()  # a fresh read starts while the group is being matched
         return await super()._step(step=step, **kwargs)
 
     def _never_follow_banned_leaders(self) -> None:
