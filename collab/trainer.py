@@ -249,6 +249,11 @@ def _reload_broken_replica(opt, guard: BatchGuard, summary: Summary, display: Pr
         display.message("No peer gave its state: training on with this replica")
 
 
+def leave_before_start(options: JoinOptions) -> Summary:
+    """A signal came before this peer joined: its summary says so (a report reads no error into it)."""
+    return _write_exit_summary(Summary(), options, "stopped by signal")
+
+
 def _write_exit_summary(summary: Summary, options: JoinOptions, reason: str) -> Summary:
     summary.exit_reason = reason
     write_summary(summary, options.summary_path)
