@@ -74,6 +74,9 @@ class TrainingConfig(Section):
 
 class AveragingConfig(Section):
     matchmaking_time: float = Field(5.0, gt=0, description="seconds spent forming an averaging group")
+    group_size: Optional[int] = Field(
+        None, ge=2, le=1024, description="begin a round as soon as this many peers joined its group instead of "
+        "waiting out matchmaking_time (hivemind's target_group_size; for a swarm of known size)")
     averaging_timeout: float = Field(60.0, gt=0, description="give up an averaging round after this many seconds")
     load_state_timeout: float = Field(120.0, gt=0, description="seconds to download state from a peer")
     next_chunk_timeout: float = Field(
@@ -130,6 +133,7 @@ FLAG_TO_FIELD = {
     "tokenizer": "task.data.tokenizer",
     "compression": "averaging.compression",
     "matchmaking_time": "averaging.matchmaking_time",
+    "group_size": "averaging.group_size",
     "bandwidth": "averaging.bandwidth",
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every_epochs",

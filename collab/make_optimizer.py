@@ -46,7 +46,8 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     rejections = RejectionLog()
     quiet_rejections()  # a refused round is reported once by collab, not with hivemind's traceback
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
-    averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2))
+    averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2),
+                         target_group_size=avg.group_size)
     return CollabOptimizer(
         averaging_log=averaging_log,
         stop=stop,

@@ -184,7 +184,7 @@ def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
     async def ask() -> Optional[dict]:
         with identity.file_for_p2pd() as path:
             p2p = await P2P.create(initial_peers=peer.initial_peers, host_maddrs=peer.host_maddrs,
-                                   identity_path=str(path), startup_timeout=15)
+                                   identity_path=str(path), startup_timeout=20)
         try:
             for maddr in peer.initial_peers:
                 answer = await ask_about_access(p2p, maddr.rsplit("/p2p/", 1)[-1])
@@ -196,9 +196,11 @@ def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
 
     from concurrent.futures import ThreadPoolExecutor
 
+    # only on the way to an error, so it may take its time: on a busy machine (a CI run: three peers training
+    # beside three more processes starting) 20 s in all was too little, and the user read "unreachable"
     try:  # in a thread of its own: the caller may be inside an event loop (the dashboard's)
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(lambda: asyncio.run(asyncio.wait_for(ask(), timeout=20))).result()
+            answer = pool.submit(lambda: asyncio.run(asyncio.wait_for(ask(), timeout=60))).result()
     except Exception:
         return
     if answer is None or not answer["private"] or answer["verdict"] == "member":

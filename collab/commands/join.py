@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compression", default=None, choices=["none", "fp16", "uniform8bit", "quantile8bit"],
                    help="how gradients travel (default fp16)")
     p.add_argument("--matchmaking-time", type=float, default=None, help="seconds to form an averaging group")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="begin a round once this many peers joined it, before --matchmaking-time is up")
     p.add_argument("--bandwidth", type=float, default=None, metavar="MBPS",
                    help="your upload bandwidth in Mbit/s; slow peers get a smaller share of the all-reduce")
     p.add_argument("--wait-peers", type=int, default=1, metavar="N",
@@ -162,7 +164,13 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
             config, shared = joining.as_volunteer(swarm, credentials.run_key, user, source, stop, credentials.invite)
         summary = trainer.run(config, peer, options, stop, shared=shared, swarm=swarm)
     except UserError:
-        raise
+        if not stop.is_set():
+            raise
+        # a signal during start-up (a simulation ending, churn) cuts the DHT's bootstrap short: that failure is
+        # the leave the user asked for, not an error. Nothing had joined, so nothing is lost
+        trainer.leave_before_start(options)
+        print("Left during start-up (stopped by signal)", flush=True)
+        return 0
     except Exception as e:
         raise_internal_error(e)
     finally:
