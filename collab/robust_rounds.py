@@ -162,7 +162,8 @@ class CheckedRounds:
                 raise ValueError("aux peers should not receive averaged tensors")
             return
         updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
-        why = self._refusal(runner, tensors, updates, bound)
+        averaged_norm = _norm([t + u for t, u in zip(tensors, updates)]) if self.kind == "gradients" else None
+        why = self._refusal(runner, updates, bound, averaged_norm)
         if why is not None:
             step = _step_in_progress.get()
             if step is not None and not step.done():
@@ -170,23 +171,24 @@ class CheckedRounds:
             raise RejectedRound(why)
         for tensor, update in zip(tensors, updates):
             tensor.add_(update, alpha=self._averaging_alpha)
-        if self.kind == "gradients":
-            self._recent_norms().append(_norm([t for t in tensors]))
+        if averaged_norm is not None:
+            self._recent_norms().append(averaged_norm)
             del self._recent_norms()[:-16]
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _refusal(self, runner: _CheckedRunner, tensors, updates, bound: float) -> Optional[str]:
+    def _refusal(self, runner: _CheckedRunner, updates, bound: float, averaged_norm: Optional[float]
+                 ) -> Optional[str]:
+        """Why this peer refuses the round (None: it accepts). `averaged_norm`: the averaged gradient's norm."""
         for peer_index, reason in runner.caught.items():
             peer_id = runner.ordered_peer_ids[peer_index]
             self._report(peer_id if peer_id != self.peer_id else "(this peer's own reduction)", reason)
         if runner.caught:
             return f"{len(runner.caught)} reducer(s) of the group returned bad parts"
-        if self.kind == "gradients":
-            result = _norm([t + u for t, u in zip(tensors, updates)])
-            if not result <= bound:
+        if averaged_norm is not None:
+            if not averaged_norm <= bound:
                 self._report("(the group)", "average out of bounds")
-                return f"the averaged gradient's norm {result:.3g} is above this peer's bound {bound:.3g}"
+                return f"the averaged gradient's norm {averaged_norm:.3g} is above this peer's bound {bound:.3g}"
         elif not _norm(updates) <= bound:
             self._report("(the group)", "average out of bounds")
             return f"the averaged state moves this replica by {_norm(updates):.3g}, above the bound {bound:.3g}"
