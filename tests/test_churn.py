@@ -8,7 +8,7 @@ import pytest
 
 from peers.churn import ChurnSpec
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import peer_env, write_config
+from tests.conftest import peer_env, swarm_config
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -26,7 +26,7 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # the shipped configs' (the micro config stretches them for CPU-starved rounds): a peer killed inside an
     # all-reduce stalls its group for next_chunk_timeout, and a restarting peer tries a dead peer's state for
     # load_state_timeout. The rate against a steady swarm is benchmarks/churn.py's (ratio 1.92 measured).
-    config = write_config(tmp_path, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
+    config = swarm_config(tmp_path, 5, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0})
     # kill every 20 s for 130 s: six hits, the first ones while the peers still start (as a crash can come);
     # with 115 s a CI run had one restart that trained - the later ones came back with too little time left

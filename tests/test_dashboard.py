@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dashboard.collector import Collector
 from dashboard.server import BackgroundDashboard
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, wait_for, write_config
+from tests.conftest import peer_env, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -34,7 +34,7 @@ def live(tmp_path_factory):
     from tests.conftest import MICRO_CONFIG  # noqa: F401  (the session cache fixture has built the tokenizer)
 
     tmp = tmp_path_factory.mktemp("dashboard")
-    config = write_config(tmp, {}, "micro.yaml")
+    config = swarm_config(tmp, 2, name="micro.yaml")
     run_id = f"dash-{int(time.time())}"
     with LocalSwarm(2, run_id, tmp, ["--config", str(config), "--max-epochs", "1000"], env=peer_env()) as swarm:
         swarm.start()
@@ -62,7 +62,7 @@ def two_peers_training(dashboard):
 def test_api_serves_the_live_run(live):
     swarm, dashboard = live
     run = wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers on /api/run")
-    assert run["run_id"] == swarm.run_id and run["target_batch_size"] == 2048
+    assert run["run_id"] == swarm.run_id and run["target_batch_size"] == 1024
     for key in ("global_epoch", "samples_accumulated", "eta_seconds", "samples_per_second", "rejected_records"):
         assert key in run
 

@@ -1,6 +1,6 @@
 """Faults of machines and of the network, on real peers (peers.faults): a peer frozen mid-run, a swarm split
-in two. The faults last 30 s here - longer than every timeout of the config below (averaging 30 s, a chunk
-10 s, a DHT request a few s) - and 60 s in benchmarks/faults.py. The target batch is smaller than the micro
+in two. The faults last 30 s (freeze) and 20 s (split) here - longer than every timeout of the config below
+(averaging 15 s, a chunk 10 s, a DHT request a few s) - and 60 s in benchmarks/faults.py. The target batch is smaller than the micro
 config's, for ~6 s epochs on 2 cores.
 """
 
@@ -10,19 +10,19 @@ import pytest
 
 from peers.faults import freeze_scenario, split_scenario
 from peers.netns import namespaces_skip_reason
-from tests.conftest import peer_env, write_config
+from tests.conftest import peer_env, swarm_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = pytest.mark.swarm
-FAULT_SECONDS = 30
+FREEZE_SECONDS, SPLIT_SECONDS = 30, 20
 FAST = {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
-        "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0}
+        "averaging.averaging_timeout": 15.0, "averaging.load_state_timeout": 20.0}
 
 
 def test_a_frozen_peer_does_not_stop_the_run_and_catches_up(tmp_path, run_id, no_leftover_processes):
     """SIGSTOP to a peer's whole session (a laptop lid closed) while it is matching or averaging. The others
     go on without it; after SIGCONT it takes the swarm's epoch and averages with them again."""
-    result = freeze_scenario(tmp_path, run_id, write_config(tmp_path, FAST), FAULT_SECONDS, env=peer_env())
+    result = freeze_scenario(tmp_path, run_id, swarm_config(tmp_path, 3, FAST), FREEZE_SECONDS, env=peer_env())
     # the round the frozen peer was in holds the others until its sender timeout: in 30 s they made 1-2
     # epochs here, in 60 s 6 (benchmarks/faults.py)
     assert result.others_epochs_while_frozen >= 1, f"the run stalled while a peer was frozen: {result}"
@@ -39,8 +39,8 @@ def test_a_split_swarm_heals_and_its_replicas_agree_again(tmp_path, run_id, no_l
     """Each half trains on as a run of its own while split: two lineages. After the heal the DHT finds the
     other half again (collab.rejoin: hivemind's DHT had deleted it for good - without it, the halves were still
     0.17 apart at the end of a run here) and within 3 epochs all four replicas are one model."""
-    config = write_config(tmp_path, {**FAST, "checkpoint.every_epochs": 1, "checkpoint.keep": 200})
-    result = split_scenario(tmp_path, run_id, config, FAULT_SECONDS, env=peer_env())
+    config = swarm_config(tmp_path, 4, {**FAST, "checkpoint.every_epochs": 1, "checkpoint.keep": 200})
+    result = split_scenario(tmp_path, run_id, config, SPLIT_SECONDS, env=peer_env())
     moved = [h - s for h, s in zip(result.healed_at, result.split_at)]
     assert min(moved) >= 1, f"a half stopped training while split: {result}"
     assert result.apart > 10 * PARAM_TOLERANCE, f"the halves did not train apart (no split?): {result}"

@@ -36,7 +36,7 @@ def test_init_makes_a_signed_run_folder_and_says_how_to_start(tmp_path, micro_co
     assert manifest.run_id == "demo-run" and manifest.private is False and manifest.seed == 0
     assert manifest.tokenizer_sha256 == hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
     assert manifest.fingerprint in out and len(manifest.fingerprint) == 32
-    assert manifest.config["training"]["target_batch_size"] == 2048  # the whole config, from the file
+    assert manifest.config["training"]["target_batch_size"] == 1024  # the whole config, from the file
     assert "dir" not in manifest.config["checkpoint"]  # a path on the organizer's machine is not shared
     again = run_cli("init", "demo-run", "--dir", str(folder), timeout=60)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
@@ -76,13 +76,13 @@ def test_a_peer_sets_only_its_own_things(run_folder, tmp_path):
     config = config_for_peer(manifest, mine, folder / "tokenizer.json")
     assert config.training.micro_batch_size == 4 and config.task.data.dataset == "/my/texts"
     assert str(config.checkpoint.dir) == "/my/ckpt" and config.task.data.tokenizer == str(folder / "tokenizer.json")
-    assert config.training.target_batch_size == 2048  # the run's
+    assert config.training.target_batch_size == 1024  # the run's
     other = write_config(tmp_path, {"training.target_batch_size": 4096, "training.learning_rate": 0.5})
     found = contradictions(manifest, user_settings(other, {}), f"--config {other}")
     assert sorted(found) == [f"training.learning_rate is 0.5 in --config {other} or --learning-rate, but the run's "
                              "manifest says 0.01",
                              f"training.target_batch_size is 4096 in --config {other} or --target-batch-size, "
-                             "but the run's manifest says 2048"]
+                             "but the run's manifest says 1024"]
 
 
 def test_the_first_peers_own_manifest_is_signed_like_an_organizers(micro_config):

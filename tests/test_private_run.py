@@ -13,7 +13,7 @@ from collab.identity import peer_id_of
 from collab.run.access import make_invite
 from collab.run.folder import load_run_folder
 from peers.launcher import LocalSwarm, free_ports
-from tests.conftest import peer_env, read_summary, run_cli, wait_for
+from tests.conftest import peer_env, read_summary, run_cli, wait_for, write_config
 
 pytestmark = pytest.mark.swarm
 
@@ -32,15 +32,24 @@ def _last_line(result) -> str:
     return (result.stderr.strip().splitlines() or [""])[-1]
 
 
-def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped(tmp_path, micro_config, run_id,
+def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped(tmp_path, run_id,
                                                                                  no_leftover_processes):
     folder = tmp_path / "run"
-    assert run_cli("init", run_id, "--config", str(micro_config), "--dir", str(folder), "--private").returncode == 0
+    # (no averaging.group_size: with it set to 3, the honest peers' two epochs after the revoked peer left took
+    # ~80 s instead of ~17 s - not understood yet, open in issue 11)
+    init = run_cli("init", run_id, "--config", str(write_config(tmp_path, {})), "--dir", str(folder), "--private")
+    assert init.returncode == 0, init.stderr
+    watcher = tmp_path / "watcher.key"
     with LocalSwarm(3, run_id, tmp_path / "peers", env=peer_env(),
                     join_args=["--max-epochs", "1000"], per_peer_args={0: ["--run", str(folder)]}) as swarm:
         organizer, invited, revoked = swarm.peers
-        for peer in (invited, revoked):
-            peer.args += ["--token-file", _invite(folder, peer.identity_path, tmp_path, f"peer{peer.index}")]
+        # the three invites at once: each is two CLI processes (a few s of imports each on 2 busy cores)
+        with ThreadPoolExecutor(3) as pool:
+            tokens = list(pool.map(lambda who: _invite(folder, who[0], tmp_path, who[1]),
+                                   [(invited.identity_path, "peer1"), (revoked.identity_path, "peer2"),
+                                    (watcher, "watcher")]))
+        for peer, token in zip((invited, revoked), tokens):
+            peer.args += ["--token-file", token]
         swarm.start()
         assert "--token-file INVITE" in organizer.log_text()
 
@@ -52,8 +61,7 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
         expired = make_invite(run_id, peer_id_of(late_key.get_public_key()), load_run_folder(folder).organizer_key,
                               lifetime=-3600)
         (tmp_path / "expired.invite").write_text(expired.to_text())
-        watcher = tmp_path / "watcher.key"
-        token = _invite(folder, watcher, tmp_path, "watcher")
+        token = tokens[2]
         reading = ["status", "--run-id", run_id, "--initial-peers", swarm.initial_peer, "--json", "--wait", "2",
                    "--identity", str(watcher), "--token-file", token, "--run-key", load_run_folder(folder).fingerprint]
 

@@ -15,22 +15,23 @@ from pathlib import Path
 import pytest
 
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, status_json, wait_for
+from tests.conftest import peer_env, read_summary, status_json, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 ATTACKER = [sys.executable, str(Path(__file__).with_name("attacker_peer.py"))]
 
 
-def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, micro_config, run_id,
+def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
                                                                no_leftover_processes):
     """Two of six peers attack in every round: one sends NaN, one its gradient times -1000. With hivemind's
     mean, the NaN failed every round (19 of 19) and one sign-flipped round set the honest peers back by 25
     epochs. With centered_clip (an open run's default) the NaN part is left out, and so is the sign-flipped one
     (over 5 clip radii away): the honest peers' rounds succeed, they learn, and each of them names both
     attackers."""
-    honest, epochs = 4, 5
+    honest, epochs = 4, 4
     attacks = {honest: ["--nan"], honest + 1: ["--sign-flip", "1000"]}
-    with LocalSwarm(honest + 2, run_id, tmp_path, ["--config", str(micro_config), "--max-epochs", str(epochs),
+    config = swarm_config(tmp_path, honest + 2)
+    with LocalSwarm(honest + 2, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(epochs),
                                                    "--wait-peers", str(honest + 2)],
                     env=peer_env(),
                     per_peer_program={i: [*ATTACKER, *attack] for i, attack in attacks.items()}) as swarm:
@@ -57,7 +58,8 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, micro_co
                      for s in summaries)
     assert named_nan >= 1 and named_flip >= 3, [s["rejected"] for s in summaries]
     first = statistics.mean(s["loss_by_epoch"]["0"] for s in summaries)
-    last = statistics.mean(s["loss_by_epoch"][str(epochs - 1)] for s in summaries)
+    # each peer's last epoch with a loss (a peer that took its groupmates' epoch after a state round skips one)
+    last = statistics.mean(s["loss_by_epoch"][max(s["loss_by_epoch"], key=int)] for s in summaries)
     # a clean run falls by ~0.13 in these epochs; with the mean, this attack made the loss rise by 0.16.
     # KNOWN DEFECT, open in issue 11: in 1 of 4 runs since parts over 5 clip radii are dropped, the honest loss
     # rose instead (7.60 -> 7.63 in a fresh-clone CI run: every replica at once between epochs 1 and 2, with
@@ -72,12 +74,12 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, micro_co
     # test_swarm_training.py, test_faults.py)
 
 
-def test_a_poisoned_state_is_never_loaded(tmp_path, micro_config, run_id, no_leftover_processes):
+def test_a_poisoned_state_is_never_loaded(tmp_path, run_id, no_leftover_processes):
     """An attacker claims the highest state-sharing priority (hivemind picks donors by it) and serves its state
     times 1000. A peer that joins late downloads a state at once: it refuses the attacker's, names it, skips
     it, and catches up from an honest peer."""
     # the attacker stays to the end (the others leave at epoch 8); the late peer joins as soon as there is a state
-    with LocalSwarm(4, run_id, tmp_path, ["--config", str(micro_config)], env=peer_env(),
+    with LocalSwarm(4, run_id, tmp_path, ["--config", str(swarm_config(tmp_path, 4))], env=peer_env(),
                     per_peer_args={0: ["--max-epochs", "8"], 1: ["--max-epochs", "8"], 3: ["--max-epochs", "8"]},
                     per_peer_program={2: [*ATTACKER, "--poison-state"]}) as swarm:
         swarm.start(count=3)

@@ -12,7 +12,7 @@ from collab.checkpoint import list_checkpoints
 from collab.data.tokenizer import load_tokenizer
 from collab.run.folder import load_run_folder
 from peers.launcher import LocalSwarm
-from tests.conftest import MICRO_CONFIG, peer_env, read_summary, run_cli, write_config
+from tests.conftest import MICRO_CONFIG, peer_env, read_summary, run_cli, swarm_config, write_config
 
 pytestmark = pytest.mark.swarm
 
@@ -33,7 +33,7 @@ def _volunteers_own_tokenizer(cache, monkeypatch):
 def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, micro_config, run_id, monkeypatch,
                                                                    no_leftover_processes):
     folder = tmp_path / "run"
-    init = run_cli("init", run_id, "--config", str(micro_config), "--dir", str(folder), timeout=120)
+    init = run_cli("init", run_id, "--config", str(swarm_config(tmp_path, 2)), "--dir", str(folder), timeout=120)
     assert init.returncode == 0, init.stderr
     key = load_run_folder(folder).fingerprint
     other_cache = tmp_path / "volunteer-cache"
@@ -57,7 +57,7 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
         refused = run_cli(*joining, "--run-key", key, "--config", str(bad), timeout=120)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
         assert (f"training.target_batch_size is 4096 in --config {bad} or --target-batch-size, but the run's "
-                "manifest says 2048") in refused.stderr.strip().splitlines()[-1]
+                "manifest says 1024") in refused.stderr.strip().splitlines()[-1]
         impostor = run_cli(*joining, "--run-key", "0" * 32, timeout=120)
         assert impostor.returncode == 2, impostor.stderr
         assert f"signed by key {key}, not --run-key {'0' * 32}" in impostor.stderr.strip().splitlines()[-1]

@@ -8,12 +8,12 @@ import pytest
 
 from peers.launcher import PeerProcess
 from peers.report import PeerReport, SwarmReport, peer_report
-from tests.conftest import run_cli
+from tests.conftest import run_cli, swarm_config
 
 
 @pytest.mark.swarm
-def test_simulate_runs_peers_that_average_and_reports(tmp_path, micro_config, no_leftover_processes):
-    result = run_cli("simulate", "--peers", "2", "--config", str(micro_config), "--max-epochs", "4",
+def test_simulate_runs_peers_that_average_and_reports(tmp_path, no_leftover_processes):
+    result = run_cli("simulate", "--peers", "2", "--config", str(swarm_config(tmp_path, 2)), "--max-epochs", "4",
                      "--workdir", str(tmp_path), "--json", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr

@@ -15,7 +15,7 @@ from collab.checkpoint import list_checkpoints
 from peers.netns import namespaces_skip_reason, netem_available
 from peers.profiles import load_profile
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import peer_env, wait_for, write_config
+from tests.conftest import peer_env, swarm_config, wait_for, write_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.skipif(namespaces_skip_reason() is not None,
@@ -37,7 +37,7 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     # the micro config's 2048 samples per epoch: with 512 a fast peer finished an epoch alone (under a second)
     # before hivemind's progress tracker (refreshed every 0.5-2 s) showed it the others, stepped on its own
     # gradients and ran ahead of the swarm - replicas then ended up to 0.2 apart
-    config = write_config(tmp_path, {})
+    config = write_config(tmp_path, {"training.target_batch_size": 2048, "averaging.group_size": 4})
     profile_path = tmp_path / "nat.yaml"
     profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
     spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=config,
@@ -90,9 +90,9 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     assert worst < PARAM_TOLERANCE, f"replicas differ by {worst:.2e}: one missed or diverged from the swarm's updates"
 
 
-def test_simulate_cli_with_profile_stops_on_ctrl_c_and_cleans_up(tmp_path, micro_config, no_leftover_processes):
+def test_simulate_cli_with_profile_stops_on_ctrl_c_and_cleans_up(tmp_path, no_leftover_processes):
     command = [sys.executable, "-m", "collab", "simulate", "--peers", "2", "--profile", "home-broadband",
-               "--config", str(micro_config), "--duration", "400", "--workdir", str(tmp_path), "--json"]
+               "--config", str(swarm_config(tmp_path, 2)), "--duration", "400", "--workdir", str(tmp_path), "--json"]
     sim = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=peer_env())
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(sim.stdout.readline, "")), daemon=True)

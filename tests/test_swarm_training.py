@@ -12,7 +12,7 @@ from collab.checkpoint import list_checkpoints
 from collab.config import load_config
 from collab.tasks import build_task
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, train_swarm_to_epoch, write_config
+from tests.conftest import peer_env, read_summary, swarm_config, train_swarm_to_epoch
 
 pytestmark = pytest.mark.swarm
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.swarm
 PARAM_TOLERANCE = 1e-3
 
 
-def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftover_processes):
+def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     """3 peers average and learn, and every final checkpoint is the swarm's model, though two peers are faulty
     (tests/faulty_peer.py), as peers were in failing CI runs. Peer 2 is starved of CPU at the end of the last
     epoch: it misses the last gradient round and the last state-averaging round, steps on its own gradients,
@@ -40,7 +40,8 @@ def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftov
     faulty = [sys.executable, str(Path(__file__).with_name("faulty_peer.py"))]
     programs = {1: [*faulty, "--late-round-at-epoch", "1", "--stall", "30"],
                 2: [*faulty, "--starve-at-epoch", str(max_epochs - 1), "--stall", "15"]}
-    summaries = train_swarm_to_epoch(3, run_id, tmp_path, ["--config", str(micro_config)], max_epochs, per_peer,
+    config = swarm_config(tmp_path, 3)
+    summaries = train_swarm_to_epoch(3, run_id, tmp_path, ["--config", str(config)], max_epochs, per_peer,
                                      per_peer_program=programs)
 
     for s in summaries:
@@ -72,7 +73,7 @@ def test_three_peers_average_and_learn(tmp_path, micro_config, run_id, no_leftov
         worst = max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
         assert worst < PARAM_TOLERANCE, f"parameters differ by {worst:.2e} (> {PARAM_TOLERANCE})"
     # against the real initial weights: the task builds them, as every peer does, under the config's seed
-    initial = build_task(load_config(micro_config)).model
+    initial = build_task(load_config(config)).model
     moved = max((reference[n] - p).abs().max().item() for n, p in initial.named_parameters())
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
 
@@ -83,7 +84,7 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     averaging off (it would make the replicas equal whether gradients were averaged or not) the two replicas end
     equal: each drew its own data, so only identical averaged gradients can keep them together. Stepping on
     its own gradients once moves a replica ~lr = 1e-2 away from the other."""
-    config = write_config(tmp_path, {"averaging.average_state_every": 1000})
+    config = swarm_config(tmp_path, 2, {"averaging.average_state_every": 1000})
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
     per_peer[1].append("--client-mode")
     with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", "4"],
