@@ -37,7 +37,9 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     # the micro config's 2048 samples per epoch: with 512 a fast peer finished an epoch alone (under a second)
     # before hivemind's progress tracker (refreshed every 0.5-2 s) showed it the others, stepped on its own
     # gradients and ran ahead of the swarm - replicas then ended up to 0.2 apart
-    config = write_config(tmp_path, {"training.target_batch_size": 2048, "averaging.group_size": 4})
+    # (no averaging.group_size: with 4, a fresh-clone CI run took 146 s instead of 77-88 s - a peer's last
+    # gradient round found no group and waited out the averaging timeout; not understood, open in issue 11)
+    config = write_config(tmp_path, {"training.target_batch_size": 2048})
     profile_path = tmp_path / "nat.yaml"
     profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
     spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=config,
