@@ -28,7 +28,7 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
     epochs. With centered_clip (an open run's default) the NaN part is left out, and so is the sign-flipped one
     (over 5 clip radii away): the honest peers' rounds succeed, they learn, and each of them names both
     attackers."""
-    honest, epochs = 4, 4
+    honest, epochs = 4, 5
     attacks = {honest: ["--nan"], honest + 1: ["--sign-flip", "1000"]}
     config = swarm_config(tmp_path, honest + 2)
     with LocalSwarm(honest + 2, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(epochs),
