@@ -187,7 +187,7 @@ def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
                                    identity_path=str(path), startup_timeout=20)
         try:
             for maddr in peer.initial_peers:
-                answer = await ask_about_access(p2p, maddr.rsplit("/p2p/", 1)[-1])
+                answer = await ask_about_access(p2p, maddr.rsplit("/p2p/", 1)[-1], timeout=30)
                 if answer is not None:
                     return answer
             return None

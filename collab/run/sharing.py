@@ -195,7 +195,7 @@ async def ask_for_file(p2p, peer: str, name: str, limit: int = MAX_FILE_BYTES) -
         writer.close()
 
 
-async def ask_about_access(p2p, peer: str, timeout: float = 30) -> Optional[dict]:
+async def ask_about_access(p2p, peer: str, timeout: float = 10) -> Optional[dict]:
     """What `peer` says about this peer's place in the run: {"private": bool, "verdict": str}, or None."""
     try:
         answer = json.loads(await asyncio.wait_for(ask_for_file(p2p, peer, ACCESS_NAME, limit=4096), timeout=timeout))

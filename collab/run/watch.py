@@ -140,8 +140,7 @@ class AccessWatch:
         others = [peer for peer in self.private.access.expires if peer != self.swarm.peer_id]
         # one member's word is not enough to leave on (it may lie): two agree, or the only other one says so
         asked = random.sample(others, min(2, len(others)))
-        answers = [loop.run_until_complete(ask_about_access(p2p, peer, timeout=10)) for peer in asked
-                   if not self._stop.is_set()]
+        answers = [loop.run_until_complete(ask_about_access(p2p, peer)) for peer in asked if not self._stop.is_set()]
         verdicts = {answer["verdict"] for answer in answers if answer is not None}
         if asked and len(verdicts) == 1 and None not in answers and verdicts <= {"revoked", "expired"}:
             self._lose(f"the run's peers say this peer's invite is {verdicts.pop()}")
