@@ -141,7 +141,7 @@ def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str
 
 
 def status_json(run_id: str, initial_peer: str) -> dict:
-    result = run_cli("status", "--run-id", run_id, "--initial-peers", initial_peer, "--json", "--wait", "2")
+    result = run_cli("status", "--run-id", run_id, "--initial-peers", initial_peer, "--json", "--wait", "10")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

@@ -62,7 +62,7 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
                               lifetime=-3600)
         (tmp_path / "expired.invite").write_text(expired.to_text())
         token = tokens[2]
-        reading = ["status", "--run-id", run_id, "--initial-peers", swarm.initial_peer, "--json", "--wait", "2",
+        reading = ["status", "--run-id", run_id, "--initial-peers", swarm.initial_peer, "--json", "--wait", "10",
                    "--identity", str(watcher), "--token-file", token, "--run-key", load_run_folder(folder).fingerprint]
 
         def members_seen():

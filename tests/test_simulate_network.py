@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.skipif(namespaces_skip_reason() is 
 def _status_from_inside(sim: Simulation) -> dict:
     """`collab status --json`, run where the swarm is reachable: the lab's observer namespace."""
     result = subprocess.run([*sim.lab.observer_prefix(), sys.executable, "-m", "collab", "status", "--run-id",
-                             sim.spec.run_id, "--initial-peers", sim.swarm.initial_peer, "--json", "--wait", "2"],
+                             sim.spec.run_id, "--initial-peers", sim.swarm.initial_peer, "--json", "--wait", "10"],
                             capture_output=True, text=True, timeout=60, env=peer_env())
     if result.returncode != 0:
         print(f"collab status exited {result.returncode}: {result.stderr.strip()[-300:]}")

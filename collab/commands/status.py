@@ -14,8 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--initial-peers", action="extend", nargs="+", required=True, metavar="MADDR",
                    help="multiaddr of any peer in the run")
     p.add_argument("--json", action="store_true", help="print the run state as one JSON object")
-    p.add_argument("--wait", type=float, default=3.0, metavar="S",
-                   help="seconds to let the DHT connect before reading (default 3)")
+    p.add_argument("--wait", type=float, default=10.0, metavar="S",
+                   help="at most this many seconds for the run's records to appear (default 10)")
     add_watcher_flags(p)
     p.set_defaults(run=run, hard_exit=True)
 
@@ -57,8 +57,13 @@ def run(args: argparse.Namespace) -> int:
                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     swarm = watcher_swarm(args, peer)
     try:
-        time.sleep(max(0.0, args.wait))
+        # the DHT is bootstrapped once it is up: read at once, and again only while no peer's record came back
+        # (a run that just started, or an initial peer that is not a member of this run)
+        deadline = time.monotonic() + max(0.0, args.wait)
         state = read_run_state(swarm.dht, args.run_id)
+        while not state.peers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            state = read_run_state(swarm.dht, args.run_id)
     finally:
         swarm.shutdown()
         reap_children()
