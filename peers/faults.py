@@ -84,7 +84,7 @@ def freeze_scenario(workdir: Path, run_id: str, config: Path, seconds: float, en
 class SplitResult:
     split_at: list[int]  # each peer's epoch when the network was cut
     healed_at: list[int]  # ... and when it was healed
-    apart: float  # largest parameter difference between the halves at one epoch number while split
+    apart: float  # largest parameter difference across the halves at one epoch number while split (0: none)
     first_common_epoch: Optional[int]  # the first epoch >= 3 after the heal that all four checkpointed
     difference_after: float  # largest parameter difference among all four there (inf: none)
     found_back: list[int] = field(default_factory=list)  # peers each one reached again (collab.rejoin)
@@ -111,8 +111,12 @@ def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env
         wait_until(lambda: min(epochs(swarm.peers)) >= target + 2, 180, f"epoch {target + 2} on every peer", swarm)
         found_back = [progress(p).get("peers_found_back", 0) for p in swarm.peers]
     checkpoints = [_checkpoints(workdir / f"peer{i}") for i in range(4)]
-    while_split = sorted(set(checkpoints[0]) & set(checkpoints[2]) & set(range(max(split_at) + 1, min(healed_at) + 1)))
-    apart = _max_difference([checkpoints[0][while_split[-1]], checkpoints[2][while_split[-1]]]) if while_split else 0.0
+    # any peer of one half against any of the other, at an epoch both checkpointed while split (a peer that
+    # stepped alone when the cut broke its round checkpoints only once re-synced: one of a half may have none)
+    window = set(range(max(split_at) + 1, min(healed_at) + 1))
+    apart = max((_max_difference([checkpoints[a][epoch], checkpoints[b][epoch]])
+                 for a in (0, 1) for b in (2, 3) for epoch in set(checkpoints[a]) & set(checkpoints[b]) & window),
+                default=0.0)
     common = sorted(set.intersection(*(set(c) for c in checkpoints)) & set(range(target, target + 3)))
     after = _max_difference([c[common[0]] for c in checkpoints]) if common else float("inf")
     return SplitResult(split_at, healed_at, apart, common[0] if common else None, after, found_back)
