@@ -7,7 +7,9 @@ the clean run's with the same aggregation (goal with centered_clip: >= 0.95), th
 failed, and the contributions they refused.
 
     python3 benchmarks/robustness.py [--honest 4] [--epochs 6] [--attacks sign-flip,nan,weight,garbage-reducer]
-                                     [--aggregations mean,centered_clip]
+                                     [--aggregations mean,centered_clip] [--repeats 1]
+
+With --repeats N each cell is run N times: the table shows the median and, in brackets, the range of the ratio.
 
 The cost side (a centered_clip round's time against mean's) is benchmarks/allreduce.py's symmetric case:
     sudo python3 benchmarks/allreduce.py --only symmetric --methods hivemind-fp16,collab-centered-clip
@@ -56,31 +58,43 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--attacks", default="sign-flip,nan,weight,garbage-reducer")
     p.add_argument("--aggregations", default="mean,centered_clip")
+    p.add_argument("--repeats", type=int, default=1, help="runs per cell (attack x aggregation)")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="collab-robustness-") as tmp:
         for aggregation in args.aggregations.split(","):
             config = write_config(Path(tmp), {"averaging.aggregation": aggregation}, name=f"{aggregation}.yaml")
-            clean_drop = None
+            clean_drops = []
             for attack in ["clean", *args.attacks.split(",")]:
-                workdir = Path(tmp) / f"{aggregation}-{attack}"
-                summaries = run(workdir, config, args.honest, args.epochs, ATTACKS[attack])
-                first, last = loss_at(summaries, "0"), loss_at(summaries, str(args.epochs - 1))
-                drop = first - last
-                clean_drop = drop if attack == "clean" else clean_drop
-                reasons = Counter()
-                for s in summaries:
-                    for by_reason in s["rejected"].values():
-                        reasons.update(by_reason)
-                rows.append((attack, aggregation, first, last, drop / clean_drop if clean_drop else float("nan"),
-                             sum(s["rounds_joined"] for s in summaries), sum(s["rounds_failed"] for s in summaries),
-                             sum(reasons.values()), reasons))
+                firsts, lasts, drops, ok, failed, reasons = [], [], [], 0, 0, Counter()
+                for repeat in range(args.repeats):
+                    workdir = Path(tmp) / f"{aggregation}-{attack}-{repeat}"
+                    summaries = run(workdir, config, args.honest, args.epochs, ATTACKS[attack])
+                    firsts.append(loss_at(summaries, "0"))
+                    lasts.append(loss_at(summaries, str(args.epochs - 1)))
+                    drops.append(firsts[-1] - lasts[-1])
+                    ok += sum(s["rounds_joined"] for s in summaries)
+                    failed += sum(s["rounds_failed"] for s in summaries)
+                    for s in summaries:
+                        for by_reason in s["rejected"].values():
+                            reasons.update(by_reason)
+                if attack == "clean":
+                    clean_drops = drops
+                clean = statistics.median(clean_drops)
+                ratios = [d / clean if clean else float("nan") for d in drops]
+                rows.append((attack, aggregation, statistics.median(firsts), statistics.median(lasts),
+                             statistics.median(ratios), min(ratios), max(ratios), ok, failed, sum(reasons.values()),
+                             reasons))
                 print(f"  {aggregation:13s} {attack:16s} done", flush=True)
-    print(f"\n{args.honest} honest peers + 1 attacker, ALBERT-micro, {args.epochs} epochs; loss: the honest peers' mean")
-    print(f"{'attack':16s} {'aggregation':13s} {'loss e0':>8s} {'loss eN':>8s} {'drop/clean':>10s} "
+    runs = f", {args.repeats} runs per cell (medians; ratio range in brackets)" if args.repeats > 1 else ""
+    print(f"\n{args.honest} honest peers + 1 attacker, ALBERT-micro, {args.epochs} epochs; loss: the honest peers' "
+          f"mean{runs}")
+    print(f"{'attack':16s} {'aggregation':13s} {'loss e0':>8s} {'loss eN':>8s} {'drop/clean':>18s} "
           f"{'rounds ok':>9s} {'failed':>6s} {'refused':>7s}")
-    for attack, aggregation, first, last, ratio, ok, failed, refused, _ in rows:
-        print(f"{attack:16s} {aggregation:13s} {first:8.3f} {last:8.3f} {ratio:10.2f} {ok:9d} {failed:6d} {refused:7d}")
+    for attack, aggregation, first, last, ratio, low, high, ok, failed, refused, _ in rows:
+        spread = f" [{low:.2f}, {high:.2f}]" if args.repeats > 1 else ""
+        print(f"{attack:16s} {aggregation:13s} {first:8.3f} {last:8.3f} {ratio:>6.2f}{spread:>12s} {ok:9d} {failed:6d} "
+              f"{refused:7d}")
     print("\nwhat the honest peers refused, and why:")
     for attack, aggregation, *_, reasons in rows:
         print(f"  {attack} / {aggregation}: " + ("; ".join(f"{why} x{n}" for why, n in reasons.most_common(4)) or "-"))
