@@ -1,4 +1,7 @@
-"""Churn: peers killed with SIGKILL and restarted keep the run going; the restarted ones catch up."""
+"""Churn: peers killed with SIGKILL and restarted keep the run going; the restarted ones catch up.
+
+The short, strict version: 4 peers for 80 s. benchmarks/churn.py runs the long one (5 peers, 130 s, against a
+steady swarm)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 
 def _simulate(tmp_path, name: str, config, duration: float, churn=None):
-    spec = SimulationSpec(peers=5, run_id=f"{name}-{tmp_path.name[-6:]}", workdir=tmp_path / name, config_path=config,
+    spec = SimulationSpec(peers=4, run_id=f"{name}-{tmp_path.name[-6:]}", workdir=tmp_path / name, config_path=config,
                           churn=churn, duration=duration, env=peer_env())
     report = Simulation(spec, say=print).run()
     print(report.to_table())
@@ -22,22 +25,22 @@ def _simulate(tmp_path, name: str, config, duration: float, churn=None):
 
 
 def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_processes):
-    # a smaller target batch than the micro config's: ~6 s epochs with 5 peers on 2 cores. The timeouts are
+    # a smaller target batch than the micro config's: ~5 s epochs with 4 peers on 2 cores. The timeouts are
     # the shipped configs' (the micro config stretches them for CPU-starved rounds): a peer killed inside an
     # all-reduce stalls its group for next_chunk_timeout, and a restarting peer tries a dead peer's state for
     # load_state_timeout. The rate against a steady swarm is benchmarks/churn.py's (ratio 1.92 measured).
-    config = swarm_config(tmp_path, 5, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
+    config = swarm_config(tmp_path, 4, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0})
-    # kill every 20 s for 130 s: six hits, the first ones while the peers still start (as a crash can come);
-    # with 115 s a CI run had one restart that trained - the later ones came back with too little time left
-    churned = _simulate(tmp_path, "churn", config, duration=130, churn=ChurnSpec("kill", every=20, downtime=12))
-    # the swarm trained on through the hits: it reached epoch 13 in two runs here; a swarm whose
-    # restarted peers stall it (the catch-up bugs this test caught) made 4
-    assert churned.epochs_reached >= 6, churned.to_table()
+    # a kill every 20 s for 80 s: hits at 20, 40 and 60 s, the first while the peers may still start (as a crash
+    # can come), restarts 8 s later; the one at 28 s has most of the run left to catch up and train
+    churned = _simulate(tmp_path, "churn", config, duration=80, churn=ChurnSpec("kill", every=20, downtime=8))
+    # the swarm trained on through the hits; a swarm whose restarted peers stall it (the catch-up bugs this test
+    # caught) made 4 epochs in 130 s
+    assert churned.epochs_reached >= 5, churned.to_table()
 
     hits = [e for e in churned.churn_events if e["action"] == "kill"]
     restarts = [e for e in churned.churn_events if e["action"] == "restart"]
-    assert len(hits) >= 4 and len(restarts) >= len(hits) - 1, churned.churn_events
+    assert len(hits) >= 3 and len(restarts) >= len(hits) - 1, churned.churn_events
     for peer in churned.peers:
         # no peer exits on its own: each incarnation but the last was killed by the churn, the last left on
         # the simulation's SIGTERM at the end
@@ -60,5 +63,5 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # (a peer restarted in the last seconds, or hit again while loading, had no time to train; one restarted
     # while the swarm was still at epoch 0 had nothing to catch up on: a CI run had one)
     trained = [s for s in restarted if s["final_epoch"] > s["start_epoch"] and s["swarm_epoch_at_join"] > 0]
-    assert len(trained) >= 2, restarted
+    assert len(trained) >= 1, restarted
     assert all(s["loaded_state_from_peers"] and s["start_epoch"] > 0 and s["peer_id"] for s in trained), trained
