@@ -135,3 +135,15 @@ def test_help_and_config_errors_do_not_wait_for_torch(tmp_path):
     bad = write_config(tmp_path, {"training.target_batch_size": -1})
     result = run_cli("join", "--run-id", "x", "--config", str(bad))
     assert result.returncode == 2 and "training.target_batch_size" in result.stderr
+    # nor a --dataset or --tokenizer path that does not exist (a typo is the usual first mistake)
+    probe = ("import sys; from collab.commands.join import _check_data_flags; from argparse import Namespace\n"
+             "for flags in [dict(dataset='/nonexistent/corpus', tokenizer=None), dict(dataset=None, tokenizer='/no/t.json')]:\n"
+             "    try: _check_data_flags(Namespace(**flags), 'albert')\n"
+             "    except Exception as e: print(type(e).__name__, e)\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'hivemind') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines() == [
+        "UserError dataset path /nonexistent/corpus does not exist; pass --dataset embedded, text files or folders, "
+        "or hf:NAME",
+        "UserError tokenizer file /no/t.json does not exist; pass an existing tokenizer.json with --tokenizer",
+        "[]"], result.stdout + result.stderr

@@ -127,6 +127,7 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}
     config = load_config(args.config, overrides)  # a bad config is reported before hivemind and torch import
     user = user_settings(args.config, overrides)
+    _check_data_flags(args, config.task.name)
     source = f"--config {args.config}" if args.config is not None else None
 
     from collab.swarm import peer_config_from_flags
@@ -183,3 +184,13 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     print(f"Left the run at epoch {summary.final_epoch} ({summary.exit_reason}): contributed "
           f"{summary.samples_contributed} samples, averaged in {summary.rounds_joined} rounds{trend}", flush=True)
     return 0
+
+
+def _check_data_flags(args: argparse.Namespace, task: str) -> None:
+    """A --dataset or --tokenizer path that does not exist is an error now, before torch is imported."""
+    from collab.data.paths import dataset_parts, require_tokenizer_file
+
+    if args.dataset is not None:
+        dataset_parts(args.dataset, "image files" if task == "swav" else "text files")
+    if args.tokenizer is not None:
+        require_tokenizer_file(args.tokenizer)

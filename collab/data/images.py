@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from collab.data.paths import dataset_parts
 from collab.errors import UserError
 from collab.tasks.swav_config import MultiCropConfig, Scale
 
@@ -43,15 +44,11 @@ def embedded_digits(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def image_files(spec: str) -> list[Path]:
     files: list[Path] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        path = Path(part).expanduser()
+    for path in dataset_parts(spec, "image files"):
         if path.is_dir():
             files.extend(sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES))
-        elif path.is_file():
-            files.append(path)
         else:
-            raise UserError(f"dataset path {part} does not exist; pass --dataset embedded, image files or folders, "
-                            "or hf:NAME")
+            files.append(path)
     if not files:
         raise UserError(f"dataset '{spec}' holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}); "
                         "point --dataset at a folder of images")

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
+from collab.data.paths import dataset_parts
 from collab.errors import UserError
 
 HF_PREFIX = "hf:"
@@ -29,16 +30,11 @@ def local_text_files(spec: str) -> list[Path]:
     if spec == "embedded":
         return [embedded_corpus_path()]
     files: list[Path] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        path = Path(part).expanduser()
+    for path in dataset_parts(spec, "text files"):
         if path.is_dir():
             files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".text")))
-        elif path.is_file():
-            files.append(path)
         else:
-            raise UserError(
-                f"dataset path {part} does not exist; pass --dataset embedded, text files or folders, or hf:NAME"
-            )
+            files.append(path)
     if not files:
         raise UserError(f"dataset '{spec}' holds no .txt/.md files; point --dataset at text files")
     return files

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
+from collab.data.paths import require_tokenizer_file
 from collab.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -26,8 +27,7 @@ def load_tokenizer(spec: str, vocab_size: int, special_tokens: Optional[dict[str
     if spec == "embedded":
         tokenizer = _wrap(embedded_tokenizer_file(vocab_size))
     elif spec.endswith(".json"):
-        if not Path(spec).is_file():
-            raise UserError(f"tokenizer file {spec} does not exist; pass an existing tokenizer.json with --tokenizer")
+        require_tokenizer_file(spec)
         tokenizer = _wrap(Path(spec), special_tokens)
     else:
         try:
@@ -75,9 +75,8 @@ def run_tokenizer_file(spec: str, vocab_size: int) -> tuple[Path, dict[str, str]
     """The run's tokenizer as one tokenizer.json every peer gets byte for byte (collab.run), and its special
     tokens: the embedded one or a tokenizer.json as they are; a folder or hub tokenizer exported to the cache."""
     if spec == "embedded" or spec.endswith(".json"):
+        require_tokenizer_file(spec)
         path = embedded_tokenizer_file(vocab_size) if spec == "embedded" else Path(spec)
-        if not path.is_file():
-            raise UserError(f"tokenizer file {spec} does not exist; pass an existing tokenizer.json with --tokenizer")
         return path, dict(DEFAULT_SPECIAL_TOKENS)
     tokenizer = load_tokenizer(spec, vocab_size)
     data = tokenizer.backend_tokenizer.to_str().encode()

@@ -1,0 +1,31 @@
+"""Local data paths, checked without torch: a --dataset or --tokenizer that does not exist fails at once, not
+after the seconds that importing torch and transformers take."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from collab.errors import UserError
+
+HF_PREFIX = "hf:"
+
+
+def dataset_parts(spec: str, what: str) -> list[Path]:
+    """The local files and folders of a comma-separated --dataset (none for `embedded` or hf:NAME), each of
+    which must exist; `what` names the files a part may be ("text files", "image files")."""
+    if spec == "embedded" or spec.startswith(HF_PREFIX):
+        return []
+    parts = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        path = Path(part).expanduser()
+        if not path.exists():
+            raise UserError(f"dataset path {part} does not exist; pass --dataset embedded, {what} or folders, "
+                            "or hf:NAME")
+        parts.append(path)
+    return parts
+
+
+def require_tokenizer_file(spec: str) -> None:
+    """A --tokenizer that names a tokenizer.json must be a file (a folder or hub name is checked on loading)."""
+    if spec.endswith(".json") and not Path(spec).is_file():
+        raise UserError(f"tokenizer file {spec} does not exist; pass an existing tokenizer.json with --tokenizer")
