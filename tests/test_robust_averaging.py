@@ -78,9 +78,9 @@ def test_a_poisoned_state_is_never_loaded(tmp_path, run_id, no_leftover_processe
     """An attacker claims the highest state-sharing priority (hivemind picks donors by it) and serves its state
     times 1000. A peer that joins late downloads a state at once: it refuses the attacker's, names it, skips
     it, and catches up from an honest peer."""
-    # the attacker stays to the end (the others leave at epoch 8); the late peer joins as soon as there is a state
+    # the attacker stays to the end (the others leave at epoch 6); the late peer joins as soon as there is a state
     with LocalSwarm(4, run_id, tmp_path, ["--config", str(swarm_config(tmp_path, 4))], env=peer_env(),
-                    per_peer_args={0: ["--max-epochs", "8"], 1: ["--max-epochs", "8"], 3: ["--max-epochs", "8"]},
+                    per_peer_args={0: ["--max-epochs", "6"], 1: ["--max-epochs", "6"], 3: ["--max-epochs", "6"]},
                     per_peer_program={2: [*ATTACKER, "--poison-state"]}) as swarm:
         swarm.start(count=3)
         wait_for(lambda: status_json(run_id, swarm.initial_peer)["global_epoch"] >= 1, timeout=240,
