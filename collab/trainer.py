@@ -190,9 +190,12 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                         summary.loss_by_epoch[last_epoch] = mean
                     last_epoch = opt.local_epoch
                     checkpoint_due = checkpoint_due or bool(ckpt_dir and opt.local_epoch % config.checkpoint.every_epochs == 0)
-                    if checkpoint_due and opt.in_sync():  # a replica one update off the swarm waits for its re-sync
-                        _checkpoint(opt, task, config, summary)
-                        checkpoint_due = False
+                # a replica one update off the swarm waits for its re-sync, and is saved as soon as that comes (with
+                # the epoch it re-synced at), not at the end of the next epoch
+                if checkpoint_due and opt.in_sync():
+                    _checkpoint(opt, task, config, summary)
+                    checkpoint_due = False
+                if new_epoch:
                     summary.final_epoch = opt.local_epoch
                     summary.train_seconds = time.monotonic() - loop_started
                     log.copy_to(summary)

@@ -111,12 +111,13 @@ def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env
         wait_until(lambda: min(epochs(swarm.peers)) >= target + 2, 180, f"epoch {target + 2} on every peer", swarm)
         found_back = [progress(p).get("peers_found_back", 0) for p in swarm.peers]
     checkpoints = [_checkpoints(workdir / f"peer{i}") for i in range(4)]
-    # any peer of one half against any of the other, at an epoch both checkpointed while split (a peer that
-    # stepped alone when the cut broke its round checkpoints only once re-synced: one of a half may have none)
-    window = set(range(max(split_at) + 1, min(healed_at) + 1))
+    # any peer of one half against any of the other, at an epoch both checkpointed while split (each peer's own
+    # window: the halves may be at different epochs when it heals; a peer that stepped alone when the cut broke
+    # its round checkpoints that epoch only once re-synced)
+    def while_split(i: int) -> set[int]:
+        return set(checkpoints[i]) & set(range(split_at[i] + 1, healed_at[i] + 1))
     apart = max((_max_difference([checkpoints[a][epoch], checkpoints[b][epoch]])
-                 for a in (0, 1) for b in (2, 3) for epoch in set(checkpoints[a]) & set(checkpoints[b]) & window),
-                default=0.0)
+                 for a in (0, 1) for b in (2, 3) for epoch in while_split(a) & while_split(b)), default=0.0)
     common = sorted(set.intersection(*(set(c) for c in checkpoints)) & set(range(target, target + 3)))
     after = _max_difference([c[common[0]] for c in checkpoints]) if common else float("inf")
     return SplitResult(split_at, healed_at, apart, common[0] if common else None, after, found_back)
