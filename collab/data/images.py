@@ -21,11 +21,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from collab.data.paths import dataset_parts
+from collab.data.paths import HF_PREFIX, dataset_parts
 from collab.errors import UserError
 from collab.tasks.swav_config import MultiCropConfig, Scale
 
-HF_PREFIX = "hf:"
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 # SwAV normalises every crop with the ImageNet statistics; for the gray digits they are as good as any
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

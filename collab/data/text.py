@@ -20,10 +20,9 @@ from transformers import PreTrainedTokenizerBase
 
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
-from collab.data.paths import dataset_parts
+from collab.data.paths import HF_PREFIX, dataset_parts
 from collab.errors import UserError
 
-HF_PREFIX = "hf:"
 
 
 def local_text_files(spec: str) -> list[Path]:
