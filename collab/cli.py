@@ -43,12 +43,17 @@ def _remember_early_signals() -> threading.Event:
     return stop
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def set_process_defaults() -> None:
+    """Settings hivemind reads when it is imported: set before that (peers.forkserver imports it ahead)."""
     # hivemind logs every matchmaking step at INFO; a volunteer needs the progress bar, not that
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     # hivemind shares tensors between its processes through files by default, which starts a
     # torch_shm_manager that can outlive the peer; file descriptors need no manager process
     os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    set_process_defaults()
     argv = list(sys.argv[1:] if argv is None else argv)
     # `join` installs its handlers only once its command is parsed; a SIGTERM before that (a simulation
     # ending, `docker stop`) is still a request to leave, not a reason to die

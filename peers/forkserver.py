@@ -1,0 +1,323 @@
+"""Start simulated peers in a fraction of a second: fork them from one process that imported collab once.
+
+A `collab join` spends about 7 CPU-seconds importing torch, transformers and hivemind before it does
+anything. A local swarm of N peers on a laptop (or CI's 2 cores) paid that N times, and every restart
+of a churned peer paid it again, while the peers already running starved. The fork server imports it
+all once; each peer is then a fork of it that runs the ordinary CLI, with its own session, log, and
+environment, so to the swarm (and to the user) it is the same `collab join` a volunteer runs.
+
+What makes a fork equivalent to a fresh process:
+- the server only imports: it runs no torch op and starts no thread of its own (a fork of a process
+  with OpenMP workers can hang), and it reads every environment variable that a library reads at import
+  time from the swarm's environment, the same for every peer. A peer whose environment differs in
+  anything but collab's own runtime settings (COLLAB_*) is started as a plain process instead;
+- hivemind keeps process-shared locks at module level (MPFuture's, its executor's): each fork gets
+  fresh ones, as a fresh import would, so a peer frozen or killed while holding one cannot block another;
+- `python -m collab join ...`, `python SCRIPT.py ...` (the fault-injection wrappers) and a network
+  namespace (`ip netns exec NS`, entered with setns) are supported; any other command is not forked.
+
+The server reaps its children and reports each exit status, so `ForkedProcess` answers poll()/wait()
+like a Popen. It ends when its stdin closes, when the swarm stops or the process that started it dies;
+peers still running then get SIGTERM (they leave gracefully), and SIGKILL 15 s later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+READY_TIMEOUT = 180.0  # the server imports torch, transformers and hivemind: a loaded CI machine is slow
+CLONE_NEWNET = 0x40000000
+LEAVE_GRACE = 15.0  # seconds a peer has to leave when its launcher goes away
+RUNTIME_ENV_PREFIX = "COLLAB_"  # read when used, not at import: may differ between peers of one server
+
+
+class ForkedProcess:
+    """The part of subprocess.Popen that launchers use, for a peer forked by the server."""
+
+    def __init__(self, pid: int, args: list[str], server: "ForkServer"):
+        self.pid, self.args, self._server = pid, args, server
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if not self._server.wait_for_exit(self.pid, None if deadline is None else deadline - time.monotonic()):
+                if self.poll() is None:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:  # once reaped, the pid may belong to someone else
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The launcher's side: start the server, ask it for peers, learn when they exit."""
+
+    def __init__(self, env: dict, log_path: Path):
+        self.env = dict(env)
+        self.log_path = Path(log_path)
+        self._process: Optional[subprocess.Popen] = None
+        self._exits: dict[int, int] = {}
+        self._replies: list[str] = []
+        self._changed = threading.Condition()
+        self._reader: Optional[threading.Thread] = None
+        self._eof = False  # the server's stdout closed: it is gone, no more replies or exits will come
+        self._write_lock = threading.Lock()
+
+    def start(self) -> "ForkServer":
+        with open(self.log_path, "ab") as log:
+            # its own session: Ctrl-C in a terminal reaches the launcher, which stops the peers in order
+            self._process = subprocess.Popen([sys.executable, "-m", "peers.forkserver"], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=log, env=self.env,
+                                             start_new_session=True)
+        # ends by itself at end of file: when the server exits
+        self._reader = threading.Thread(target=self._read_replies, name="forkserver-replies", daemon=True)
+        self._reader.start()
+        if self._reply(READY_TIMEOUT) != "ready":
+            self.close()
+            raise RuntimeError(f"the fork server did not start; see {self.log_path}")
+        return self
+
+    def can_fork(self, command: list[str], env: dict) -> bool:
+        return self._process is not None and _plan(command) is not None and all(
+            env.get(k) == self.env.get(k) for k in set(env) | set(self.env) if not k.startswith(RUNTIME_ENV_PREFIX))
+
+    def spawn(self, command: list[str], env: dict, log_path: Path) -> ForkedProcess:
+        netns, kind, target, argv = _plan(command)
+        request = dict(netns=netns, kind=kind, target=target, argv=argv, log=str(log_path), env=env)
+        with self._write_lock:
+            self._process.stdin.write((json.dumps(request) + "\n").encode())
+            self._process.stdin.flush()
+            reply = self._reply(30.0)
+        if reply is None or not reply.startswith("pid "):
+            raise RuntimeError(f"the fork server could not start {' '.join(command)}: {reply}")
+        return ForkedProcess(int(reply.split()[1]), command, self)
+
+    def exit_code(self, pid: int) -> Optional[int]:
+        with self._changed:
+            return self._exits.get(pid)
+
+    def wait_for_exit(self, pid: int, timeout: Optional[float]) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: pid in self._exits or self._eof,
+                                          None if timeout is None else max(0.0, timeout)) and pid in self._exits
+
+    def close(self, timeout: float = 2 * LEAVE_GRACE + 5) -> None:
+        if self._process is None:
+            return
+        try:
+            self._process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=timeout)
+        self._process = None
+
+    def _read_replies(self) -> None:
+        for raw in self._process.stdout:
+            line = raw.decode(errors="replace").strip()
+            with self._changed:
+                if line.startswith("exit "):
+                    _, pid, code = line.split()
+                    self._exits[int(pid)] = int(code)
+                else:
+                    self._replies.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._eof = True
+            self._changed.notify_all()
+
+    def _reply(self, timeout: float) -> Optional[str]:
+        with self._changed:
+            if self._changed.wait_for(lambda: self._replies or self._eof, timeout) and self._replies:
+                return self._replies.pop(0)
+        return None
+
+
+def _plan(command: list[str]) -> Optional[tuple]:
+    """(netns, kind, target, argv) for a command the server can run in a fork; None for any other."""
+    netns = None
+    if command[:3] == ["ip", "netns", "exec"] and len(command) > 3:
+        netns, command = command[3], command[4:]
+    if not command or command[0] != sys.executable:
+        return None
+    if command[1:3] == ["-m", "collab"]:
+        return netns, "collab", "", command[3:]
+    if len(command) > 1 and command[1].endswith(".py") and Path(command[1]).is_file():
+        return netns, "script", str(Path(command[1]).resolve()), command[2:]
+    return None
+
+
+# ---- the server process ---------------------------------------------------------------------------------
+
+PRELOAD = ["hivemind", "transformers.models.albert.modeling_albert", "collab.commands.join", "collab.run.gate",
+           "collab.run.joining", "collab.tasks.albert", "collab.trainer"]
+
+
+def _preload() -> None:
+    import importlib
+
+    from collab.cli import set_process_defaults
+
+    set_process_defaults()  # hivemind reads these at import
+    for module in PRELOAD:
+        importlib.import_module(module)
+
+
+def _fresh_process_state() -> None:
+    """What a new interpreter would have: hivemind's process-shared module-level locks, unshared."""
+    import multiprocessing as mp
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
+    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+
+
+def _enter_netns(name: str) -> None:
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):
+            os.setns(fd, CLONE_NEWNET)
+            return
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
+
+
+def _child(request: dict) -> None:
+    """In the fork: become the peer, run it, and never return into the server's loop."""
+    code = 1
+    try:
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["netns"]:
+            _enter_netns(request["netns"])
+        _fresh_process_state()
+        if request["kind"] == "collab":
+            from collab.cli import main
+
+            code = main(request["argv"])
+        else:
+            import runpy
+
+            sys.argv = [request["target"], *request["argv"]]
+            sys.path.insert(0, str(Path(request["target"]).parent))
+            runpy.run_path(request["target"], run_name="__main__")
+            code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the peer's log is where its crash must show
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _serve() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when peers stop
+    _preload()
+    out = sys.stdout.buffer
+    children: set[int] = set()
+
+    def say(line: str) -> None:
+        out.write((line + "\n").encode())
+        out.flush()
+
+    def reap() -> None:
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            children.discard(pid)
+            say(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+
+    say("ready")
+    pending = b""
+    while True:
+        readable = select.select([0], [], [], 0.1)[0]
+        reap()
+        if not readable:
+            continue
+        data = os.read(0, 65536)
+        if not data:  # the launcher closed our stdin, or died: its peers leave with it
+            _end(children, reap)
+            return
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            if request["netns"] and not os.path.exists(f"/run/netns/{request['netns']}"):
+                say(f"error: no network namespace {request['netns']}")
+                continue
+            out.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(request)
+            children.add(pid)
+            say(f"pid {pid}")
+
+
+def _end(children: set[int], reap, grace: float = LEAVE_GRACE) -> None:
+    """SIGTERM (a graceful leave) to every peer still running, SIGKILL to what is left after `grace` s."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in list(children):
+            try:
+                os.kill(pid, signal.SIGCONT)  # a frozen peer cannot act on SIGTERM
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while children and time.monotonic() < deadline:
+            time.sleep(0.1)
+            reap()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,69 @@
+"""The fork server starts peers as forks of one process that imported collab: they must behave as processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from peers.forkserver import ForkServer
+from tests.conftest import peer_env
+
+SCRIPT = """
+import os, sys
+print("argv", sys.argv[1:], "cache", os.environ.get("COLLAB_CACHE_DIR"), "own session", os.getsid(0) == os.getpid())
+if sys.argv[1] == "sleep":
+    import time; time.sleep(60)
+raise SystemExit(int(sys.argv[1]))
+"""
+
+
+def test_forked_processes_report_exits_signals_and_logs_like_popen(tmp_path, no_leftover_processes):
+    script = tmp_path / "child.py"
+    script.write_text(SCRIPT)
+    env = dict(peer_env(), PYTHONUNBUFFERED="1")
+    server = ForkServer(env, tmp_path / "server.log").start()
+    try:
+        # collab's own CLI, in a fork: output to its log, exit code through the server
+        version = server.spawn([sys.executable, "-m", "collab", "--version"], env, tmp_path / "version.log")
+        assert version.wait(timeout=30) == 0
+        assert (tmp_path / "version.log").read_text().startswith("collab ")
+
+        # a wrapper script, with a per-peer runtime setting (COLLAB_*), in a session of its own
+        command = [sys.executable, str(script), "3"]
+        assert server.can_fork(command, dict(env, COLLAB_CACHE_DIR="/elsewhere"))
+        child = server.spawn(command, dict(env, COLLAB_CACHE_DIR="/elsewhere"), tmp_path / "child.log")
+        assert child.wait(timeout=30) == 3
+        log = (tmp_path / "child.log").read_text()
+        assert "argv ['3'] cache /elsewhere own session True" in log, log
+
+        # a signal ends it as it would a process: poll() is None until then, -SIGNAL after
+        sleeper = server.spawn([sys.executable, str(script), "sleep"], env, tmp_path / "sleeper.log")
+        assert sleeper.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeper.wait(timeout=0.5)
+        sleeper.kill()
+        assert sleeper.wait(timeout=30) == -signal.SIGKILL
+        sleeper.kill()  # reaped: signalling it again must not reach whatever process reuses its pid
+
+        # what the server cannot reproduce goes to a plain process instead
+        assert not server.can_fork(command, dict(env, OMP_NUM_THREADS="4")), "a library reads it at import"
+        assert not server.can_fork(["sleep", "1"], env)
+    finally:
+        server.close()
+    assert server._process is None
+
+
+def test_peers_leave_when_their_launcher_closes_the_server(tmp_path, no_leftover_processes):
+    """A launcher that stops (or dies) closes the server's stdin: a peer still running must not stay on."""
+    script = tmp_path / "child.py"
+    script.write_text(SCRIPT)
+    env = dict(peer_env(), PYTHONUNBUFFERED="1")
+    server = ForkServer(env, tmp_path / "server.log").start()
+    sleeper = server.spawn([sys.executable, str(script), "sleep"], env, tmp_path / "sleeper.log")
+    assert sleeper.poll() is None
+    server.close()
+    assert sleeper.poll() == -signal.SIGTERM and not os.path.exists(f"/proc/{sleeper.pid}")
