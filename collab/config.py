@@ -72,6 +72,10 @@ class TrainingConfig(Section):
         return self
 
 
+# averaging.compression's choices (collab.compression says what each sends)
+COMPRESSIONS = ("none", "fp16", "scaled-fp16", "uniform8bit", "quantile8bit", "size-adaptive", "powersgd", "dgc")
+
+
 class AveragingConfig(Section):
     matchmaking_time: float = Field(5.0, gt=0, description="seconds spent forming an averaging group")
     group_size: Optional[int] = Field(
@@ -81,7 +85,14 @@ class AveragingConfig(Section):
     load_state_timeout: float = Field(120.0, gt=0, description="seconds to download state from a peer")
     next_chunk_timeout: float = Field(
         10.0, gt=0, description="exclude a peer from a round if its next chunk takes longer (busy CPUs, slow links)")
-    compression: Literal["none", "fp16", "uniform8bit", "quantile8bit"] = "fp16"
+    compression: Literal[COMPRESSIONS] = Field(
+        "fp16", description="how gradients travel; see collab.compression for each choice's bytes and error")
+    powersgd_rank: int = Field(4, ge=1, le=256, description="rank of PowerSGD's factors (compression: powersgd)")
+    dgc_sparsity: float = Field(0.999, ge=0, lt=1, description="share of each matrix's values dgc leaves out")
+    dgc_warmup_epochs: int = Field(4, ge=0, le=10**6, description="collaborative steps over which dgc's sparsity "
+                                   "rises exponentially to dgc_sparsity (0: from the first)")
+    dgc_momentum: float = Field(0.9, ge=0, lt=1, description="dgc's momentum (the optimizer's is off for the "
+                                "matrices dgc sends)")
     overlap: Literal["none", "optimizer", "full"] = Field(
         "optimizer", description="what runs in the background while the next micro-batches compute: nothing; "
         "the optimizer step; or the gradient all-reduce too (one step of staleness)")

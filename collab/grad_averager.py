@@ -1,5 +1,6 @@
-"""collab's gradient averager: hivemind's GradientAverager, members-only in a private run (collab.run.gate),
-with checked rounds (collab.robust_rounds), and this peer's own gradients kept until the round's outcome is known.
+"""collab's gradient averagers: hivemind's GradientAverager (and its PowerSGD variant), members-only in a private
+run (collab.run.gate), with checked rounds (collab.robust_rounds), and this peer's own gradients kept until the
+round's outcome is known.
 
 hivemind zeroes the accumulators when a round starts (GradientAverager.step(reset_accumulators=True)), and its
 all-reduce overwrites the averaged buffers in place, so after a failed round its "proceed with local gradients"
@@ -13,19 +14,18 @@ from typing import Optional
 
 import torch
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 
 from collab.aggregation import Aggregation
+from collab.dgc import DGCMemory, DGCSettings
 from collab.robust_rounds import CheckedRounds
 from collab.run.gate import MemberGate, MembersOnly
 
 
-class CollabGradientAverager(MembersOnly, CheckedRounds, GradientAverager):
-    def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
-                 **kwargs):
-        # before hivemind's constructor starts the averager process, which takes a copy
-        self.gate, self.rule, self.kind, self.findings = gate, rule, "gradients", findings
-        self._own_gradients: Optional[list[torch.Tensor]] = None
-        super().__init__(*args, **kwargs)
+class OwnGradients:
+    """A GradientAverager mixin: a copy of what this peer sent into its round, for a step if the round fails."""
+
+    _own_gradients: Optional[list[torch.Tensor]] = None
 
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
@@ -43,3 +43,80 @@ class CollabGradientAverager(MembersOnly, CheckedRounds, GradientAverager):
         with self.get_tensors() as averaged:
             for buffer, tensor in zip(averaged, own):
                 buffer.copy_(tensor)
+
+
+class DGCSelection:
+    """A GradientAverager mixin: what is loaded for a round is DGC's selection (collab.dgc), not the gradient.
+    Placed after OwnGradients, so the copy a failed round steps on is what this peer sent."""
+
+    dgc: Optional[DGCMemory] = None
+    round_epoch, round_peers = 0, 1  # set by the optimizer before each round (set_round_context)
+
+    def set_round_context(self, epoch: int, peers: int) -> None:
+        self.round_epoch, self.round_peers = epoch, peers
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        super().load_accumulators_into_averager_()
+        with self.get_tensors() as averaged:
+            self.dgc.compress_(averaged, self.round_epoch, self.round_peers)
+
+
+class CollabGradientAverager(MembersOnly, CheckedRounds, OwnGradients, GradientAverager):
+    def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
+                 traffic=None, **kwargs):
+        # before hivemind's constructor starts the averager process, which takes a copy
+        self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        super().__init__(*args, **kwargs)
+
+
+class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, PowerSGDGradientAverager):
+    """PowerSGD (Vogels et al. 2019) as hivemind implements it, with two changes.
+
+    Its starting projections Q are drawn from `seed` (the run's): hivemind draws them unseeded, so each peer
+    started from its own. A round's result is P P^T (mean of the groupmates' M) for the group's common,
+    orthogonalised P whatever Qs went in, and Q is all-reduced, so a group shares one Q after its round; equal
+    starts make the first rounds the same on every peer and a run reproducible from its seed.
+
+    Its error feedback (the part of each gradient the factorisation has not sent yet, kept in shared memory) is
+    restored when a round fails: the trainer then steps on this peer's own gradients, and the same gradient left
+    in the feedback would be sent again in the next round and applied twice.
+    """
+
+    def __init__(self, parameters, averager_rank: int, *, seed: int, gate: Optional[MemberGate] = None,
+                 rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):
+        self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            super().__init__(parameters, averager_rank, **kwargs)
+        self._feedback_before: Optional[list[torch.Tensor]] = None
+
+    def _values_per_round(self) -> int:
+        # P (rows x rank) for each factorised matrix, then Q (columns x rank) and the vectors sent whole
+        factors = sum(m.numel() // q.shape[0] * q.shape[1] + q.numel() for m, q in zip(self._ms, self._qs))
+        whole = sum(t.numel() for i, t in enumerate(self._averaged_tensors) if i in self._uncompressed_gradients_indexes)
+        return factors + whole
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        super().load_accumulators_into_averager_()
+        self._feedback_before = [m.clone() for m in self._ms]
+
+    @torch.no_grad()
+    def restore_own_gradients_(self, own: list[torch.Tensor]) -> None:
+        super().restore_own_gradients_(own)
+        if self._feedback_before is not None:
+            for m, before in zip(self._ms, self._feedback_before):
+                m.copy_(before)
+        self._feedback_before = None
+
+
+class CollabDGCAverager(MembersOnly, CheckedRounds, OwnGradients, DGCSelection, GradientAverager):
+    """Deep Gradient Compression (collab.dgc); its sparse parts travel losslessly (collab.compression.SparseParts)."""
+
+    def __init__(self, *args, settings: DGCSettings, seed: int, gate: Optional[MemberGate] = None,
+                 rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):
+        self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        super().__init__(*args, **kwargs)
+        with self.get_tensors() as averaged:
+            self.dgc = DGCMemory(averaged, settings, seed)

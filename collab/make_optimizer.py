@@ -8,42 +8,31 @@ import threading
 from functools import partial
 from typing import Optional
 
-from hivemind.compression import (
-    CompressionBase,
-    Float16Compression,
-    NoCompression,
-    Quantile8BitQuantization,
-    Uniform8BitQuantization,
-)
+from hivemind.compression import NoCompression
 
 from collab.aggregation import Aggregation
+from collab.compression import wire_codec
 from collab.config import RunConfig
-from collab.grad_averager import CollabGradientAverager
+from collab.dgc import DGCSettings, sparsified
+from collab.grad_averager import CollabDGCAverager, CollabGradientAverager, CollabPowerSGDAverager
 from collab.metrics import AveragingLog
 from collab.optim import CollabOptimizer
 from collab.rejections import RejectionLog
 from collab.robust_rounds import quiet_rejections
+from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
 from collab.tasks import Task
-
-COMPRESSION: dict[str, type[CompressionBase]] = {
-    "none": NoCompression,
-    "fp16": Float16Compression,
-    "uniform8bit": Uniform8BitQuantization,
-    "quantile8bit": Quantile8BitQuantization,
-}
-
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
                     client_mode: bool = False, stop: Optional[threading.Event] = None,
                     gate: Optional[MemberGate] = None) -> CollabOptimizer:
     """`gate`: in a private run, the members check every averager applies (collab.run.gate)."""
     avg = config.averaging
-    compression = COMPRESSION[avg.compression]()
+    compression = wire_codec(avg.compression)
     # the manifest says mean or centered_clip; "auto" only reaches here from a config that skipped it
     rule = Aggregation(method="mean" if avg.aggregation == "mean" else "centered_clip", tau=avg.clip_tau,
                        iterations=avg.clip_iterations, max_weight_ratio=avg.max_weight_ratio)
-    rejections = RejectionLog()
+    rejections, traffic = RejectionLog(), TrafficLog()
     quiet_rejections()  # a refused round is reported once by collab, not with hivemind's traceback
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
     averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2),
@@ -54,11 +43,12 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         gate=gate,
         rule=rule,
         rejections=rejections,
+        traffic=traffic,
         dht=dht,
         run_id=run_id,
         target_batch_size=config.training.target_batch_size,
         batch_size_per_step=config.training.micro_batch_size,
-        params=task.parameter_groups(),
+        params=_parameter_groups(config, task),
         optimizer=task.optimizer_factory(),
         scheduler=task.scheduler_factory(),
         matchmaking_time=avg.matchmaking_time,
@@ -79,11 +69,43 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         # Likewise a joining peer starts from the swarm's exact parameters.
         state_averaging_compression=NoCompression(),
         load_state_compression=NoCompression(),
-        grad_averager_factory=partial(CollabGradientAverager, gate=gate, rule=rule, findings=rejections.queue,
-                                      **averager_opts),
+        grad_averager_factory=_gradient_averager(config, gate=gate, rule=rule, findings=rejections.queue,
+                                                 traffic=traffic.queue, **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
         shutdown_timeout=2,
         # hivemind's per-round messages ("Averaged gradients with 3 peers") when its log level is INFO or lower
         verbose=logging.getLogger("hivemind").getEffectiveLevel() <= logging.INFO,
     )
+
+
+def _gradient_averager(config: RunConfig, **options):
+    """hivemind calls this with the parameters and its own keywords (dht, prefix, compression, ...)."""
+    avg = config.averaging
+    if avg.compression == "dgc":
+        settings = DGCSettings(sparsity=avg.dgc_sparsity, warmup_epochs=avg.dgc_warmup_epochs,
+                               momentum=avg.dgc_momentum, clip_norm=config.training.max_grad_norm)
+        return partial(CollabDGCAverager, settings=settings, seed=config.training.seed, **options)
+    if avg.compression == "powersgd":
+        def powersgd(parameters, **kwargs):
+            return CollabPowerSGDAverager(parameters, config.averaging.powersgd_rank, seed=config.training.seed,
+                                          **options, **kwargs)
+        return powersgd
+    return partial(CollabGradientAverager, **options)
+
+
+def _parameter_groups(config: RunConfig, task: Task) -> list[dict]:
+    """The task's groups; under dgc each is split, and the optimizer's momentum is off for the matrices DGC sends
+    (their momentum is DGC's velocity: collab.dgc)."""
+    groups = task.parameter_groups()
+    if config.averaging.compression != "dgc":
+        return groups
+    split = []
+    for group in groups:
+        matrices = [p for p in group["params"] if sparsified(p)]
+        vectors = [p for p in group["params"] if not sparsified(p)]
+        if matrices:
+            split.append({**group, "params": matrices, **task.without_momentum()})
+        if vectors:
+            split.append({**group, "params": vectors})
+    return split

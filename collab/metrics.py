@@ -43,6 +43,9 @@ class PeerMetricsRecord(pydantic.BaseModel):
     time: pydantic.confloat(ge=0, strict=True)
     # what this peer kept from the swarm (collab.guard) and refused from others (collab.rejections)
     batches_dropped: pydantic.conint(ge=0, le=10**15, strict=True) = 0
+    # gradient rounds' traffic as this peer's all-reduce counted it (collab.traffic), over its recent rounds
+    mb_per_round: Optional[pydantic.confloat(ge=0, le=1e6, strict=True)] = None
+    fewer_bytes_than_fp32: Optional[pydantic.confloat(gt=0, le=1e6, strict=True)] = None
     rejected: Dict[pydantic.constr(max_length=128, strict=True),
                    Dict[pydantic.constr(max_length=160, strict=True), pydantic.conint(ge=0, le=10**12, strict=True)]] = {}
 

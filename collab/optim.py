@@ -21,6 +21,7 @@ from hivemind.utils.mpfuture import MPFuture
 from collab.metrics import AveragingLog
 from collab.aggregation import Aggregation
 from collab.rejections import RejectionLog
+from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
 from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
 from collab.tracker import HonestProgressTracker
@@ -51,8 +52,9 @@ class CollabOptimizer(Optimizer):
 
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None,
                  gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
-                 rejections: Optional[RejectionLog] = None, **kwargs):
+                 rejections: Optional[RejectionLog] = None, traffic: Optional[TrafficLog] = None, **kwargs):
         self.averaging_log = averaging_log
+        self.traffic = traffic if traffic is not None else TrafficLog()  # its queue goes to the gradient averager
         self.gate, self.rule = gate, rule
         self.rejections = rejections if rejections is not None else RejectionLog()
         self.stop = stop if stop is not None else threading.Event()
@@ -126,6 +128,8 @@ class CollabOptimizer(Optimizer):
         self._most_peers = self.tracker.global_progress.num_peers
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        if hasattr(self.grad_averager, "set_round_context"):  # dgc: its warm-up and its clipping need these
+            self.grad_averager.set_round_context(self.local_epoch, max(1, self.tracker.global_progress.num_peers))
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began and self._most_peers > 1:
             self.averaging_log.failure()  # hivemind steps on local gradients while others average without us
@@ -281,6 +285,8 @@ class CollabOptimizer(Optimizer):
                 failure = "the averaged gradients were not finite" if not averaged else None
         else:
             failure = "no gradient round was running"
+        # the averager's process counted the round's bytes just before it returned; the queue may lag a moment
+        self.traffic.end_round(wait=0.5 if averaged else 0.0)
         if not averaged:
             if self.stop.is_set() and not self.delay_grad_averaging:
                 # leaving: no step at all rather than one on local gradients. Loading them would also wait

@@ -33,7 +33,7 @@ import time
 from typing import Optional
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
@@ -42,6 +42,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from collab.aggregation import Aggregation, RobustPartReducer
+from collab.traffic import CountingRunner, TrafficLog
 
 GRADIENT_BOUND = 10.0
 PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's signed progress makes plausible
@@ -61,8 +62,9 @@ class RejectedRound(MatchmakingException):
     """This peer refused the average its group computed: nothing was applied."""
 
 
-class _CheckedRunner(AllReduceRunner):
-    """hivemind's all-reduce runner with collab's reducer, and every part other reducers return checked."""
+class _CheckedRunner(CountingRunner):
+    """hivemind's all-reduce runner with collab's reducer, every part other reducers return checked, and its
+    bytes counted (collab.traffic)."""
 
     def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, report_clipping: bool,
                  weight_caps: dict, **kwargs):
@@ -104,6 +106,11 @@ class CheckedRounds:
     rule: Aggregation = Aggregation()
     kind: str = "gradients"
     findings = None
+    traffic = None  # a TrafficLog's queue: each run's bytes (gradient rounds)
+
+    def _values_per_round(self) -> int:
+        """How many values one round all-reduces (PowerSGD: its factors, fewer than the gradient's)."""
+        return self.total_size
 
     def _report(self, peer_id, reason: str, what: Optional[str] = None) -> None:
         peer = peer_id.to_base58() if isinstance(peer_id, PeerID) else str(peer_id)
@@ -149,7 +156,9 @@ class CheckedRounds:
 
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
-        bound = self._bound(_norm(tensors))
+        # PowerSGD runs two all-reduces per round (its P, then its Q): each has its own history of norms
+        phase = group_id[len(group_info.group_id):]
+        bound = self._bound(_norm(tensors), phase)
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
                                 on_finding=self._report, is_banned=self.banned,
@@ -161,7 +170,10 @@ class CheckedRounds:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
             return
-        updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
+        try:
+            updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
+        finally:
+            TrafficLog.put(self.traffic, runner, self._values_per_round(), self.total_size)
         averaged_norm = _norm([t + u for t, u in zip(tensors, updates)]) if self.kind == "gradients" else None
         why = self._refusal(runner, updates, bound, averaged_norm)
         if why is not None:
@@ -172,8 +184,9 @@ class CheckedRounds:
         for tensor, update in zip(tensors, updates):
             tensor.add_(update, alpha=self._averaging_alpha)
         if averaged_norm is not None:
-            self._recent_norms().append(averaged_norm)
-            del self._recent_norms()[:-16]
+            recent = self._recent_norms(phase)
+            recent.append(averaged_norm)
+            del recent[:-16]
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
@@ -194,9 +207,9 @@ class CheckedRounds:
             return f"the averaged state moves this replica by {_norm(updates):.3g}, above the bound {bound:.3g}"
         return None
 
-    def _bound(self, own_norm: float) -> float:
+    def _bound(self, own_norm: float, phase: bytes = b"") -> float:
         if self.kind == "gradients":
-            recent = self._recent_norms()
+            recent = self._recent_norms(phase)
             return GRADIENT_BOUND * max(own_norm, statistics.median(recent) if recent else 0.0) + 1e-12
         # state: honest replicas are near-identical, so a state round moves each by a small fraction of its norm.
         # (At 0.25 an honest reducer's part was once refused, cause not found; a reducer returning noise x 1000,
@@ -237,10 +250,10 @@ class CheckedRounds:
         except Exception as e:  # no records: no caps from them this time (the median cap still holds)
             logging.getLogger(__name__).debug(f"could not read the run's progress: {e!r}")
 
-    def _recent_norms(self) -> list:
+    def _recent_norms(self, phase: bytes = b"") -> list:
         if not hasattr(self, "_norms"):
-            self._norms = []
-        return self._norms
+            self._norms = {}
+        return self._norms.setdefault(phase, [])
 
 
 def run_id_of(prefix: str) -> str:

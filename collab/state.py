@@ -34,6 +34,8 @@ class PeerState(BaseModel):
     online: bool
     straggler: bool  # online but an epoch or more behind, or under a quarter of the median speed
     batches_dropped: int = 0  # its own micro-batches it did not send (non-finite loss or gradients)
+    mb_per_round: Optional[float] = None  # sent + received per gradient round, as it counted them
+    fewer_bytes_than_fp32: Optional[float] = None  # how many times fewer than the same rounds uncompressed
     contributions_rejected: int = 0  # what other peers refused from it (collab.rejections), summed over them
     rejected_by_reason: dict[str, int] = {}
     reported_by: int = 0  # how many other peers refused something from it
@@ -95,6 +97,8 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
             online=now - seen < stale_after,
             straggler=False,
             batches_dropped=r.batches_dropped if r else 0,
+            mb_per_round=r.mb_per_round if r else None,
+            fewer_bytes_than_fp32=r.fewer_bytes_than_fp32 if r else None,
         ))
     _flag_stragglers(peers, global_epoch)
     _flag_suspects(peers, records)

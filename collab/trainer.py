@@ -56,6 +56,10 @@ class Summary:
     peers_found_back: int = 0  # lost peers that answered again (collab.rejoin: a network split healed)
     reloads: int = 0  # times the replica was reloaded from the swarm after many dropped micro-batches
     rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> what this peer refused from it
+    # its gradient rounds' bytes, as its all-reduce counted them, and the same rounds uncompressed (collab.traffic)
+    allreduce_bytes_sent: int = 0
+    allreduce_bytes_received: int = 0
+    allreduce_fp32_bytes: float = 0.0
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
@@ -200,6 +204,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     summary.train_seconds = time.monotonic() - loop_started
                     log.copy_to(summary)
                     summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
+                    opt.traffic.copy_to(summary)
                     summary.nonfinite_parameters = nonfinite_parameters(task.model)
                     write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
@@ -222,6 +227,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
             log.copy_to(summary)
             summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
+            opt.traffic.copy_to(summary)
             summary.nonfinite_parameters = nonfinite_parameters(task.model)
             # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
             # a peer whose last step was its own: that model is nobody else's
@@ -356,6 +362,7 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         time=time.time(),
         batches_dropped=sum(summary.batches_dropped.values()),
         rejected=opt.rejections.for_record(),
+        **dict(zip(("mb_per_round", "fewer_bytes_than_fp32"), opt.traffic.per_round())),
     )
     publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
 

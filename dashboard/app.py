@@ -52,6 +52,10 @@ class RunMetrics:
             "collab_peer_epoch": ("Peer's local epoch", lambda p: p.epoch),
             "collab_peer_samples_contributed": ("Samples a peer contributed", lambda p: p.samples_contributed),
             "collab_peer_loss": ("Peer's mean loss over its last epoch", lambda p: p.loss),
+            "collab_peer_mb_per_round": ("MB a peer sent and received per gradient round (its recent rounds)",
+                                         lambda p: p.mb_per_round),
+            "collab_peer_fewer_bytes_than_fp32": ("How many times fewer bytes than the same rounds in fp32",
+                                                  lambda p: p.fewer_bytes_than_fp32),
             "collab_peer_batches_dropped": ("Micro-batches a peer did not send (non-finite loss or gradients)",
                                             lambda p: p.batches_dropped),
             "collab_peer_contributions_rejected": ("What other peers refused from this peer (parts, averages, "

@@ -21,7 +21,7 @@ raise SystemExit(int(sys.argv[1]))
 """
 
 
-def test_forked_processes_report_exits_signals_and_logs_like_popen(tmp_path, no_leftover_processes):
+def test_forked_processes_behave_like_processes_and_leave_with_their_launcher(tmp_path, no_leftover_processes):
     script = tmp_path / "child.py"
     script.write_text(SCRIPT)
     env = dict(peer_env(), PYTHONUNBUFFERED="1")
@@ -52,18 +52,10 @@ def test_forked_processes_report_exits_signals_and_logs_like_popen(tmp_path, no_
         # what the server cannot reproduce goes to a plain process instead
         assert not server.can_fork(command, dict(env, OMP_NUM_THREADS="4")), "a library reads it at import"
         assert not server.can_fork(["sleep", "1"], env)
+
+        # a launcher that stops (or dies) closes the server's stdin: a peer still running must not stay on
+        survivor = server.spawn([sys.executable, str(script), "sleep"], env, tmp_path / "survivor.log")
     finally:
         server.close()
     assert server._process is None
-
-
-def test_peers_leave_when_their_launcher_closes_the_server(tmp_path, no_leftover_processes):
-    """A launcher that stops (or dies) closes the server's stdin: a peer still running must not stay on."""
-    script = tmp_path / "child.py"
-    script.write_text(SCRIPT)
-    env = dict(peer_env(), PYTHONUNBUFFERED="1")
-    server = ForkServer(env, tmp_path / "server.log").start()
-    sleeper = server.spawn([sys.executable, str(script), "sleep"], env, tmp_path / "sleeper.log")
-    assert sleeper.poll() is None
-    server.close()
-    assert sleeper.poll() == -signal.SIGTERM and not os.path.exists(f"/proc/{sleeper.pid}")
+    assert survivor.poll() == -signal.SIGTERM and not os.path.exists(f"/proc/{survivor.pid}")

@@ -82,13 +82,14 @@ def format_state(state) -> str:
     target = state.target_batch_size or "?"
     table = Table(title=f"run {state.run_id}: epoch {state.global_epoch}, {state.samples_accumulated}/{target} samples "
                         f"toward the next step, {state.samples_per_second:.1f} samples/s, ETA {eta}")
-    for column in ("peer", "client", "samples/s", "epoch", "loss", "contributed", "last seen", "refused by others"):
+    for column in ("peer", "client", "samples/s", "epoch", "loss", "contributed", "MB/round", "last seen",
+                   "refused by others"):
         table.add_column(column)
     for p in state.peers:
         refused = f"{p.contributions_rejected} (by {p.reported_by})" if p.contributions_rejected else "0"
         table.add_row(p.peer_id[-12:], "yes" if p.client_mode else "no", f"{p.samples_per_second:.1f}", str(p.epoch),
                       f"{p.loss:.3f}" if p.loss is not None else "-",
-                      f"{p.samples_contributed} ({p.contribution:.0%})", f"{p.last_seen:.0f} s ago",
+                      f"{p.samples_contributed} ({p.contribution:.0%})", _traffic(p), f"{p.last_seen:.0f} s ago",
                       refused + (" SUSPECT" if p.suspect else ""))
     console = Console(width=140, record=True)
     with console.capture() as capture:
@@ -105,3 +106,11 @@ def format_state(state) -> str:
             signers = ", ".join(f"{who[-12:]} ({n})" for who, n in state.rejected_by_signer.items())
             console.print(f"ignored {state.rejected_records} untrusted records: {reasons}; from {signers}")
     return capture.get()
+
+
+def _traffic(peer) -> str:
+    """'12.3 (4.0x)': MB sent and received per gradient round, and how many times fewer than fp32."""
+    if peer.mb_per_round is None:
+        return "-"
+    ratio = f" ({peer.fewer_bytes_than_fp32:.1f}x)" if peer.fewer_bytes_than_fp32 is not None else ""
+    return f"{peer.mb_per_round:.3g}{ratio}"

@@ -40,6 +40,10 @@ class Task(ABC):
         """Builds the local optimizer hivemind wraps (it must be a factory: hivemind offloads the params)."""
 
     @abstractmethod
+    def without_momentum(self) -> dict:
+        """Options of a parameter group that turn the optimizer's momentum off (for tensors DGC sends)."""
+
+    @abstractmethod
     def scheduler_factory(self) -> SchedulerFactory:
         """Learning-rate schedule; it advances once per collaborative step (epoch)."""
 

@@ -59,6 +59,9 @@ class AlbertTask(Task):
         lr, clip = self.training.learning_rate, self.training.max_grad_norm
         return lambda groups: Lamb(groups, lr=lr, max_grad_norm=clip)
 
+    def without_momentum(self) -> dict:
+        return {"betas": (0.0, 0.999)}  # LAMB's first moment is then this step's (averaged) gradient
+
     def scheduler_factory(self) -> SchedulerFactory:
         from transformers import get_linear_schedule_with_warmup
 

@@ -165,6 +165,9 @@ class SwavTask(Task):
         lr, lars = self.training.learning_rate, self.config.lars
         return lambda groups: LARS(groups, lr=lr, momentum=lars.momentum, trust_coefficient=lars.trust_coefficient)
 
+    def without_momentum(self) -> dict:
+        return {"momentum": 0.0}
+
     def scheduler_factory(self) -> SchedulerFactory:
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 

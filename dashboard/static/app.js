@@ -39,7 +39,8 @@ function renderRun(run) {
     const state = p.suspect ? "suspect" : !p.online ? "stale" : p.straggler ? "straggler" : "online";
     const refused = p.contributions_rejected ? `${p.contributions_rejected} (by ${p.reported_by})` : "0";
     const cells = [p.peer_id.slice(-10), p.client_mode ? "client / NAT" : "full", fmt(p.samples_per_second),
-      `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), p.epoch, `${duration(p.last_seen)} ago`, refused, state];
+      `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), p.epoch, traffic(p), `${duration(p.last_seen)} ago`, refused,
+      state];
     for (const value of cells) {
       const cell = document.createElement("td");
       cell.textContent = value;
@@ -47,7 +48,7 @@ function renderRun(run) {
     }
     row.firstChild.title = p.peer_id;
     // what was refused, and why: a clipped part (odd data, or an attack) reads differently from a NaN
-    row.children[7].title = Object.entries(p.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n")
+    row.children[8].title = Object.entries(p.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n")
       + (p.batches_dropped ? `\nits own dropped micro-batches: ${p.batches_dropped}` : "");
     return row;
   }));
@@ -58,6 +59,12 @@ function renderRun(run) {
     item.textContent = `${p.peer_id.slice(-10)} — ${p.samples_contributed} samples`;
     return item;
   }));
+}
+
+// MB per gradient round and, in brackets, how many times fewer bytes than fp32 ("-" before its first round)
+function traffic(p) {
+  if (!finite(p.mb_per_round)) return "-";
+  return fmt(p.mb_per_round, 2) + (finite(p.fewer_bytes_than_fp32) ? ` (${fmt(p.fewer_bytes_than_fp32, 1)}x)` : "");
 }
 
 // A line chart in plain SVG. Non-finite values are gaps; the scale ignores them, so one absurd

@@ -1,0 +1,143 @@
+"""Bytes on the wire, per averaging round, as this peer's all-reduce really sent and received them.
+
+Every message of a round passes through the runner: the parts this peer sends to each reducer and the
+averages they send back, and, as a reducer, the parts it receives and the averages it returns. Their protobuf
+sizes are counted (the payload libp2p carries, without its own framing), with the number of values they held.
+A round's fp32 equivalent is what the same values cost uncompressed, scaled for a codec that sends fewer values
+than the gradient holds (PowerSGD's factors): 4 bytes x values moved x gradient size / values all-reduced.
+
+The averager runs in its own process: a finished round goes to the trainer on a multiprocessing queue
+(TrafficLog), which sums the runs of one round (PowerSGD has two) and keeps the recent rounds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+
+RECENT_ROUNDS = 16
+
+
+def _values(message: averaging_pb2.AveragingData) -> int:
+    count = 1
+    for dim in message.tensor_part.size:
+        count *= dim
+    return count if message.HasField("tensor_part") else 0
+
+
+class CountingRunner(AllReduceRunner):
+    """hivemind's all-reduce runner, counting what it sends and receives in both roles."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bytes_sent = self.bytes_received = self.values_moved = 0
+
+    def _count(self, message: averaging_pb2.AveragingData, sent: bool) -> averaging_pb2.AveragingData:
+        size = message.ByteSize()
+        if sent:
+            self.bytes_sent += size
+        else:
+            self.bytes_received += size
+        self.values_moved += _values(message)
+        return message
+
+    async def _counted(self, stream: AsyncIterator, sent: bool) -> AsyncIterator:
+        async for message in stream:
+            yield self._count(message, sent)
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        async for message in super()._generate_input_for_peer(peer_index):
+            yield self._count(message, sent=True)
+
+    def _get_peer_stub(self, peer: PeerID):
+        stub, runner = super()._get_peer_stub(peer), self
+
+        class CountingStub:
+            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
+                return runner._counted(await stub.rpc_aggregate_part(inputs, *args, **kwargs), sent=False)
+
+        return CountingStub()
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        async for message in super()._accumulate_parts_streaming(self._counted(stream, sent=False), sender_index):
+            yield self._count(message, sent=True)
+
+
+@dataclass
+class RoundTraffic:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    fp32_bytes: float = 0.0  # the same round uncompressed (see the module's docstring)
+
+    @property
+    def ratio(self) -> Optional[float]:
+        """How many times fewer bytes than fp32 this round moved (None for a round that moved nothing)."""
+        moved = self.bytes_sent + self.bytes_received
+        return self.fp32_bytes / moved if moved else None
+
+
+class TrafficLog:
+    """Rounds' traffic, put by the averager's process and summed per round by the trainer."""
+
+    def __init__(self, context: Optional[mp.context.BaseContext] = None):
+        self.queue = (context or mp.get_context()).Queue()
+        self.total = RoundTraffic()
+        self.recent: list[RoundTraffic] = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def put(traffic_queue, runner: CountingRunner, values_all_reduced: int, gradient_values: int) -> None:
+        """From the averager's process, after each run of a round (whatever its outcome)."""
+        if traffic_queue is None or values_all_reduced <= 0:
+            return
+        fp32 = 4.0 * runner.values_moved * gradient_values / values_all_reduced
+        try:
+            traffic_queue.put_nowait((runner.bytes_sent, runner.bytes_received, fp32))
+        except (OSError, ValueError, queue.Full):  # closed at shutdown: nothing to count any more
+            pass
+
+    def end_round(self, wait: float = 0.0) -> Optional[RoundTraffic]:
+        """Sum what the round's runs put (called by the trainer once the round is over); None if nothing moved.
+        `wait`: how long the first report may take to arrive (a queue's put reaches the other end a bit later)."""
+        this = RoundTraffic()
+        while True:
+            try:
+                sent, received, fp32 = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
+                wait = 0.0
+            except queue.Empty:
+                break
+            except (OSError, ValueError, EOFError):
+                break
+            this.bytes_sent += int(sent)
+            this.bytes_received += int(received)
+            this.fp32_bytes += float(fp32)
+        if not this.bytes_sent and not this.bytes_received:
+            return None
+        with self._lock:
+            self.total.bytes_sent += this.bytes_sent
+            self.total.bytes_received += this.bytes_received
+            self.total.fp32_bytes += this.fp32_bytes
+            self.recent = [*self.recent, this][-RECENT_ROUNDS:]
+        return this
+
+    def copy_to(self, summary) -> None:
+        """Into a trainer Summary: the totals of every round so far."""
+        with self._lock:
+            summary.allreduce_bytes_sent, summary.allreduce_bytes_received = self.total.bytes_sent, self.total.bytes_received
+            summary.allreduce_fp32_bytes = self.total.fp32_bytes
+
+    def per_round(self) -> tuple[Optional[float], Optional[float]]:
+        """(MB moved per round, sent plus received, over the recent rounds; x fewer bytes than fp32)."""
+        with self._lock:
+            rounds = list(self.recent)
+        if not rounds:
+            return None, None
+        moved = sum(r.bytes_sent + r.bytes_received for r in rounds)
+        return moved / len(rounds) / 1e6, (sum(r.fp32_bytes for r in rounds) / moved if moved else None)

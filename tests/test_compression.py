@@ -1,0 +1,68 @@
+"""The compression menu: each codec within its stated error and bytes (collab.compression), PowerSGD's seeded start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+from collab.compression import wire_codec
+from collab.config import COMPRESSIONS
+
+# name -> (relative L2 error at most, fp32 bytes / wire bytes at least) for a large Gaussian part; the table in
+# collab.compression states the same
+STATED = {"none": (0.0, 1.0), "fp16": (1e-3, 1.99), "scaled-fp16": (1e-3, 1.99), "uniform8bit": (5e-2, 3.9),
+          "quantile8bit": (5e-2, 3.9), "size-adaptive": (5e-2, 3.9), "powersgd": (0.0, 0.99),
+          "dgc": (0.0, 0.99)}  # dgc's wire is exact; a dense part costs fp32 (its selection, tested in test_dgc, saves)
+
+
+@pytest.mark.parametrize("name", COMPRESSIONS)
+def test_each_codec_round_trips_within_its_stated_bound(name):
+    torch.manual_seed(0)
+    error_bound, ratio_bound = STATED[name]
+    for size in (1000, 200_000):
+        x = torch.randn(size) * 3e-3 + 1e-4  # a gradient's scale, not centred
+        wire = wire_codec(name).compress(x, CompressionInfo.from_tensor(x))
+        # decoded as a receiving averager does: by hivemind's table, from the part's compression type
+        y = deserialize_torch_tensor(wire)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        error = ((y - x).norm() / x.norm()).item()
+        assert error <= error_bound, f"{name}: relative error {error:.2e} > {error_bound:.0e} ({size} values)"
+        if size == 200_000:  # an 8-bit part carries a 1 KB codebook; size-adaptive sends small tensors in fp16
+            ratio = x.numel() * 4 / len(wire.buffer)
+            assert ratio >= ratio_bound, f"{name}: {ratio:.2f}x fewer bytes than fp32, stated {ratio_bound}x"
+    if name == "size-adaptive":
+        small = torch.randn(1000)
+        assert len(wire_codec(name).compress(small, CompressionInfo.from_tensor(small)).buffer) == 2 * 1000
+
+
+def test_powersgd_peers_start_with_identical_projections():
+    """hivemind draws PowerSGD's starting Q unseeded: two peers of one run began in different subspaces."""
+    from hivemind import DHT
+
+    from collab.grad_averager import CollabPowerSGDAverager
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+        return net
+
+    def projections(net: torch.nn.Module, prefix: str) -> list[torch.Tensor]:
+        averager = CollabPowerSGDAverager(net.parameters(), 4, seed=7, dht=dht, prefix=prefix, start=False)
+        return [q.clone() for q in averager._qs]
+
+    dht = DHT(start=True)
+    try:
+        first = projections(model(1), "peer1")  # each peer's process has its own random stream here
+        net = model(2)
+        torch.manual_seed(5)
+        second = projections(net, "peer2")
+        after = torch.rand(3)
+        assert [q.shape[1] for q in first] == [4, 4]
+        assert all(torch.equal(a, b) for a, b in zip(first, second)), "peers of one run start from different Q"
+        torch.manual_seed(5)
+        assert torch.equal(after, torch.rand(3)), "the seeded draw moved the process's own random stream"
+    finally:
+        dht.shutdown()
