@@ -43,6 +43,7 @@ class Summary:
     final_epoch: int = 0
     samples_contributed: int = 0
     train_seconds: float = 0.0  # time in the training loop (excludes start-up and shutdown)
+    compute_seconds: float = 0.0  # of that, computing micro-batches (data, forward, backward); the rest is waiting
     rounds_joined: int = 0
     rounds_failed: int = 0
     group_sizes: list[int] = field(default_factory=list)
@@ -171,9 +172,13 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     summary.exit_reason = f"reached epoch {options.max_epochs}"
                     break
                 task.set_step(opt.local_epoch)
+                computing = time.monotonic()
                 loss = task.loss(next(batches))
-                if guard.loss_ok(loss):
+                loss_ok = guard.loss_ok(loss)
+                if loss_ok:
                     loss.backward()
+                summary.compute_seconds += time.monotonic() - computing
+                if loss_ok:
                     if guard.gradients_ok():
                         opt.step()
                         opt.zero_grad()

@@ -34,6 +34,10 @@ class PeerReport:
     bytes_received: Optional[int]
     nonfinite_parameters: list[str]
     exit: str
+    # share of its time in the training loop spent computing micro-batches (the rest: waiting on rounds, downloads)
+    compute_utilization: Optional[float] = None
+    allreduce_mb_per_round: Optional[float] = None  # what its gradient all-reduces sent + received, per round
+    fewer_bytes_than_fp32: Optional[float] = None
     loss_epochs: int = 0  # epochs with a loss from this peer (a peer restarted in the last seconds has one or two)
 
 
@@ -67,15 +71,18 @@ class SwarmReport:
         return json.dumps(dict(asdict(self), loss_fell=self.loss_fell, any_nonfinite=self.any_nonfinite), indent=1)
 
     def to_table(self) -> str:
-        rows = [("peer", "id", "link", "epochs", "samples", "rounds ok/failed", "group", "sent/recv MB",
-                 "loss first -> last", "exit")]
+        rows = [("peer", "id", "link", "epochs", "samples", "compute", "rounds ok/failed", "group", "sent/recv MB",
+                 "MB/round", "loss first -> last", "exit")]
         for p in self.peers:
             loss = f"{p.first_loss:.3f} -> {p.last_loss:.3f}" if p.first_loss is not None and p.last_loss else "-"
             group = f"{p.mean_group_size:.1f}" if p.mean_group_size else "-"
             traffic = f"{p.bytes_sent / 1e6:.1f}/{p.bytes_received / 1e6:.1f}" if p.bytes_sent is not None else "-"
+            compute = f"{p.compute_utilization:.0%}" if p.compute_utilization is not None else "-"
+            per_round = "-" if p.allreduce_mb_per_round is None else f"{p.allreduce_mb_per_round:.3g}" + (
+                f" ({p.fewer_bytes_than_fp32:.1f}x)" if p.fewer_bytes_than_fp32 else "")
             rows.append((str(p.index), p.peer_id[-10:], p.link, f"{p.start_epoch}->{p.final_epoch}",
-                         str(p.samples_contributed), f"{p.rounds_joined}/{p.rounds_failed}", group, traffic, loss,
-                         p.exit))
+                         str(p.samples_contributed), compute, f"{p.rounds_joined}/{p.rounds_failed}", group, traffic,
+                         per_round, loss, p.exit))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(f"network: {self.network}")
@@ -142,6 +149,10 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
     losses = [v for s in summaries for _, v in sorted((int(k), v) for k, v in s.get("loss_by_epoch", {}).items())]
     sizes = [size for s in summaries for size in s.get("group_sizes", [])]
     exit_text = _exit_text(peer, last)
+    trained = sum(s.get("train_seconds", 0.0) for s in summaries)
+    rounds = sum(s.get("rounds_joined", 0) + s.get("rounds_failed", 0) for s in summaries)
+    moved = sum(s.get("allreduce_bytes_sent", 0) + s.get("allreduce_bytes_received", 0) for s in summaries)
+    fp32 = sum(s.get("allreduce_fp32_bytes", 0.0) for s in summaries)
     if hits:
         exit_text += f"; hit by churn {hits}x, started {peer.starts}x"
     return PeerReport(
@@ -160,6 +171,9 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         bytes_received=counters["bytes_received"] if counters else None,
         nonfinite_parameters=sorted({n for s in summaries for n in s.get("nonfinite_parameters", [])}),
         exit=exit_text,
+        compute_utilization=sum(s.get("compute_seconds", 0.0) for s in summaries) / trained if trained > 0 else None,
+        allreduce_mb_per_round=moved / rounds / 1e6 if rounds and moved else None,
+        fewer_bytes_than_fp32=fp32 / moved if moved else None,
     )
 
 
