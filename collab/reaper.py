@@ -28,7 +28,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from typing import Optional
 
 LOOK_EVERY_SECONDS = 0.5
