@@ -354,9 +354,12 @@ class CollabOptimizer(Optimizer):
         # a peer behind may first sit out a gradient round that finds nobody (up to averaging_timeout), then give
         # up its state round: only then does it ask for our state
         deadline = time.monotonic() + max(DONOR_LINGER_SECONDS, self.averaging_timeout + 3 * self.matchmaking_time)
+        # not for a peer caught sending or returning bad parts (hard evidence): in CI the honest peers stayed on
+        # a whole minute as donors for a NaN sender one epoch behind them
+        caught = frozenset(self.rejections.caught_ever())
         while time.monotonic() < deadline and not self.stop.is_set():
             try:
-                behind = peers_behind(self.dht, self.run_id, self.local_epoch)
+                behind = peers_behind(self.dht, self.run_id, self.local_epoch, ignore=caught)
             except Exception:  # a DHT that fails to answer here must not turn a clean leave into a traceback
                 return
             if not behind:

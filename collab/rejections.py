@@ -49,6 +49,11 @@ class RejectionLog:
         caught, self._caught = self._caught, []
         return [peer for peer in caught if not peer.startswith("(")]  # "(the group)", "(this peer's own ...)"
 
+    def caught_ever(self) -> set[str]:
+        """Every peer caught with hard evidence so far (a leaving peer does not stay on as its state donor)."""
+        self.drain()
+        return set(self._ever_caught)
+
     def for_record(self) -> dict[str, dict[str, int]]:
         """The most-reported peers and reasons, within the metrics record's bounds."""
         counts = self.drain()

@@ -141,7 +141,7 @@ def repaired(own: OwnStep, averager: RecordingStateAverager) -> bool:
     return averager.gathered_since(own.epoch) >= own.peers
 
 
-def peers_behind(dht, run_id: str, epoch: int, fresh_seconds: float = 75.0) -> int:
+def peers_behind(dht, run_id: str, epoch: int, fresh_seconds: float = 75.0, ignore: frozenset = frozenset()) -> int:
     """Peers whose signed progress (hivemind's tracker) says they are exactly one epoch behind `epoch`: after an
     own step a peer reports the epoch before it, and needs a state donor at `epoch` to leave in sync. A peer
     waiting inside a gradient round reports nothing new (hivemind re-stores the same record every 30 s), so a
@@ -149,5 +149,5 @@ def peers_behind(dht, run_id: str, epoch: int, fresh_seconds: float = 75.0) -> i
     from collab.state import progress_records
 
     now = time.time()
-    return sum(1 for p in progress_records(dht, run_id).values()
-               if p.epoch == epoch - 1 and now - p.time < fresh_seconds)
+    return sum(1 for peer, p in progress_records(dht, run_id).items()
+               if p.epoch == epoch - 1 and now - p.time < fresh_seconds and peer not in ignore)
