@@ -8,6 +8,7 @@ computed (hivemind's delayed gradient averaging / delayed optimizer step, one st
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -33,6 +34,19 @@ logger = get_logger(__name__)
 
 class LeavingMidStep(Exception):
     """Raised inside opt.step() when the peer was asked to leave while its epoch's round ran."""
+
+
+class _QuietLeave(logging.Filter):
+    """hivemind's background step logs an error and the traceback of what its trigger raised: not for a leave."""
+
+    def __init__(self, stop: threading.Event):
+        super().__init__()
+        self.stop = stop
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, LeavingMidStep) or (record.exc_info and isinstance(record.exc_info[1], LeavingMidStep)):
+            return False
+        return not (self.stop.is_set() and "wait_for_trigger raised exception" in str(record.msg))
 
 
 class CollabOptimizer(Optimizer):
@@ -61,6 +75,7 @@ class CollabOptimizer(Optimizer):
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
+        logging.getLogger("hivemind.optim.state_averager").addFilter(_QuietLeave(self.stop))
         super().__init__(**kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
@@ -104,6 +119,10 @@ class CollabOptimizer(Optimizer):
         return True
 
     def _update_global_epoch(self, grad_scaler) -> None:
+        if self.stop.is_set():
+            # leaving: this epoch's step is left to the peers who stay. Starting it would wait for the gradient
+            # buffers, which a background round (overlap=full) holds until it gives up: past the leave's grace
+            return
         # hivemind first waits for the last epoch's background step and state round: not for one that finds no group
         if self.delay_optimizer_step and self.state_averager.give_up_matchmaking(
                 self.local_epoch, self.matchmaking_time, self.stop, limit=self.averaging_timeout):
@@ -288,9 +307,11 @@ class CollabOptimizer(Optimizer):
         # the averager's process counted the round's bytes just before it returned; the queue may lag a moment
         self.traffic.end_round(wait=0.5 if averaged else 0.0)
         if not averaged:
-            if self.stop.is_set() and not self.delay_grad_averaging:
+            if self.stop.is_set():
                 # leaving: no step at all rather than one on local gradients. Loading them would also wait
-                # for the averager process, which holds the gradient buffers until its all-reduce gives up.
+                # for the averager process, which holds the gradient buffers until its all-reduce gives up
+                # (with overlap=full, past the leave's grace: forced exits). In that mode this runs in hivemind's
+                # background step, which logs what it raises: _QuietLeave keeps that out of the peer's log.
                 raise LeavingMidStep()
             self._load_local_gradients_into_optimizer()
             self._record_own_step(failure)
@@ -335,6 +356,9 @@ class CollabOptimizer(Optimizer):
             # sends those results only after the client's whole input, and closing p2pd now would leave
             # that peer with a partial average it is told was complete.
             if self.tracker.global_progress.num_peers > 1:
+                # the delayed step first (with overlap=full it holds our last gradient round, still running):
+                # the linger counts from the end of our last round, not from its start
+                self.state_averager.step(wait_for_delayed_updates=True)
                 self.stop.wait(LEAVE_LINGER_SECONDS)
                 self._serve_peers_behind()
             return super().shutdown()
