@@ -70,6 +70,7 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, Train
                  **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
         self.gate, self.rule, self.kind, self.findings = gate, rule, "state", findings
+        self.upload_mbit = kwargs.get("bandwidth")  # orders donors of one epoch (collab.state_download)
         super().__init__(**kwargs)
 
     def round_controls(self) -> list:

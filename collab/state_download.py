@@ -7,6 +7,9 @@ highest), and loads whatever that donor sends. Here:
 - a donor that served a bad state (not finite, the wrong shapes, a norm 10x ours or a tenth of it, or - while
   this peer is not far behind - absurdly far from this replica) is skipped for the rest of the run and
   reported;
+- among donors at the same epoch, fast uplinks come first: each declares its epoch plus a fraction that grows
+  with its announced upload (--bandwidth), so a 40 MB state is not fetched through a 2 Mbit/s uplink (160 s,
+  past load_state_timeout) while a 100 Mbit/s peer (3 s) has it too;
 - "caught up" is claimed only when a state was actually loaded (collab.replica).
 The download runs in the averager's process, the check in the trainer's (which holds the optimizer); the
 donor's id travels in the state's metadata, and a bad donor goes back to the averager through hivemind's pipe.
@@ -43,10 +46,32 @@ class _TagDonor:
         return getattr(self.future, name)
 
 
+UNKNOWN_UPLINK_MBIT = 100.0  # a peer that announced no bandwidth is taken for a typical fast one
+
+
+def donor_preference(upload_mbit: Optional[float]) -> float:
+    """In [0, 0.9): added to a donor's epoch, it orders donors of one epoch by uplink and never lifts one above
+    a donor an epoch ahead."""
+    mbit = UNKNOWN_UPLINK_MBIT if upload_mbit is None else max(0.0, float(upload_mbit))
+    return 0.9 * mbit / (mbit + UNKNOWN_UPLINK_MBIT)
+
+
 class CheckedDownloads:
-    """A mixin for TrainingStateAverager (both processes); set `findings` before the averager process starts."""
+    """A mixin for TrainingStateAverager (both processes); set `findings` (and `upload_mbit`) before the averager
+    process starts."""
 
     findings = None
+    upload_mbit: Optional[float] = None
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return super().state_sharing_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, epoch: float) -> None:
+        # hivemind and collab.optim set the epoch; a client-mode peer serves nothing (and must declare 0)
+        bonus = donor_preference(self.upload_mbit) if epoch and not self.client_mode else 0.0
+        super(CheckedDownloads, type(self)).state_sharing_priority.fset(self, epoch + bonus)
 
     # -- in the averager's process ------------------------------------------------------------------------
 

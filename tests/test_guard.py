@@ -99,3 +99,47 @@ def test_a_peer_caught_with_hard_evidence_is_handed_over_once_and_a_clipped_one_
     assert log.drain()["QmNaN"] == {"part not finite (gradients)": 3}
     # and a leaving peer does not stay on as the state donor of one it caught (collab.optim._serve_peers_behind)
     assert {"QmNaN", "QmGarbage"} <= log.caught_ever() and "QmFlip" not in log.caught_ever()
+
+
+def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer_epoch(no_leftover_processes):
+    """hivemind downloads state from the highest priority its averagers declare in the DHT: a 2 Mbit/s uplink
+    (160 s for a 40 MB state) must come after a faster one at the same epoch (one that announced nothing counts
+    as 100 Mbit/s), and before nobody an epoch ahead. Checked on what real averagers declare, where hivemind's
+    download reads it."""
+    import hivemind
+    from hivemind.p2p import PeerID
+
+    from collab.replica import RecordingStateAverager
+
+    prefix = f"donors-{time.time_ns()}"
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts, averagers = [first], []
+    try:
+        for upload in (2.0, 1000.0, None, 2.0):
+            dht = first if not averagers else hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                                           initial_peers=first.get_visible_maddrs())
+            dhts.append(dht) if dht is not first else None
+            model = torch.nn.Linear(4, 2)
+            averagers.append(RecordingStateAverager(
+                dht=dht, prefix=prefix, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                params=model.parameters(), bandwidth=upload, start=True))
+        for averager, epoch in zip(averagers, (5, 5, 5, 6)):
+            averager.state_sharing_priority = epoch
+
+        def declared():
+            entries, _ = first.get(f"{prefix}.all_averagers", latest=True) or ({}, None)
+            # keyed as hivemind's download reads them: PeerID(subkey)
+            values = {PeerID(key): float(entry.value) for key, entry in entries.items()}
+            return values if len(values) == 4 and min(values.values()) >= 5 else None
+        deadline = time.monotonic() + 30
+        while (found := declared()) is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert found is not None, "the averagers did not declare their state in the DHT within 30 s"
+        by_peer = [found[a.peer_id] for a in averagers]
+        slow, fast, unknown, slow_ahead = by_peer
+        assert 5 <= slow < unknown < fast < 6 <= slow_ahead < 7, by_peer
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
