@@ -173,6 +173,12 @@ class RobustPartReducer(TensorPartReducer):
 
     def finalize(self):
         if not self.finished.is_set() and self.report is not None:
+            # a sender whose parts did not all come while others' did: left out (hivemind's next_chunk_timeout).
+            # Not when nobody's came: the round itself was called off, and no sender is to blame
+            if self.num_parts and max(self.num_parts_received, default=0) == self.num_parts:
+                for sender, count in enumerate(self.num_parts_received):
+                    if count < self.num_parts and sender not in self.excluded:
+                        self._found(sender, "part not in time (left out of the round)")
             for sender, reasons in self.findings.items():
                 for reason in sorted(reasons):
                     self.report(sender, reason)
