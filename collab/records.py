@@ -22,6 +22,9 @@ EPOCH_LEAD = 3  # an honest peer is at most an epoch or two ahead of the others'
 FRESH_SECONDS = 120.0  # only peers heard from this recently vote on what epoch is plausible
 MAX_SAMPLES = 10**12
 MAX_RATE = 1e9  # samples per second
+# what a peer's record may say it refused from another that is no sign of foul play: a slow link, not an attack
+# (collab.aggregation reports it; collab.state shows it but does not count it toward "suspect")
+LATE_PART = "part not in time (left out of the round)"
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Optional
 from pydantic import BaseModel
 
 from collab.metrics import PROGRESS_SUFFIX, PeerMetricsRecord, metrics_key
-from collab.records import Rejections, accept, drop_implausible_epochs, signed_values
+from collab.records import LATE_PART, Rejections, accept, drop_implausible_epochs, signed_values
 
 
 class PeerState(BaseModel):
@@ -145,14 +145,16 @@ def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:
 
 def _flag_suspects(peers: list[PeerState], records: dict) -> None:
     """Each peer's record says what it refused from whom; a reporter may lie, so a peer is a suspect only when
-    at least half of the others (one, in a pair) have refused something from it."""
+    at least half of the others (one, in a pair) have refused something from it - other than a part that came too
+    late, which a slow link explains."""
     by_id = {p.peer_id: p for p in peers}
     for reporter, record in records.items():
         for accused, reasons in record.rejected.items():
             peer = by_id.get(accused)
             if peer is None or accused == reporter:
                 continue
-            peer.reported_by += 1
+            if any(not reason.startswith(LATE_PART) for reason in reasons):  # a slow link is not foul play
+                peer.reported_by += 1
             for reason, count in reasons.items():
                 peer.contributions_rejected += count
                 peer.rejected_by_reason[reason] = peer.rejected_by_reason.get(reason, 0) + count

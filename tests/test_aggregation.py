@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from collab.aggregation import Aggregation, RobustPartReducer, centered_clip
+from collab.records import LATE_PART
+from collab.state import _flag_suspects
 
 
 def reduce(parts: list[torch.Tensor], weights: list[float], rule: Aggregation, caps: dict | None = None
@@ -147,3 +149,35 @@ def test_a_part_from_few_samples_is_noisy_not_an_outlier():
     assert found == {}, found
     flipped, found = reduce(full + [few, -1000 * full[0]], [512.0] * 4 + [2.0, 512.0], Aggregation())
     assert found == {5: ["part dropped (over 5 clip radii from the others')"]}, found
+
+
+def test_a_sender_whose_parts_never_came_is_named_and_a_called_off_round_blames_nobody():
+    """Two parts per sender; sender 2 sends none (a slow uplink past next_chunk_timeout): hivemind's reducer is
+    finalized with the round, and only sender 2 is reported late. A reducer finalized before anyone's parts came
+    (the round was called off) names nobody."""
+    shape = torch.Size([4])
+
+    async def run(senders_that_send):
+        found: dict[int, list[str]] = {}
+        reducer = RobustPartReducer([shape, shape], 3, Aggregation(method="mean"),
+                                    report=lambda sender, why: found.setdefault(sender, []).append(why))
+        tasks = [asyncio.ensure_future(reducer.accumulate_part(i, part, torch.ones(shape)))
+                 for i in senders_that_send for part in (0, 1)]
+        await asyncio.sleep(0.05)  # the first part waits for sender 2, which never comes
+        reducer.finalize()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return found
+
+    assert asyncio.run(run([0, 1])) == {2: [LATE_PART]}
+    assert asyncio.run(run([])) == {}
+
+
+def test_a_late_peer_is_shown_but_not_suspect():
+    from tests.test_guard import peer_state, record
+
+    late = {f"{LATE_PART} (gradients)": 5}
+    records = {"a": record("a", {"x": late}), "b": record("b", {"x": late}), "x": record("x", {})}
+    peers = [peer_state(p) for p in "abx"]
+    _flag_suspects(peers, records)
+    x = next(p for p in peers if p.peer_id == "x")
+    assert not x.suspect and x.reported_by == 0 and x.rejected_by_reason == {f"{LATE_PART} (gradients)": 10}
