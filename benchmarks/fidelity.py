@@ -5,10 +5,11 @@ embedded corpus for --steps collaborative steps; one process trains the same mod
 initial weights), optimizer and schedule with plain gradient accumulation to the same batch. The swarm's peers
 keep their identities (so their data order) across codecs: rows differ only in the codec.
 
-Columns: codec; mean loss over the last 5 steps; progress ratio (L0 - L_N) / (L0 - L_N of the single process),
-mean and spread over the seeds; bytes per peer per step as its all-reduce counted them; x fewer bytes than
-fp32; wall time per run. Goals (issue 12): fp16 >= 0.98; 8-bit >= 0.97 at >= 4x; powersgd (rank 4) >= 0.95
-at >= 10x; dgc >= 0.95 at >= 100x after warm-up.
+Columns: codec; mean loss over the last 5 steps; progress ratio (L0 - L_N) / (L0 - L_N of the single process), with
+one L0 for both (they start from the same weights: the mean of the two runs' first-step losses), mean and spread
+over the seeds; bytes per peer per step as its all-reduce counted them; x fewer bytes than fp32, over the whole run
+and over its last rounds (dgc's sparsity warms up); wall time per run. Goals (issue 12): fp16 >= 0.98; 8-bit >=
+0.97 at >= 4x; powersgd (rank 4) >= 0.95 at >= 10x; dgc >= 0.95 at >= 100x after warm-up.
 
     python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,dgc] [--seeds 0,1,2] [--steps 60]
                                    [--batch 48] [--seq-length 128] [--overlap optimizer]
@@ -24,12 +25,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from collab.traffic import RECENT_ROUNDS  # noqa: E402
 from peers.launcher import LocalSwarm  # noqa: E402
 from tests.conftest import peer_env, read_summary  # noqa: E402
 
@@ -94,13 +97,16 @@ def swarm(args, codec: str, seed: int, identities: Path, workdir: Path) -> dict:
     rounds = sum(s["rounds_joined"] + s["rounds_failed"] for s in summaries)
     return dict(losses=losses, bytes_per_step=moved / max(rounds, 1),
                 fewer=sum(s["allreduce_fp32_bytes"] for s in summaries) / moved if moved else float("nan"),
+                # the last rounds alone (after dgc's warm-up): each peer's own recent rate, averaged
+                fewer_recent=statistics.mean(s["allreduce_recent_fewer_than_fp32"] or float("nan") for s in summaries),
                 failed=sum(s["rounds_failed"] for s in summaries), wall=time.monotonic() - started,
                 samples_per_step=sum(s["samples_contributed"] for s in summaries) / args.steps)
 
 
-def progress(losses: list[float]) -> tuple[float, float]:
+def progress(losses: list[float], first: Optional[float] = None) -> tuple[float, float]:
+    """(L0 - L_N, L_N): L_N over the last steps. `first`: L0 to use instead of this run's own first step."""
     last = statistics.mean(losses[-LAST:])
-    return losses[0] - last, last
+    return (losses[0] if first is None else first) - last, last
 
 
 def main() -> int:
@@ -119,12 +125,13 @@ def main() -> int:
     from hivemind.p2p import P2P
 
     work = Path(tempfile.mkdtemp(prefix="collab-fidelity-"))
-    single = {}
+    single, single_losses = {}, {}
     for seed in seeds:
         (work / f"ids{seed}").mkdir()
         for i in range(PEERS):
             P2P.generate_identity(str(work / f"ids{seed}" / f"peer{i}.identity"))
-        single[seed] = progress(single_process(args, seed))
+        single_losses[seed] = single_process(args, seed)
+        single[seed] = progress(single_losses[seed])
         print(f"single process, seed {seed}: L0 - L{args.steps} = {single[seed][0]:.3f}, "
               f"last {LAST} steps {single[seed][1]:.3f}", flush=True)
     rows = []
@@ -132,11 +139,14 @@ def main() -> int:
         results = []
         for seed in seeds:
             result = swarm(args, codec, seed, work / f"ids{seed}", work / f"{codec}-{seed}")
-            gain, last = progress(result["losses"])
-            result.update(ratio=gain / single[seed][0], last=last)
+            # both runs start from the same weights: one L0 for both, the mean of their two estimates of it
+            first = (result["losses"][0] + single_losses[seed][0]) / 2
+            gain, last = progress(result["losses"], first)
+            result.update(ratio=gain / progress(single_losses[seed], first)[0], last=last)
             results.append(result)
             print(f"{codec}, seed {seed}: progress ratio {result['ratio']:.3f}, last {LAST} steps {last:.3f}, "
-                  f"{result['bytes_per_step'] / 1e6:.2f} MB/peer/step ({result['fewer']:.1f}x fewer than fp32), "
+                  f"{result['bytes_per_step'] / 1e6:.2f} MB/peer/step ({result['fewer']:.1f}x fewer than fp32, "
+                  f"{result['fewer_recent']:.1f}x over the last rounds), "
                   f"{result['failed']} rounds failed, {result['samples_per_step']:.0f} samples/step, "
                   f"{result['wall']:.0f} s", flush=True)
         ratios = [r["ratio"] for r in results]
@@ -144,8 +154,10 @@ def main() -> int:
                      f"{statistics.mean(ratios):.3f} +- {statistics.pstdev(ratios):.3f}",
                      f"{statistics.mean(r['bytes_per_step'] for r in results) / 1e6:.2f}",
                      f"{statistics.mean(r['fewer'] for r in results):.1f}x",
+                     f"{statistics.mean(r['fewer_recent'] for r in results):.1f}x",
                      f"{statistics.mean(r['wall'] for r in results):.0f} s"))
-    header = ("codec", f"loss (last {LAST})", "progress ratio", "MB/peer/step", "vs fp32", "wall/run")
+    header = ("codec", f"loss (last {LAST})", "progress ratio", "MB/peer/step", "vs fp32",
+              f"vs fp32, last {RECENT_ROUNDS} rounds", "wall/run")
     print(f"\n3 peers x {args.steps} steps of {args.batch} samples (seq {args.seq_length}, overlap {args.overlap}), "
           f"seeds {args.seeds}; "
           f"single process L0 - L{args.steps}: " + ", ".join(f"{single[s][0]:.3f}" for s in seeds))

@@ -26,10 +26,12 @@ RECENT_ROUNDS = 16
 
 
 def _values(message: averaging_pb2.AveragingData) -> int:
+    if not message.HasField("tensor_part"):
+        return 0
     count = 1
     for dim in message.tensor_part.size:
         count *= dim
-    return count if message.HasField("tensor_part") else 0
+    return count
 
 
 class CountingRunner(AllReduceRunner):
@@ -128,10 +130,11 @@ class TrafficLog:
         return this
 
     def copy_to(self, summary) -> None:
-        """Into a trainer Summary: the totals of every round so far."""
+        """Into a trainer Summary: the totals of every round so far, and the recent rounds' rate."""
         with self._lock:
             summary.allreduce_bytes_sent, summary.allreduce_bytes_received = self.total.bytes_sent, self.total.bytes_received
             summary.allreduce_fp32_bytes = self.total.fp32_bytes
+        summary.allreduce_recent_mb_per_round, summary.allreduce_recent_fewer_than_fp32 = self.per_round()
 
     def per_round(self) -> tuple[Optional[float], Optional[float]]:
         """(MB moved per round, sent plus received, over the recent rounds; x fewer bytes than fp32)."""

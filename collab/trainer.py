@@ -61,6 +61,9 @@ class Summary:
     allreduce_bytes_sent: int = 0
     allreduce_bytes_received: int = 0
     allreduce_fp32_bytes: float = 0.0
+    # the same over the last rounds only (collab.traffic.RECENT_ROUNDS): what a codec costs once warmed up
+    allreduce_recent_mb_per_round: Optional[float] = None
+    allreduce_recent_fewer_than_fp32: Optional[float] = None
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
