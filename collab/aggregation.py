@@ -30,6 +30,8 @@ from typing import Callable, Collection, Optional, Sequence
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
+from collab.records import LATE_PART
+
 AGGREGATIONS = ("mean", "centered_clip")
 DROP_BEYOND = 5.0  # clip radii: a part further than this from the coordinate-wise median is not taken at all
 
@@ -178,7 +180,7 @@ class RobustPartReducer(TensorPartReducer):
             if self.num_parts and max(self.num_parts_received, default=0) == self.num_parts:
                 for sender, count in enumerate(self.num_parts_received):
                     if count < self.num_parts and sender not in self.excluded:
-                        self._found(sender, "part not in time (left out of the round)")
+                        self._found(sender, LATE_PART)
             for sender, reasons in self.findings.items():
                 for reason in sorted(reasons):
                     self.report(sender, reason)
