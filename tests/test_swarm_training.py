@@ -83,6 +83,16 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
 FEWER_BYTES = {"fp16": (1.95, 2.0), "powersgd": (6.0, 7.0), "dgc": (20.0, 50.0)}
 
 
+def _averaging(compression: str) -> dict:
+    """dgc as the shipped config for home links sets it (configs/albert-tiny-home.yaml), so the test follows it."""
+    if compression != "dgc":
+        return {"averaging.compression": compression}
+    home = load_config("albert-tiny-home").averaging
+    assert home.compression == "dgc", home
+    return {f"averaging.{name}": getattr(home, name)
+            for name in ("compression", "dgc_sparsity", "dgc_warmup_epochs", "dgc_momentum", "overlap")}
+
+
 @pytest.mark.parametrize("compression", ["fp16", "powersgd", "dgc"])
 def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(tmp_path, run_id, compression,
                                                                                 no_leftover_processes):
@@ -90,9 +100,9 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     averaging off (it would make the replicas equal whether gradients were averaged or not) the two replicas end
     equal: each drew its own data, so only identical averaged gradients can keep them together. Stepping on
     its own gradients once moves a replica ~lr = 1e-2 away from the other. With powersgd both must apply the
-    same rank-4 approximation P Q^T (two all-reduces per round, a client-mode peer in both)."""
-    config = swarm_config(tmp_path, 2, {"averaging.average_state_every": 1000, "averaging.compression": compression,
-                                        "averaging.dgc_warmup_epochs": 0})
+    same rank-4 approximation P Q^T (two all-reduces per round, a client-mode peer in both). dgc: with the
+    settings of the shipped config for home links."""
+    config = swarm_config(tmp_path, 2, {"averaging.average_state_every": 1000, **_averaging(compression)})
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
     per_peer[1].append("--client-mode")
     with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", "3"],
