@@ -3,6 +3,8 @@
 Run as `python -m peers.averaging_probe ...` inside a peer's namespace (peers.averaging_rounds
 starts them). Every process holds a vector filled with `index + 1`, so the exact average is known
 and a partial round (hivemind reports those as success) shows up as a wrong value, not a flag.
+With `--wire dgc` it holds what a DGC peer sends instead: `index + 1` at 0.1% of the positions (its own,
+drawn from its index, so every process knows everyone's) and zeros elsewhere, on dgc's lossless sparse codec.
 Each round's timing starts when the all-reduce is triggered (matchmaking is not counted: it is
 done before, in the background, in real training too). Results go to --out as JSON.
 """
@@ -23,7 +25,38 @@ def interface_bytes() -> tuple[int, int]:
     return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
 
 
-def _round_record(started: float, finished: float, before: tuple[int, int], tensor, expected: float,
+DGC_DENSITY = 0.001  # dgc's default: 99.9% of each matrix left out
+
+
+def _dgc_positions(index: int, size: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(1000 + index)
+    return torch.randperm(size, generator=generator)[: max(1, int(size * DGC_DENSITY))]
+
+
+def _fill(tensor, args) -> None:
+    """This process's contribution to a round."""
+    if args.wire != "dgc":
+        tensor.fill_(args.index + 1)
+        return
+    tensor.zero_()
+    tensor[_dgc_positions(args.index, tensor.numel())] = float(args.index + 1)
+
+
+def _expected(args):
+    """The exact average of every process's contribution."""
+    if args.wire != "dgc":
+        return (args.world + 1) / 2  # the mean of 1..world
+    import torch
+
+    total = torch.zeros(args.size)
+    for i in range(args.world):
+        total[_dgc_positions(i, args.size)] += i + 1
+    return total / args.world
+
+
+def _round_record(started: float, finished: float, before: tuple[int, int], tensor, expected,
                   group_size: int) -> dict:
     after = interface_bytes()
     return dict(started=started, finished=finished, group_size=group_size,
@@ -53,7 +86,12 @@ def run_hivemind(args, vector) -> list[dict]:
     if args.index == 0:
         maddr = next(str(a) for a in dht.get_visible_maddrs() if args.host in str(a))
         Path(args.rendezvous).write_text(maddr)
-    compression = Float16Compression() if args.wire == "fp16" else NoCompression()
+    if args.wire == "dgc":
+        from collab.compression import wire_codec
+
+        compression = wire_codec("dgc")
+    else:
+        compression = Float16Compression() if args.wire == "fp16" else NoCompression()
     if args.aggregation:
         private["averager_class"] = _checked_averager(args.aggregation)
     averager = private.get("averager_class", hivemind.DecentralizedAverager)(
@@ -66,7 +104,7 @@ def run_hivemind(args, vector) -> list[dict]:
     try:
         for r in range(args.rounds):
             with averager.get_tensors() as tensors:
-                tensors[0].fill_(args.index + 1)
+                _fill(tensors[0], args)
             control = averager.step(require_trigger=True, wait=False, timeout=60 + 2 * args.stall_timeout,
                                     allow_retries=True)
             while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
@@ -188,7 +226,8 @@ def main(argv=None) -> None:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--size", type=int, required=True, help="elements of the fp32 vector")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--wire", choices=["fp32", "fp16"], default="fp32", help="precision on the wire")
+    p.add_argument("--wire", choices=["fp32", "fp16", "dgc"], default="fp32",
+                   help="precision on the wire; dgc: a 0.1%%-sparse vector on dgc's sparse codec (hivemind only)")
     p.add_argument("--host", required=True, help="this process's address")
     p.add_argument("--port", type=int, default=31337)
     p.add_argument("--bandwidth", type=float, default=None, help="hivemind: announced bandwidth")
@@ -204,7 +243,7 @@ def main(argv=None) -> None:
                    help="hivemind: collab's checked rounds with this rule (default: hivemind's own reducer)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    args.expected = (args.world + 1) / 2  # the mean of 1..world
+    args.expected = _expected(args)
     torch.set_num_threads(1)
     vector = torch.empty(args.size, dtype=torch.float32)
     records = (run_hivemind if args.backend == "hivemind" else run_gloo)(args, vector)
