@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from peers.averaging_rounds import ProbeFailed, best_of, lower_bound_seconds, measure_rounds  # noqa: E402
 from peers.netns import namespaces_unavailable_reason  # noqa: E402
 from peers.profiles import LinkSpec  # noqa: E402
+from peers.report import aligned  # noqa: E402
 
 # (backend, wire, private): the last row is a private run's members (every DHT request signed and checked,
 # every averaging RPC gated on the caller's peer id); goal: <= 1.02x the same round with auth off
@@ -127,11 +128,9 @@ def main() -> int:
                 rows.append((name, label, f"{best.seconds:.2f}", f"{bound:.2f}", f"{best.seconds / bound:.2f}x",
                              vs_gloo, f"{values}; {slow_share}"))
     header = ("scenario", "method", "seconds", "bound s", "vs bound", "vs gloo fp32 / same wire", "values; traffic")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print(f"{args.peers} peers, {args.size / 1e6:.0f}M fp32 values ({args.size * 4 / 1e6:.0f} MB); "
           f"bound = 2(k-1)/k * S_wire / slowest uplink")
-    for row in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    print("\n".join(aligned([header, *rows])))
     return 0
 
 

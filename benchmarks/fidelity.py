@@ -34,6 +34,7 @@ import yaml  # noqa: E402
 
 from collab.traffic import RECENT_ROUNDS  # noqa: E402
 from peers.launcher import LocalSwarm  # noqa: E402
+from peers.report import aligned  # noqa: E402
 from tests.conftest import peer_env, read_summary  # noqa: E402
 
 PEERS, LAST = 3, 5
@@ -161,9 +162,7 @@ def main() -> int:
     print(f"\n3 peers x {args.steps} steps of {args.batch} samples (seq {args.seq_length}, overlap {args.overlap}), "
           f"seeds {args.seeds}; "
           f"single process L0 - L{args.steps}: " + ", ".join(f"{single[s][0]:.3f}" for s in seeds))
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    print("\n".join(aligned([header, *rows])))
     return 0
 
 

@@ -20,6 +20,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from peers.report import aligned  # noqa: E402
+
 GOAL_ROUNDS, GOAL_COMPUTE = 0.90, 0.80
 
 
@@ -63,9 +67,7 @@ def main() -> int:
               "MB/round", "vs fp32", "goal")
     print(f"\nmixed profile, 4 peers, {args.duration} s; goal: every peer >= {GOAL_ROUNDS:.0%} of its rounds, "
           f">= {GOAL_COMPUTE:.0%} computing")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    print("\n".join(aligned([header, *rows])))
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 import torch
@@ -37,16 +38,27 @@ class LeavingMidStep(Exception):
 
 
 class _QuietLeave(logging.Filter):
-    """hivemind's background step logs an error and the traceback of what its trigger raised: not for a leave."""
+    """hivemind's background step logs an error and the traceback of what its trigger raised: not for a leave.
+    One per process, on hivemind's logger; each optimizer adds its stop event."""
 
-    def __init__(self, stop: threading.Event):
+    def __init__(self):
         super().__init__()
-        self.stop = stop
+        self.stops: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, LeavingMidStep) or (record.exc_info and isinstance(record.exc_info[1], LeavingMidStep)):
             return False
-        return not (self.stop.is_set() and "wait_for_trigger raised exception" in str(record.msg))
+        leaving = any(stop.is_set() for stop in list(self.stops))
+        return not (leaving and "wait_for_trigger raised exception" in str(record.msg))
+
+    @classmethod
+    def install(cls, stop: threading.Event) -> None:
+        logger = logging.getLogger("hivemind.optim.state_averager")
+        quiet = next((f for f in logger.filters if isinstance(f, cls)), None)
+        if quiet is None:
+            quiet = cls()
+            logger.addFilter(quiet)
+        quiet.stops.add(stop)
 
 
 class CollabOptimizer(Optimizer):
@@ -75,7 +87,7 @@ class CollabOptimizer(Optimizer):
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
-        logging.getLogger("hivemind.optim.state_averager").addFilter(_QuietLeave(self.stop))
+        _QuietLeave.install(self.stop)
         super().__init__(**kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":

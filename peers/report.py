@@ -44,6 +44,13 @@ class PeerReport:
 MIN_LOSS_EPOCHS = 3
 
 
+def aligned(rows: list) -> list[str]:
+    """Rows of cells (a header first) as lines of left-aligned columns, two spaces apart."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
+
+
 @dataclass
 class SwarmReport:
     run_id: str
@@ -83,8 +90,7 @@ class SwarmReport:
             rows.append((str(p.index), p.peer_id[-10:], p.link, f"{p.start_epoch}->{p.final_epoch}",
                          str(p.samples_contributed), compute, f"{p.rounds_joined}/{p.rounds_failed}", group, traffic,
                          per_round, loss, p.exit))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines = aligned(rows)
         lines.append(f"network: {self.network}")
         lines += [f"warning: {w}" for w in self.warnings]
         if self.churn_events:

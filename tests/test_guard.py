@@ -116,9 +116,10 @@ def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer
     dhts, averagers = [first], []
     try:
         for upload in (2.0, 1000.0, None, 2.0):
-            dht = first if not averagers else hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                                           initial_peers=first.get_visible_maddrs())
-            dhts.append(dht) if dht is not first else None
+            if averagers:  # the first averager shares the first DHT node; each other one gets its own
+                dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                         initial_peers=first.get_visible_maddrs()))
+            dht = dhts[-1]
             model = torch.nn.Linear(4, 2)
             averagers.append(RecordingStateAverager(
                 dht=dht, prefix=prefix, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
