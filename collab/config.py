@@ -61,6 +61,11 @@ class TrainingConfig(Section):
     weight_decay: float = Field(0.01, ge=0)
     max_grad_norm: float = Field(1.0, gt=0, description="LAMB's gradient clipping")
     seed: int = Field(0, ge=0, description="model initialisation seed, shared by all peers")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where this peer computes (auto: its GPU "
+                                                   "if torch sees one); each peer's own choice")
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="forward and backward passes' precision (autocast; fp16 with loss scaling); auto: "
+        "fp16 on a GPU, fp32 on a CPU. The optimizer and the averaged gradients stay fp32")
 
     @model_validator(mode="after")
     def _target_holds_a_micro_batch(self):
@@ -146,6 +151,8 @@ FLAG_TO_FIELD = {
     "matchmaking_time": "averaging.matchmaking_time",
     "group_size": "averaging.group_size",
     "bandwidth": "averaging.bandwidth",
+    "device": "training.device",
+    "precision": "training.precision",
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every_epochs",
 }

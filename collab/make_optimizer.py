@@ -17,6 +17,7 @@ from collab.dgc import DGCSettings, sparsified
 from collab.grad_averager import CollabDGCAverager, CollabGradientAverager, CollabPowerSGDAverager
 from collab.metrics import AveragingLog
 from collab.optim import CollabOptimizer
+from collab.precision import uses_precision
 from collab.rejections import RejectionLog
 from collab.robust_rounds import quiet_rejections
 from collab.traffic import TrafficLog
@@ -57,8 +58,9 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         load_state_timeout=avg.load_state_timeout,
         offload_optimizer=True,
         # accumulate micro-batches in the model's own .grad: no copy and no zeroing per micro-batch
-        # (2% of a CPU peer's time); the delayed all-reduce of overlap=full needs a separate buffer
-        reuse_grad_buffers=avg.overlap != "full",
+        # (2% of a CPU peer's time); the delayed all-reduce of overlap=full needs a separate buffer, and fp16's
+        # loss scaling one micro-batch's gradients alone (collab.precision)
+        reuse_grad_buffers=avg.overlap != "full" and uses_precision(config.training) != "fp16",
         delay_optimizer_step=avg.overlap in ("optimizer", "full"),
         delay_grad_averaging=avg.overlap == "full",
         average_state_every=avg.average_state_every,

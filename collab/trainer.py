@@ -16,6 +16,7 @@ from collab.config import RunConfig
 from collab.guard import RELOAD_AFTER, BatchGuard
 from collab.lifecycle import StopOnSignal
 from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
+from collab.precision import Precision
 from collab.progress import ProgressDisplay, Snapshot
 from collab.run.sharing import RunSharer, SharedRun
 from collab.identity import load_or_create_identity
@@ -67,6 +68,8 @@ class Summary:
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
+    device: str = ""  # where and in what precision this peer computed (collab.precision)
+    fp16_overflows: int = 0  # micro-batches skipped by fp16 loss scaling (not dropped: collab.guard never saw them)
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
 
 
@@ -109,6 +112,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     summary = Summary()
     if stop.is_set():  # asked to leave while still starting up (e.g. importing torch): nothing joined, nothing lost
         return _write_exit_summary(summary, options, "stopped by signal")
+    precision = Precision.from_config(config.training)  # a missing GPU fails here, before anything starts
     task = build_task(config)
     ckpt_dir = config.checkpoint.dir
     resume = load_model_weights(ckpt_dir, task) if ckpt_dir else None  # before the optimizer copies the weights
@@ -118,15 +122,26 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     identity = swarm.identity if swarm is not None else load_or_create_identity(peer.identity)
     seed = int.from_bytes(hashlib.sha256(identity.key.to_bytes()).digest()[:4], "little")
     batches = task.batches(config.training.micro_batch_size, seed)
-    # one throw-away forward/backward: the first step of a process is several times slower (allocator,
-    # data pipeline), and a peer that announced itself before it would look stalled to the swarm
-    task.loss(next(batches)).backward()
-    task.model.zero_grad(set_to_none=True)
+    # the DHT's process is forked before this one initialises CUDA (as in hivemind's own examples): a fork of a
+    # CUDA process must never touch the GPU, and nothing then depends on the DHT's code never doing so
+    swarm = swarm if swarm is not None else Swarm(peer, identity)
+    try:
+        precision.attach(task.model)
+        summary.device = precision.describe()
+        # one throw-away forward/backward: the first step of a process is several times slower (allocator, data
+        # pipeline, CUDA kernels), and a peer that announced itself before it would look stalled to the swarm
+        with precision.autocast():
+            warm_up = task.loss(precision.to_device(next(batches)))
+        precision.backward(warm_up)
+        task.model.zero_grad(set_to_none=True)
+    except BaseException:  # out of GPU memory, a signal: the DHT process started above must not outlive us
+        swarm.shutdown()
+        raise
 
     if stop.is_set():
+        swarm.shutdown()
         return _write_exit_summary(summary, options, "stopped by signal")
     display = ProgressDisplay(live=options.live_display)
-    swarm = swarm if swarm is not None else Swarm(peer, identity)
     summary.peer_id = swarm.peer_id
     log = AveragingLog()
     opt = dashboard = sharer = None
@@ -165,7 +180,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             _wait_for_peers(swarm, options, display, stop)
         summary.start_epoch = opt.local_epoch
         micro = config.training.micro_batch_size
-        epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, 0.0
+        epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, float("-inf")
         guard = BatchGuard(task.model.parameters())
         checkpoint_due = False
         loop_started = time.monotonic()
@@ -176,11 +191,15 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     break
                 task.set_step(opt.local_epoch)
                 computing = time.monotonic()
-                loss = task.loss(next(batches))
+                with precision.autocast():
+                    loss = task.loss(precision.to_device(next(batches)))
                 loss_ok = guard.loss_ok(loss)
                 if loss_ok:
-                    loss.backward()
+                    precision.backward(loss)
                 summary.compute_seconds += time.monotonic() - computing
+                if loss_ok and not precision.unscale():  # fp16 overflowed: a smaller loss scale, the next batch
+                    summary.fp16_overflows = precision.overflows
+                    continue
                 if loss_ok:
                     if guard.gradients_ok():
                         opt.step()

@@ -68,13 +68,14 @@ def test_a_tampered_manifest_another_key_or_another_run_is_refused(run_folder):
 def test_a_peer_sets_only_its_own_things(run_folder, tmp_path):
     folder = run_folder
     manifest = load_run_folder(folder).manifest
-    mine = {"training": {"micro_batch_size": 4}, "task": {"data": {"dataset": "/my/texts"}},
-            "checkpoint": {"dir": "/my/ckpt"}}
+    mine = {"training": {"micro_batch_size": 4, "device": "cpu", "precision": "bf16"},
+            "task": {"data": {"dataset": "/my/texts"}}, "checkpoint": {"dir": "/my/ckpt"}}
     assert contradictions(manifest, mine, None) == []
     assert contradictions(manifest, {"training": {"learning_rate": 0.5}}, None) == [
         "--learning-rate 0.5 differs from the run's manifest (training.learning_rate = 0.01)"]
     config = config_for_peer(manifest, mine, folder / "tokenizer.json")
     assert config.training.micro_batch_size == 4 and config.task.data.dataset == "/my/texts"
+    assert (config.training.device, config.training.precision) == ("cpu", "bf16")  # a volunteer's hardware
     assert str(config.checkpoint.dir) == "/my/ckpt" and config.task.data.tokenizer == str(folder / "tokenizer.json")
     assert config.training.target_batch_size == 1024  # the run's
     other = write_config(tmp_path, {"training.target_batch_size": 4096, "training.learning_rate": 0.5})
@@ -91,3 +92,4 @@ def test_the_first_peers_own_manifest_is_signed_like_an_organizers(micro_config)
     run = ephemeral_run("quick", load_config(micro_config))
     assert verify(run.signed, "quick", run.fingerprint).fingerprint == run.fingerprint
     assert sign(run.manifest, run.organizer_key).manifest == run.manifest.canonical().decode()
+

@@ -37,6 +37,10 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here and resume from them")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N epochs")
     p.add_argument("--micro-batch-size", type=int, default=None, help="samples per local step (config: training)")
+    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
+                   help="where this peer computes (default auto: its GPU if torch sees one)")
+    p.add_argument("--precision", default=None, choices=("auto", "fp32", "fp16", "bf16"),
+                   help="autocast precision of forward/backward (default auto: fp16 on a GPU, fp32 on a CPU)")
     p.add_argument("--target-batch-size", type=int, default=None, help="swarm-wide batch per optimizer step")
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--dataset", default=None,

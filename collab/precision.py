@@ -1,0 +1,107 @@
+"""Where a peer computes and in what precision: its own business (a volunteer's GPU, another's CPU), never the
+run's. The averaged gradients and the optimizer stay fp32 on the CPU (hivemind's offloaded optimizer): only the
+forward and backward passes run in the chosen precision.
+
+fp16 needs loss scaling (its gradients underflow below 6e-8). hivemind's GradScaler is built around torch's
+and the optimizer's own step; collab checks and drops micro-batches itself (collab.guard), so the scaling is
+done here, per micro-batch: the loss is multiplied by the scale, the micro-batch's gradients divided by it
+before the optimizer accumulates them, and an overflow halves the scale and skips the micro-batch (it is not
+a bad batch: collab.guard never sees it, and it never counts toward reloading the replica).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from collab.errors import UserError
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+INITIAL_SCALE = 2.0 ** 16
+GROW_AFTER = 1000  # clean micro-batches in a row before the scale doubles (as torch's GradScaler: 2000 steps)
+MIN_SCALE = 1.0
+
+
+def choose_device(device: str) -> torch.device:
+    """training.device: "auto" is the GPU when there is one."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("training.device is 'cuda' but torch sees no GPU (torch " + torch.__version__ + "); set "
+                        "--device cpu, or install a CUDA build of torch")
+    return torch.device(device)
+
+
+def uses_precision(training) -> str:
+    """training.precision with "auto" decided: fp16 on a GPU, fp32 on a CPU."""
+    if training.precision != "auto":
+        return training.precision
+    return "fp16" if choose_device(training.device).type == "cuda" else "fp32"
+
+
+@dataclass
+class Precision:
+    device: torch.device
+    precision: str  # fp32 | fp16 | bf16
+    scale: float = INITIAL_SCALE
+    clean_in_a_row: int = 0
+    overflows: int = 0  # fp16 micro-batches skipped because their gradients overflowed
+    _parameters: list = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, training) -> "Precision":
+        device = choose_device(training.device)
+        precision = uses_precision(training)
+        if precision == "fp16" and device.type != "cuda":
+            raise UserError(f"training.precision fp16 needs a GPU (this peer computes on {device.type}); use "
+                            "--precision bf16 or fp32 on a CPU")
+        return cls(device=device, precision=precision)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        model.to(self.device)
+        self._parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def to_device(self, batch: dict) -> dict:
+        if self.device.type == "cpu":
+            return batch
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    @property
+    def scaling(self) -> bool:
+        return self.precision == "fp16"
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scale if self.scaling else loss).backward()
+
+    def unscale(self) -> bool:
+        """After backward: the micro-batch's gradients divided by the scale. False on an overflow (the scale is
+        halved, and the gradients are cleared: the caller skips the micro-batch)."""
+        if not self.scaling:
+            return True
+        grads = [p.grad for p in self._parameters if p.grad is not None]
+        if not grads:
+            return True
+        finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+        if not finite:
+            self.overflows += 1
+            self.scale = max(MIN_SCALE, self.scale / 2)
+            self.clean_in_a_row = 0
+            for p in self._parameters:
+                p.grad = None
+            return False
+        torch._foreach_mul_(grads, 1.0 / self.scale)
+        self.clean_in_a_row += 1
+        if self.clean_in_a_row >= GROW_AFTER:
+            self.scale, self.clean_in_a_row = self.scale * 2, 0
+        return True
+
+    def describe(self) -> str:
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
+        return f"{self.precision} on {self.device.type} ({name})"
