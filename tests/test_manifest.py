@@ -93,3 +93,23 @@ def test_the_first_peers_own_manifest_is_signed_like_an_organizers(micro_config)
     assert verify(run.signed, "quick", run.fingerprint).fingerprint == run.fingerprint
     assert sign(run.manifest, run.organizer_key).manifest == run.manifest.canonical().decode()
 
+
+def test_the_manifest_is_published_at_once_on_a_machine_just_booted(micro_config, monkeypatch):
+    """time.monotonic() counts from boot: on a VM up for 5 s, "published 0.0 s ago" must not mean "just now"
+    (an organizer on a fresh GPU machine kept its manifest to itself for its first 200 s of uptime)."""
+    import time
+    from types import SimpleNamespace
+
+    from collab.run.folder import ephemeral_run
+    from collab.run.sharing import MANIFEST_SUFFIX, RunSharer, SharedRun
+
+    stored = []
+    dht = SimpleNamespace(store=lambda **record: stored.append(record))
+    swarm = SimpleNamespace(dht=dht, public_key=b"key", peer=SimpleNamespace(run_id="quick", client_mode=True))
+    run = ephemeral_run("quick", load_config(micro_config))
+    monkeypatch.setattr(time, "monotonic", lambda: 5.0)
+    sharer = RunSharer(swarm, SharedRun(run.signed, run.fingerprint, tokenizer_file=None))
+    sharer.start()
+    assert [(r["key"], r["value"]) for r in stored] == [("quick" + MANIFEST_SUFFIX, run.signed)]
+    sharer.refresh()  # and not again until a third of its lifetime has passed
+    assert len(stored) == 1

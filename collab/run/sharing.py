@@ -246,7 +246,7 @@ class RunSharer:
         self.on_lost = on_lost if on_lost is not None else (lambda why: None)
         self.server: Optional[RunFileServer] = None
         self.watch: Optional[AccessWatch] = None
-        self._published = 0.0
+        self._published = float("-inf")  # never: time.monotonic() counts from boot, and a fresh VM is at < 200
 
     def start(self) -> "RunSharer":
         from collab.run.watch import AccessWatch
