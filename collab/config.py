@@ -81,7 +81,22 @@ class TrainingConfig(Section):
 COMPRESSIONS = ("none", "fp16", "scaled-fp16", "uniform8bit", "quantile8bit", "size-adaptive", "powersgd", "dgc")
 
 
+class DiLoCoConfig(Section):
+    """averaging.mode diloco (collab.diloco): local steps, then the swarm averages where each replica went."""
+    outer_lr: float = Field(0.7, gt=0, le=10, description="the outer Nesterov SGD's learning rate (OpenDiLoCo's)")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="the outer Nesterov SGD's momentum")
+    inner_lr: Optional[float] = Field(None, gt=0, description="the inner AdamW's learning rate (default: "
+                                      "training.learning_rate)")
+    inner_warmup_steps: int = Field(0, ge=0, le=10**7, description="linear warm-up of the inner learning rate, in "
+                                    "this peer's own micro-batches")
+
+
 class AveragingConfig(Section):
+    mode: Literal["sync", "diloco"] = Field(
+        "sync", description="sync: the swarm averages gradients once per target batch (DeDLOC); diloco: each peer "
+        "takes its own inner steps and the swarm averages where they went once per target batch (samples per "
+        "outer step), then every replica takes the same outer step (collab.diloco)")
+    diloco: DiLoCoConfig = Field(default_factory=DiLoCoConfig)
     matchmaking_time: float = Field(5.0, gt=0, description="seconds spent forming an averaging group")
     group_size: Optional[int] = Field(
         None, ge=2, le=1024, description="begin a round as soon as this many peers joined its group instead of "
@@ -100,7 +115,8 @@ class AveragingConfig(Section):
                                 "matrices dgc sends)")
     overlap: Literal["none", "optimizer", "full"] = Field(
         "optimizer", description="what runs in the background while the next micro-batches compute: nothing; "
-        "the optimizer step; or the gradient all-reduce too (one step of staleness)")
+        "the optimizer step; or the gradient all-reduce too (one step of staleness). diloco ignores it: its outer "
+        "step replaces the parameters the inner steps work on, so nothing overlaps")
     average_state_every: int = Field(5, gt=0, description="also average parameters every N epochs (repairs drift)")
     bandwidth: Optional[float] = Field(None, gt=0, le=1e6, description="announced upload bandwidth, Mbit/s")
     aggregation: Literal["auto", "mean", "centered_clip"] = Field(
@@ -111,6 +127,15 @@ class AveragingConfig(Section):
     clip_iterations: int = Field(5, ge=1, le=100)
     max_weight_ratio: float = Field(10.0, ge=1, le=1e6, description="a peer's averaging weight (its samples) is "
                                     "capped at this many times its group's median")
+
+    @model_validator(mode="after")
+    def _diloco_fits(self):
+        if self.mode != "diloco":
+            return self
+        if self.compression in ("dgc", "powersgd"):
+            raise ValueError(f"averaging.compression {self.compression} keeps per-round state for gradients and "
+                             "cannot carry diloco's pseudo-gradients; use fp16, uniform8bit or none")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -148,6 +173,7 @@ FLAG_TO_FIELD = {
     "dataset": "task.data.dataset",
     "tokenizer": "task.data.tokenizer",
     "compression": "averaging.compression",
+    "mode": "averaging.mode",
     "matchmaking_time": "averaging.matchmaking_time",
     "group_size": "averaging.group_size",
     "bandwidth": "averaging.bandwidth",

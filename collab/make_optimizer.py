@@ -38,7 +38,8 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
     averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2),
                          target_group_size=avg.group_size)
-    return CollabOptimizer(
+    mode = _diloco(config, task, rule, gate, rejections, traffic, averager_opts) if avg.mode == "diloco" else {}
+    return mode.pop("optimizer_class", CollabOptimizer)(**{**dict(
         averaging_log=averaging_log,
         stop=stop,
         gate=gate,
@@ -78,6 +79,28 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         shutdown_timeout=2,
         # hivemind's per-round messages ("Averaged gradients with 3 peers") when its log level is INFO or lower
         verbose=logging.getLogger("hivemind").getEffectiveLevel() <= logging.INFO,
+    ), **mode})
+
+
+def _diloco(config: RunConfig, task: Task, rule, gate, rejections, traffic, averager_opts) -> dict:
+    """What averaging.mode diloco changes (collab.diloco): the optimizer hivemind wraps is the outer one (no
+    schedule, no weight decay: those are the inner optimizer's), rounds carry pseudo-gradients, and nothing
+    overlaps (the outer step replaces the parameters the inner steps work on)."""
+    from collab.diloco import DiLoCoOptimizer, PseudoGradientAverager, inner_optimizer, outer_optimizer
+
+    return dict(
+        optimizer_class=DiLoCoOptimizer,
+        inner=inner_optimizer(config, task),
+        max_grad_norm=config.training.max_grad_norm,
+        seed=config.training.seed,
+        params=[{"params": [p for p in task.model.parameters() if p.requires_grad]}],
+        optimizer=outer_optimizer(config),
+        scheduler=None,
+        reuse_grad_buffers=True,  # no accumulators: a round's tensors are made from the parameters
+        delay_optimizer_step=False,
+        delay_grad_averaging=False,
+        grad_averager_factory=partial(PseudoGradientAverager, gate=gate, rule=rule, findings=rejections.queue,
+                                      traffic=traffic.queue, **averager_opts),
     )
 
 

@@ -46,6 +46,10 @@ class PeerMetricsRecord(pydantic.BaseModel):
     # gradient rounds' traffic as this peer's all-reduce counted it (collab.traffic), over its recent rounds
     mb_per_round: Optional[pydantic.confloat(ge=0, le=1e6, strict=True)] = None
     fewer_bytes_than_fp32: Optional[pydantic.confloat(gt=0, le=1e6, strict=True)] = None
+    # averaging.mode diloco (collab.diloco): inner steps this outer step, and the last pseudo-gradient's norm
+    mode: Literal["sync", "diloco"] = "sync"
+    inner_steps: Optional[pydantic.conint(ge=0, le=10**12, strict=True)] = None
+    pseudo_gradient_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     rejected: Dict[pydantic.constr(max_length=128, strict=True),
                    Dict[pydantic.constr(max_length=160, strict=True), pydantic.conint(ge=0, le=10**12, strict=True)]] = {}
 

@@ -36,6 +36,8 @@ class PeerState(BaseModel):
     batches_dropped: int = 0  # its own micro-batches it did not send (non-finite loss or gradients)
     mb_per_round: Optional[float] = None  # sent + received per gradient round, as it counted them
     fewer_bytes_than_fp32: Optional[float] = None  # how many times fewer than the same rounds uncompressed
+    inner_steps: Optional[int] = None  # diloco: this peer's inner steps toward the coming outer step
+    pseudo_gradient_norm: Optional[float] = None  # diloco: the norm of the last pseudo-gradient it sent
     contributions_rejected: int = 0  # what other peers refused from it (collab.rejections), summed over them
     rejected_by_reason: dict[str, int] = {}
     reported_by: int = 0  # how many other peers refused something from it
@@ -44,6 +46,7 @@ class PeerState(BaseModel):
 
 class RunState(BaseModel):
     run_id: str
+    mode: str = "sync"  # averaging.mode, as the peers' records say (an epoch is an outer step in diloco)
     global_epoch: int
     samples_accumulated: int
     target_batch_size: Optional[int]
@@ -99,11 +102,15 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
             batches_dropped=r.batches_dropped if r else 0,
             mb_per_round=r.mb_per_round if r else None,
             fewer_bytes_than_fp32=r.fewer_bytes_than_fp32 if r else None,
+            inner_steps=r.inner_steps if r else None,
+            pseudo_gradient_norm=r.pseudo_gradient_norm if r else None,
         ))
     _flag_stragglers(peers, global_epoch)
     _flag_suspects(peers, records)
+    modes = Counter(r.mode for r in records.values())
     return RunState(
         run_id=run_id,
+        mode=modes.most_common(1)[0][0] if modes else "sync",
         global_epoch=global_epoch,
         samples_accumulated=accumulated,
         target_batch_size=target,

@@ -68,6 +68,9 @@ class Summary:
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
+    mode: str = "sync"  # averaging.mode
+    # diloco: each outer step as this peer saw it (outer step -> norm, weight, probe, applied; collab.diloco)
+    outer_steps: dict[int, dict] = field(default_factory=dict)
     device: str = ""  # where and in what precision this peer computed (collab.precision)
     fp16_overflows: int = 0  # micro-batches skipped by fp16 loss scaling (not dropped: collab.guard never saw them)
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
@@ -109,7 +112,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     `swarm`: this peer's DHT node if it is already up (a volunteer's, started to fetch the manifest)."""
     # hivemind advances a downloaded schedule before the first optimizer step; that is intended
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
-    summary = Summary()
+    summary = Summary(mode=config.averaging.mode)
     if stop.is_set():  # asked to leave while still starting up (e.g. importing torch): nothing joined, nothing lost
         return _write_exit_summary(summary, options, "stopped by signal")
     precision = Precision.from_config(config.training)  # a missing GPU fails here, before anything starts
@@ -233,6 +236,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
                     opt.traffic.copy_to(summary)
                     summary.nonfinite_parameters = nonfinite_parameters(task.model)
+                    summary.outer_steps = dict(getattr(opt, "outer_steps", {}))
                     write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
                     summary.peers_found_back = swarm.rejoin()
@@ -390,6 +394,9 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         batches_dropped=sum(summary.batches_dropped.values()),
         rejected=opt.rejections.for_record(),
         **dict(zip(("mb_per_round", "fewer_bytes_than_fp32"), opt.traffic.per_round())),
+        mode=config.averaging.mode,
+        inner_steps=getattr(opt, "inner_steps", None),
+        pseudo_gradient_norm=getattr(opt, "last_pseudo_gradient_norm", None),
     )
     publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
 

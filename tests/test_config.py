@@ -36,6 +36,12 @@ def test_cli_flags_override_the_file(micro_config):
     ({"task.model.num_attention_heads": 3}, "hidden_size (64) is not divisible by num_attention_heads (3)"),
     ({"task.data.seq_length": 512}, "data.seq_length (512) exceeds model.max_position_embeddings (64)"),
     ({"task.name": "gpt"}, "task.name: 'gpt' is not a task; use one of 'albert', 'swav'"),
+    ({"averaging.mode": "diloco", "averaging.compression": "dgc"},
+     "averaging.compression dgc keeps per-round state for gradients and cannot carry diloco's pseudo-gradients; "
+     "use fp16, uniform8bit or none"),
+    ({"averaging.mode": "gossip"}, "averaging.mode: input should be 'sync' or 'diloco'"),
+    ({"averaging.diloco": {"outer_lr": 0}}, "averaging.diloco.outer_lr: input should be greater than 0"),
+    ({"training.precision": "fp8"}, "training.precision: input should be 'auto', 'fp32', 'fp16' or 'bf16'"),
 ])
 def test_bad_config_names_the_field(tmp_path, changes, expected):
     path = write_config(tmp_path, changes)

@@ -80,17 +80,25 @@ def format_state(state) -> str:
 
     eta = f"{state.eta_seconds:.0f} s" if state.eta_seconds is not None else "unknown"
     target = state.target_batch_size or "?"
-    table = Table(title=f"run {state.run_id}: epoch {state.global_epoch}, {state.samples_accumulated}/{target} samples "
-                        f"toward the next step, {state.samples_per_second:.1f} samples/s, ETA {eta}")
-    for column in ("peer", "client", "samples/s", "epoch", "loss", "contributed", "MB/round", "last seen",
-                   "refused by others"):
+    diloco = state.mode == "diloco"
+    step = "outer step" if diloco else "epoch"
+    table = Table(title=f"run {state.run_id}{' (diloco)' if diloco else ''}: {step} {state.global_epoch}, "
+                        f"{state.samples_accumulated}/{target} samples toward the next step, "
+                        f"{state.samples_per_second:.1f} samples/s, ETA {eta}")
+    columns = ["peer", "client", "samples/s", step, "loss", "contributed", "MB/round", "last seen", "refused by others"]
+    if diloco:
+        columns[4:4] = ["inner steps", "last pseudo-grad norm"]
+    for column in columns:
         table.add_column(column)
     for p in state.peers:
         refused = f"{p.contributions_rejected} (by {p.reported_by})" if p.contributions_rejected else "0"
-        table.add_row(p.peer_id[-12:], "yes" if p.client_mode else "no", f"{p.samples_per_second:.1f}", str(p.epoch),
-                      f"{p.loss:.3f}" if p.loss is not None else "-",
-                      f"{p.samples_contributed} ({p.contribution:.0%})", _traffic(p), f"{p.last_seen:.0f} s ago",
-                      refused + (" SUSPECT" if p.suspect else ""))
+        cells = [p.peer_id[-12:], "yes" if p.client_mode else "no", f"{p.samples_per_second:.1f}", str(p.epoch),
+                 f"{p.loss:.3f}" if p.loss is not None else "-", f"{p.samples_contributed} ({p.contribution:.0%})",
+                 _traffic(p), f"{p.last_seen:.0f} s ago", refused + (" SUSPECT" if p.suspect else "")]
+        if diloco:
+            cells[4:4] = [str(p.inner_steps) if p.inner_steps is not None else "-",
+                          f"{p.pseudo_gradient_norm:.4g}" if p.pseudo_gradient_norm is not None else "-"]
+        table.add_row(*cells)
     console = Console(width=140, record=True)
     with console.capture() as capture:
         console.print(table)

@@ -15,9 +15,17 @@ function duration(seconds) {
 
 function text(el, value) { el.textContent = value; }
 
+function epochCell(p) {
+  if (!finite(p.inner_steps)) return p.epoch;
+  const norm = finite(p.pseudo_gradient_norm) ? `, last |Δ| ${fmt(p.pseudo_gradient_norm, 3)}` : "";
+  return `${p.epoch} (+${p.inner_steps} inner${norm})`;
+}
+
 function renderRun(run) {
   text($("run-id"), run.run_id);
   text($("epoch"), run.global_epoch);
+  // diloco: an epoch is an outer step; each peer shows its inner steps since and its last pseudo-gradient's norm
+  text($("epoch-label"), run.mode === "diloco" ? "outer step (diloco)" : "global epoch");
   const target = run.target_batch_size;
   const done = finite(target) && target > 0 ? Math.min(1, Math.max(0, run.samples_accumulated / target)) : 0;
   $("progress-fill").style.width = `${(done * 100).toFixed(1)}%`;
@@ -39,7 +47,7 @@ function renderRun(run) {
     const state = p.suspect ? "suspect" : !p.online ? "stale" : p.straggler ? "straggler" : "online";
     const refused = p.contributions_rejected ? `${p.contributions_rejected} (by ${p.reported_by})` : "0";
     const cells = [p.peer_id.slice(-10), p.client_mode ? "client / NAT" : "full", fmt(p.samples_per_second),
-      `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), p.epoch, traffic(p), `${duration(p.last_seen)} ago`, refused,
+      `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), epochCell(p), traffic(p), `${duration(p.last_seen)} ago`, refused,
       state];
     for (const value of cells) {
       const cell = document.createElement("td");

@@ -1,0 +1,178 @@
+"""averaging.mode diloco: DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
+Language Models"), elastic, on the same hivemind machinery as the sync mode.
+
+Each peer trains its replica with its own inner optimizer (AdamW), one step per micro-batch, in its own data
+order. The swarm counts samples as in the sync mode; when it has trained `training.target_batch_size` samples
+since the last outer step, every peer sends its pseudo-gradient - the outer parameters (where the replicas all
+started this outer step) minus its replica now - into one all-reduce, weighted by the samples it trained. The
+average is the outer gradient: a Nesterov SGD step (OpenDiLoCo's lr 0.7, momentum 0.9) on the outer parameters,
+the same on every replica, and each replica starts the next inner loop from the result.
+
+What this borrows from the sync mode, and why it makes DiLoCo elastic where OpenDiLoCo is not:
+- the outer parameters and the outer optimizer are hivemind's offloaded optimizer (fp32, on the CPU): a peer
+  that joins downloads them (and the outer momentum) like any state, and trains toward the current outer step;
+- the outer step closes on the swarm's samples, not on a count of workers: a peer that leaves or is killed mid-
+  inner-loop only takes its own samples away, and one that joins adds its own;
+- the all-reduce is the sync mode's: the configured codec, client-mode (NAT'd) peers, the robust aggregation
+  and members-only rules, and the fallback when a round fails (an outer step on this peer's own pseudo-gradient,
+  recorded as an own step and repaired by the next state round or download).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from hivemind.optim.grad_averager import GradientAverager
+
+from collab.aggregation import Aggregation
+from collab.grad_averager import OwnGradients
+from collab.optim import CollabOptimizer
+from collab.robust_rounds import CheckedRounds
+from collab.run.gate import MemberGate, MembersOnly
+
+
+class PseudoGradients:
+    """A GradientAverager mixin: a round averages outer parameters minus the replica, not accumulated gradients.
+    The micro-batches only count toward this peer's weight (its samples); their gradients are the inner
+    optimizer's. Placed after OwnGradients, so the copy a failed round steps on is this pseudo-gradient."""
+
+    outer_parameters: Optional[list[torch.Tensor]] = None  # set by DiLoCoOptimizer once hivemind made them
+    probe_seed = 0
+    last_norm: Optional[float] = None
+    last_weight = 0
+    last_probe: Optional[float] = None
+
+    epoch = 0  # this peer's outer step, sent along with every round (DiLoCoOptimizer keeps it current)
+
+    def schedule_step(self, *args, **kwargs):
+        kwargs.setdefault("gather", self.epoch)
+        return super().schedule_step(*args, **kwargs)
+
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int) -> None:
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self) -> None:
+        squares = 0.0
+        with self.get_tensors() as averaged:
+            for outer, replica, slot in zip(self.outer_parameters, self.parameters, averaged):
+                delta = outer.detach() - replica.detach().to(outer.device, torch.float32)
+                squares += float(delta.pow(2).sum())
+                slot.copy_(delta)
+            self.last_probe = _probe(averaged, self.probe_seed)
+        self.last_norm, self.last_weight = squares ** 0.5, self.local_samples_accumulated
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self) -> None:
+        self._accumulators_used_in_step = False
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self._anchor_batch_size = None
+
+
+class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, GradientAverager):
+    def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
+                 traffic=None, **kwargs):
+        # as CollabGradientAverager: before hivemind's constructor starts the averager process
+        self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        super().__init__(*args, **kwargs)
+
+
+class DiLoCoOptimizer(CollabOptimizer):
+    """The trainer's loop calls step() after each micro-batch, as in the sync mode: here that is an inner step,
+    and, when the swarm's samples reach the target, the outer step."""
+
+    def __init__(self, *, inner: Callable[[], torch.optim.Optimizer], max_grad_norm: float, seed: int, **kwargs):
+        self.seed = seed
+        super().__init__(**kwargs)
+        self.inner, self.max_grad_norm = inner(), max_grad_norm
+        self.inner_steps = 0  # this outer step's, on this peer
+        self._applied: Optional[float] = None  # the probe of the outer gradient loaded for the coming outer step
+        # outer step -> {"norm": of this peer's pseudo-gradient, "weight": its samples, "probe": its projection on
+        # a direction drawn from the run's seed, "applied": the projection of the outer gradient it applied}.
+        # Projections are linear: a swarm whose average was exact has applied == sum(weight * probe) / sum(weight)
+        self.outer_steps: dict[int, dict] = {}
+        self.grad_averager.outer_parameters = [p for group in self.state_averager.optimizer.param_groups
+                                               for p in group["params"]]
+        self.grad_averager.probe_seed = seed
+
+    def step(self, *args, **kwargs):
+        self.grad_averager.epoch = self.local_epoch
+        torch.nn.utils.clip_grad_norm_(self.grad_averager.parameters, self.max_grad_norm)
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+        self.inner_steps += 1
+        epoch = self.local_epoch
+        result = super().step(*args, **kwargs)
+        if self.local_epoch != epoch:
+            averager = self.grad_averager
+            # alone, hivemind loads the pseudo-gradient without a round: the outer gradient is this peer's own
+            applied = self._applied if self._applied is not None else averager.last_probe
+            # under the group's number, if this peer took it (_wait_for_round)
+            self.outer_steps[self.local_epoch - 1] = dict(norm=averager.last_norm, weight=averager.last_weight,
+                                                          probe=averager.last_probe, applied=applied)
+            self.inner_steps, self._applied = 0, None
+        return result
+
+    def _wait_for_round(self, control):
+        """A peer that joined late can count one outer step fewer than its groupmates (it downloaded the state just
+        before their step) while averaging with them: the same outer steps under another number. The sync mode
+        learns this from state rounds, which diloco runs rarely; here every round says each member's outer step,
+        and this peer takes the group's (bounded by the swarm's epoch as the progress records show it, so a
+        groupmate cannot make it skip ahead)."""
+        group = super()._wait_for_round(control)
+        claimed = [epoch for epoch in group.values() if type(epoch) is int]
+        ahead = min(max(claimed, default=self.local_epoch), self.tracker.global_epoch)
+        if ahead > self.local_epoch:
+            with self.state_averager.lock_optimizer:
+                self.state_averager.local_epoch = ahead
+            self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
+        return group
+
+    def _load_averaged_gradients_into_optimizer_(self) -> None:
+        super()._load_averaged_gradients_into_optimizer_()  # after a round, or on the fallback to its own
+        with self.grad_averager.get_tensors() as outer_gradient:
+            self._applied = _probe(outer_gradient, self.seed)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def drop_micro_batch(self) -> None:
+        # the inner step never ran on them, and nothing was counted yet: clearing them is all
+        self.inner.zero_grad(set_to_none=True)
+
+    @property
+    def last_pseudo_gradient_norm(self) -> Optional[float]:
+        return self.grad_averager.last_norm
+
+
+def _probe(tensors, seed: int) -> float:
+    """<tensors, r> for a Gaussian r drawn from `seed`, the same on every peer."""
+    generator = torch.Generator().manual_seed(seed)
+    return float(sum(torch.dot(t.detach().float().flatten().cpu(),
+                               torch.randn(t.numel(), generator=generator)) for t in tensors))
+
+
+def inner_optimizer(config, task) -> Callable[[], torch.optim.Optimizer]:
+    """AdamW over the task's parameter groups (its weight-decay split), with an optional linear warm-up."""
+    settings, training = config.averaging.diloco, config.training
+    lr = settings.inner_lr if settings.inner_lr is not None else training.learning_rate
+    warmup = settings.inner_warmup_steps
+
+    def make() -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW(task.parameter_groups(), lr=lr)
+        if warmup:
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+            optimizer.register_step_post_hook(lambda *_: schedule.step())
+        return optimizer
+
+    return make
+
+
+def outer_optimizer(config) -> Callable[[list], torch.optim.Optimizer]:
+    settings = config.averaging.diloco
+    return lambda groups: torch.optim.SGD(groups, lr=settings.outer_lr, momentum=settings.outer_momentum,
+                                          nesterov=True)
