@@ -1,18 +1,23 @@
-"""What each compression choice costs in learning: 3 real collab peers against one process, same everything else.
+"""What each compression choice and averaging mode costs in learning: 3 real collab peers against one process.
 
-For each codec and each seed: 3 `collab join` peers (peers.launcher, 127.0.0.1) train ALBERT-tiny on the
-embedded corpus for --steps collaborative steps; one process trains the same model (same seed, so the same
-initial weights), optimizer and schedule with plain gradient accumulation to the same batch. The swarm's peers
-keep their identities (so their data order) across codecs: rows differ only in the codec.
+For each row and each seed: 3 `collab join` peers (peers.launcher, 127.0.0.1) train ALBERT-tiny on the
+embedded corpus; one process trains the same model (same seed, so the same initial weights), optimizer and
+schedule with plain gradient accumulation to the same batch. The swarm's peers keep their identities (so their
+data order) across rows: rows differ only in the codec or mode. Rows: sync codecs (fp16, uniform8bit, powersgd,
+dgc, ...), --steps collaborative steps of --batch samples; and diloco-h<H> (averaging.mode diloco, fp16
+pseudo-gradients, an outer step every H micro-batches per peer), on the same number of samples.
 
-Columns: codec; mean loss over the last 5 steps; progress ratio (L0 - L_N) / (L0 - L_N of the single process), with
-one L0 for both (they start from the same weights: the mean of the two runs' first-step losses), mean and spread
-over the seeds; bytes per peer per step as its all-reduce counted them; x fewer bytes than fp32, over the whole run
-and over its last rounds (dgc's sparsity warms up); wall time per run. Goals (issue 12): fp16 >= 0.98; 8-bit >=
-0.97 at >= 4x; powersgd (rank 4) >= 0.95 at >= 10x; dgc >= 0.95 at >= 100x after warm-up.
+Columns: row; held-out loss of the final model (EVAL_BATCHES micro-batches no run trains on: the one yardstick
+for every mode) and its ratio (L0 - L) / (L0 - L of the single process); kB sent and received per sample
+trained, all peers together; the training loss over the last 5 steps and its progress ratio (for sync rows; one
+L0 for both runs: the mean of their first-step losses); bytes per peer per step as its all-reduce counted them;
+x fewer bytes than fp32, over the run and over its last rounds (dgc's sparsity warms up); wall time per run.
+Goals: issue 12: fp16 >= 0.98; 8-bit >= 0.97 at >= 4x; powersgd (rank 4) >= 0.95 at >= 10x; dgc >= 0.95 at
+>= 100x after warm-up. Issue 13: diloco-h50 >= 40x fewer bytes per sample than fp16 at >= 0.9 of its progress.
 
-    python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,dgc] [--seeds 0,1,2] [--steps 60]
-                                   [--batch 48] [--seq-length 128] [--overlap optimizer]
+    python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,dgc,diloco-h10,diloco-h50]
+                                   [--seeds 0,1,2] [--steps 60] [--batch 48] [--seq-length 128]
+                                   [--overlap optimizer] [--inner-lr 1e-3] [--inner-warmup 10]
 """
 
 from __future__ import annotations
@@ -38,16 +43,57 @@ from peers.report import aligned  # noqa: E402
 from tests.conftest import peer_env, read_summary  # noqa: E402
 
 PEERS, LAST = 3, 5
+EVAL_BATCHES = 24
 
 
-def run_config(args, codec: str, seed: int) -> dict:
+def diloco_h(row: str) -> Optional[int]:
+    """H, the inner steps per peer per outer step, of a row named diloco-h<H>; None for a sync codec."""
+    return int(row.removeprefix("diloco-h")) if row.startswith("diloco-h") else None
+
+
+def run_config(args, row: str, seed: int) -> dict:
     config = yaml.safe_load((ROOT / "configs" / "albert-tiny.yaml").read_text())
     config["task"]["data"]["seq_length"] = args.seq_length
     config["training"].update(target_batch_size=args.batch, seed=seed, total_steps=max(args.steps * 2, 100))
     # a round as soon as all 3 are in it; parameters averaged rarely: the gradients' codec is what is measured
-    config["averaging"].update(compression=codec, group_size=PEERS, average_state_every=10**6,
+    config["averaging"].update(compression=row, group_size=PEERS, average_state_every=10**6,
                                dgc_warmup_epochs=args.dgc_warmup, overlap=args.overlap)
+    h = diloco_h(row)
+    if h is not None:  # an outer step every H micro-batches per peer; the pseudo-gradients travel in fp16
+        micro = config["training"]["micro_batch_size"]
+        config["training"]["target_batch_size"] = h * PEERS * micro
+        config["averaging"].update(mode="diloco", compression="fp16")
+        config["averaging"]["diloco"] = {"inner_lr": args.inner_lr, "inner_warmup_steps": args.inner_warmup}
     return config
+
+
+def steps_for(args, row: str) -> int:
+    """Collaborative (outer) steps that train the same samples as --steps sync steps of --batch."""
+    h = diloco_h(row)
+    if h is None:
+        return args.steps
+    micro = yaml.safe_load((ROOT / "configs" / "albert-tiny.yaml").read_text())["training"]["micro_batch_size"]
+    return max(1, round(args.steps * args.batch / (h * PEERS * micro)))
+
+
+def eval_loss(args, seed: int, model_dir: Optional[Path] = None, task=None) -> float:
+    """The model's mean loss on EVAL_BATCHES held-out micro-batches (a data order no run trains on, the same
+    masks every time): one yardstick for every mode, whatever its own loss curve counts."""
+    import torch
+
+    from collab.config import RunConfig
+    from collab.tasks import build_task
+
+    if task is None:
+        task = build_task(RunConfig.model_validate(run_config(args, "fp16", seed)))
+        if model_dir is not None:
+            task.load_pretrained(model_dir)
+    task.model.eval()
+    batches = task.batches(8, seed=999_999)
+    with torch.no_grad():
+        value = statistics.mean(task.loss(next(batches)).item() for _ in range(EVAL_BATCHES))
+    task.model.train()
+    return value
 
 
 def single_process(args, seed: int) -> list[float]:
@@ -73,22 +119,27 @@ def single_process(args, seed: int) -> list[float]:
         scheduler.step()
         optimizer.zero_grad()
         losses.append(total / accumulate)
-    return losses
+    return losses, eval_loss(args, seed, task=task)
 
 
-def swarm(args, codec: str, seed: int, identities: Path, workdir: Path) -> dict:
+def swarm(args, row: str, seed: int, identities: Path, workdir: Path) -> dict:
     workdir.mkdir(parents=True)
     for i in range(PEERS):  # the same peers (so the same data order) in every row of this seed
         shutil.copy(identities / f"peer{i}.identity", workdir / f"peer{i}.identity")
     config = workdir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(args, codec, seed)))
-    started = time.monotonic()
+    config.write_text(yaml.safe_dump(run_config(args, row, seed)))
+    started, steps = time.monotonic(), steps_for(args, row)
+    checkpoints = {i: ["--checkpoint-dir", str(workdir / f"ckpt{i}")] for i in range(PEERS)}
     with LocalSwarm(PEERS, f"fidelity-{uuid.uuid4().hex[:6]}", workdir,
-                    ["--config", str(config), "--max-epochs", str(args.steps)], env=peer_env()) as peers:
+                    ["--config", str(config), "--max-epochs", str(steps)], env=peer_env(),
+                    per_peer_args=checkpoints) as peers:
         peers.start()
         if not peers.wait(timeout=args.timeout):
-            raise SystemExit(f"{codec} seed {seed}: the peers did not reach step {args.steps} in {args.timeout} s")
+            raise SystemExit(f"{row} seed {seed}: the peers did not reach step {steps} in {args.timeout} s")
         summaries = [read_summary(p) for p in peers.peers]
+    finals = [s["checkpoint"] for s in summaries if s["checkpoint"]]
+    if not finals:
+        raise SystemExit(f"{row} seed {seed}: no peer saved its final model")
     by_step: dict[int, list[float]] = {}
     for s in summaries:
         for step, loss in s["loss_by_epoch"].items():
@@ -101,7 +152,10 @@ def swarm(args, codec: str, seed: int, identities: Path, workdir: Path) -> dict:
                 # the last rounds alone (after dgc's warm-up): each peer's own recent rate, averaged
                 fewer_recent=statistics.mean(s["allreduce_recent_fewer_than_fp32"] or float("nan") for s in summaries),
                 failed=sum(s["rounds_failed"] for s in summaries), wall=time.monotonic() - started,
-                samples_per_step=sum(s["samples_contributed"] for s in summaries) / args.steps)
+                samples_per_step=sum(s["samples_contributed"] for s in summaries) / steps,
+                # what each peer sent and received, per sample the swarm trained: comparable across modes
+                bytes_per_sample=moved / max(1, sum(s["samples_contributed"] for s in summaries)),
+                eval=eval_loss(args, seed, Path(finals[0])))
 
 
 def progress(losses: list[float], first: Optional[float] = None) -> tuple[float, float]:
@@ -112,7 +166,10 @@ def progress(losses: list[float], first: Optional[float] = None) -> tuple[float,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--codecs", default="fp16,uniform8bit,powersgd,dgc")
+    parser.add_argument("--codecs", default="fp16,uniform8bit,powersgd,dgc",
+                        help="rows: sync codecs, and diloco-h<H> (DiLoCo, H inner steps per peer per outer step)")
+    parser.add_argument("--inner-lr", type=float, default=1e-3, help="diloco rows: the inner AdamW's learning rate")
+    parser.add_argument("--inner-warmup", type=int, default=10, help="diloco rows: inner warm-up, micro-batches")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=48, help="samples per collaborative step (all 3 peers)")
@@ -126,15 +183,17 @@ def main() -> int:
     from hivemind.p2p import P2P
 
     work = Path(tempfile.mkdtemp(prefix="collab-fidelity-"))
-    single, single_losses = {}, {}
+    single, single_losses, single_eval, initial_eval = {}, {}, {}, {}
     for seed in seeds:
         (work / f"ids{seed}").mkdir()
         for i in range(PEERS):
             P2P.generate_identity(str(work / f"ids{seed}" / f"peer{i}.identity"))
-        single_losses[seed] = single_process(args, seed)
+        initial_eval[seed] = eval_loss(args, seed)
+        single_losses[seed], single_eval[seed] = single_process(args, seed)
         single[seed] = progress(single_losses[seed])
         print(f"single process, seed {seed}: L0 - L{args.steps} = {single[seed][0]:.3f}, "
-              f"last {LAST} steps {single[seed][1]:.3f}", flush=True)
+              f"last {LAST} steps {single[seed][1]:.3f}; held-out loss {initial_eval[seed]:.3f} -> "
+              f"{single_eval[seed]:.3f}", flush=True)
     rows = []
     for codec in codecs:
         results = []
@@ -143,23 +202,33 @@ def main() -> int:
             # both runs start from the same weights: one L0 for both, the mean of their two estimates of it
             first = (result["losses"][0] + single_losses[seed][0]) / 2
             gain, last = progress(result["losses"], first)
-            result.update(ratio=gain / progress(single_losses[seed], first)[0], last=last)
+            result.update(ratio=gain / progress(single_losses[seed], first)[0], last=last,
+                          eval_ratio=(initial_eval[seed] - result["eval"]) / (initial_eval[seed] - single_eval[seed]))
             results.append(result)
-            print(f"{codec}, seed {seed}: progress ratio {result['ratio']:.3f}, last {LAST} steps {last:.3f}, "
+            print(f"{codec}, seed {seed}: held-out loss {result['eval']:.3f} (ratio {result['eval_ratio']:.3f}), "
+                  f"{result['bytes_per_sample'] / 1e3:.1f} kB/sample; "
+                  f"progress ratio {result['ratio']:.3f}, last {LAST} steps {last:.3f}, "
                   f"{result['bytes_per_step'] / 1e6:.2f} MB/peer/step ({result['fewer']:.1f}x fewer than fp32, "
                   f"{result['fewer_recent']:.1f}x over the last rounds), "
                   f"{result['failed']} rounds failed, {result['samples_per_step']:.0f} samples/step, "
                   f"{result['wall']:.0f} s", flush=True)
-        ratios = [r["ratio"] for r in results]
-        rows.append((codec, f"{statistics.mean(r['last'] for r in results):.3f}",
-                     f"{statistics.mean(ratios):.3f} +- {statistics.pstdev(ratios):.3f}",
+        ratios, evals = [r["ratio"] for r in results], [r["eval_ratio"] for r in results]
+        rows.append((codec, f"{statistics.mean(r['eval'] for r in results):.3f}",
+                     f"{statistics.mean(evals):.3f} +- {statistics.pstdev(evals):.3f}",
+                     f"{statistics.mean(r['bytes_per_sample'] for r in results) / 1e3:.1f}",
+                     # a diloco row's own loss curve is per outer step, of replicas mid-inner-loop: not comparable
+                     *((f"{statistics.mean(r['last'] for r in results):.3f}",
+                        f"{statistics.mean(ratios):.3f} +- {statistics.pstdev(ratios):.3f}")
+                       if diloco_h(codec) is None else ("-", "-")),
                      f"{statistics.mean(r['bytes_per_step'] for r in results) / 1e6:.2f}",
                      f"{statistics.mean(r['fewer'] for r in results):.1f}x",
                      f"{statistics.mean(r['fewer_recent'] for r in results):.1f}x",
                      f"{statistics.mean(r['wall'] for r in results):.0f} s"))
-    header = ("codec", f"loss (last {LAST})", "progress ratio", "MB/peer/step", "vs fp32",
+    header = ("row", "held-out loss", "held-out ratio", "kB/sample", f"train loss (last {LAST})", "progress ratio",
+              "MB/peer/step", "vs fp32",
               f"vs fp32, last {RECENT_ROUNDS} rounds", "wall/run")
-    print(f"\n3 peers x {args.steps} steps of {args.batch} samples (seq {args.seq_length}, overlap {args.overlap}), "
+    print(f"\n3 peers, {args.steps * args.batch} samples per run ({args.steps} sync steps of {args.batch}; "
+          f"diloco rows the same samples), seq {args.seq_length}, overlap {args.overlap}, "
           f"seeds {args.seeds}; "
           f"single process L0 - L{args.steps}: " + ", ".join(f"{single[s][0]:.3f}" for s in seeds))
     print("\n".join(aligned([header, *rows])))

@@ -13,7 +13,11 @@ from tests.conftest import run_cli, swarm_config
 
 @pytest.mark.swarm
 def test_simulate_runs_peers_that_average_and_reports(tmp_path, no_leftover_processes):
-    result = run_cli("simulate", "--peers", "2", "--config", str(swarm_config(tmp_path, 2)), "--max-epochs", "4",
+    # in the diloco mode: the sync mode's simulation runs in test_churn.py (the same Simulation, churned), and
+    # a researcher compares the modes with this command
+    config = swarm_config(tmp_path, 2, {"averaging.mode": "diloco", "averaging.diloco": {"inner_lr": 0.003},
+                                        "training.target_batch_size": 320})
+    result = run_cli("simulate", "--peers", "2", "--config", str(config), "--max-epochs", "4",
                      "--workdir", str(tmp_path), "--json", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
@@ -28,6 +32,9 @@ def test_simulate_runs_peers_that_average_and_reports(tmp_path, no_leftover_proc
         assert peer["rounds_joined"] >= 2 and peer["mean_group_size"] == 2.0, peer
         assert peer["samples_contributed"] > 0
     assert report["loss_fell"] is True
+    for summary in tmp_path.glob("peer*.summary.json"):  # the outer steps as the peers recorded them
+        steps = json.loads(summary.read_text())["outer_steps"]
+        assert sorted(steps, key=int) == ["0", "1", "2", "3"] and all(s["norm"] > 0 for s in steps.values()), steps
 
 
 @pytest.mark.parametrize("args, message", [
