@@ -62,6 +62,7 @@ class CheckedDownloads:
 
     findings = None
     upload_mbit: Optional[float] = None
+    near_epochs = NOT_FAR_BEHIND  # the distance check's window; diloco's outer steps move too far for it (0)
 
     @property
     def state_sharing_priority(self) -> float:
@@ -151,7 +152,7 @@ class CheckedDownloads:
             # however far behind: training moves a model's norm by a small factor (LAMB, weight decay), not 10x
             return f"a state whose norm is {float(theirs / norm.clamp_min(1e-30)):.3g}x this replica's"
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if isinstance(epoch, int) and epoch - own_epoch <= NOT_FAR_BEHIND:
+        if isinstance(epoch, int) and epoch - own_epoch <= self.near_epochs:
             distance = torch.stack([(t.float() - o.float()).norm() for t, o in zip(tensors, own)]).norm()
             if distance > FAR_APART * norm:
                 return f"a state {float(distance / norm):.1f}x this replica's norm away from it, {epoch - own_epoch} " \
