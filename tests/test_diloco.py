@@ -56,8 +56,11 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
     assert joined["loaded_state_from_peers"] and joined["start_epoch"] >= 1, joined
     assert joined["samples_contributed"] > 0 and joined["rounds_joined"] >= 1, joined
 
-    # each outer step: every peer applied the weighted mean of the pseudo-gradients its group sent. Checked on
-    # projections (collab.diloco): linear, so an exact average has applied == sum(w * probe) / sum(w)
+    # each outer step: every peer applied the same average, the weighted mean of the pseudo-gradients its group
+    # sent. Checked on projections (collab.diloco): linear, so an exact average has applied == sum(w * probe) /
+    # sum(w) - up to the robust rules' caps on a weight its sender's signed progress record does not back yet
+    # (records lag: a cap moved one step's projection by 1.3e-3 of itself in CI). A step without the round, or
+    # with a part missing, is off by the spread of the probes (units here)
     checked, with_the_late_peer = 0, 0
     for group in summaries[0]["groups"]:
         epoch = str(group["epoch"])
@@ -66,9 +69,11 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
         if len(steps) != len(group["peers"]):
             continue  # the killed peer's last summary predates this step
         mean = sum(s["weight"] * s["probe"] for s in steps) / sum(s["weight"] for s in steps)
+        spread = max(s["probe"] for s in steps) - min(s["probe"] for s in steps)
+        assert spread > 0.1, steps  # they did differ before the round
         for s in steps:
-            assert math.isclose(s["applied"], mean, rel_tol=1e-4, abs_tol=1e-4), (epoch, steps)
-        assert len({round(s["probe"], 3) for s in steps}) == len(steps), steps  # they did differ before it
+            assert math.isclose(s["applied"], steps[0]["applied"], rel_tol=1e-5, abs_tol=1e-5), (epoch, steps)
+            assert abs(s["applied"] - mean) < 0.02 * spread, (epoch, mean, steps)
         checked += 1
         with_the_late_peer += joined["peer_id"] in group["peers"]
     assert checked >= 3 and with_the_late_peer >= 1, (checked, with_the_late_peer, summaries[0]["groups"])

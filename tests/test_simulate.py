@@ -16,8 +16,9 @@ from tests.conftest import run_cli, swarm_config
 def test_simulate_runs_peers_that_average_and_reports(tmp_path, no_leftover_processes):
     # in the diloco mode: the sync mode's simulation runs in test_churn.py (the same Simulation, churned), and
     # a researcher compares the modes with this command
-    config = swarm_config(tmp_path, 2, {"averaging.mode": "diloco", "averaging.diloco": {"inner_lr": 0.003},
-                                        "training.target_batch_size": 320})
+    # (an outer step of 480 samples: with fewer, one peer's few-sample epochs made its loss curve noise)
+    config = swarm_config(tmp_path, 2, {"averaging.mode": "diloco", "averaging.diloco": {"inner_lr": 0.001},
+                                        "training.target_batch_size": 480})
     result = run_cli("simulate", "--peers", "2", "--config", str(config), "--max-epochs", "4",
                      "--workdir", str(tmp_path), "--json", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -33,9 +34,9 @@ def test_simulate_runs_peers_that_average_and_reports(tmp_path, no_leftover_proc
         assert peer["rounds_joined"] >= 2 and peer["mean_group_size"] == 2.0, peer
         assert peer["samples_contributed"] > 0
     assert report["loss_fell"] is True
-    for summary in tmp_path.glob("peer*.summary.json"):  # the outer steps as the peers recorded them
-        steps = json.loads(summary.read_text())["outer_steps"]
-        assert sorted(steps, key=int) == ["0", "1", "2", "3"] and all(s["norm"] > 0 for s in steps.values()), steps
+    for summary in tmp_path.glob("peer*.summary.json"):  # the outer steps as each peer recorded them (a peer
+        steps = json.loads(summary.read_text())["outer_steps"]  # that was still starting may download the first)
+        assert len(steps) >= 3 and all(s["norm"] > 0 and s["weight"] > 0 for s in steps.values()), steps
 
 
 @pytest.mark.parametrize("args, message", [
