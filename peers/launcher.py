@@ -118,7 +118,10 @@ class PeerProcess:
 
     def signal(self, signum: int) -> None:
         if self.alive():
-            os.kill(self.popen.pid, signum)
+            try:
+                os.kill(self.popen.pid, signum)
+            except ProcessLookupError:
+                pass  # it exited between the check and the signal (a forked peer's exit is reported late)
 
     def wait(self, timeout: float) -> Optional[int]:
         try:
