@@ -4,8 +4,11 @@ For each row and each seed: 3 `collab join` peers (peers.launcher, 127.0.0.1) tr
 embedded corpus; one process trains the same model (same seed, so the same initial weights), optimizer and
 schedule with plain gradient accumulation to the same batch. The swarm's peers keep their identities (so their
 data order) across rows: rows differ only in the codec or mode. Rows: sync codecs (fp16, uniform8bit, powersgd,
-dgc, ...), --steps collaborative steps of --batch samples; and diloco-h<H> (averaging.mode diloco, fp16
-pseudo-gradients, an outer step every H micro-batches per peer), on the same number of samples.
+dgc, ...), --steps collaborative steps of --batch samples; diloco-h<H> (averaging.mode diloco, pseudo-gradients
+in --local-codec, fp16 by default, an outer step every H micro-batches per peer), and gossip-<rule>
+(averaging.mode gossip with that interpolation, parameters exchanged in --local-codec every --gossip-k local
+steps on average), on the same number of samples. A gossip row's held-out loss is the mean over the three replicas (no replica is "the" model); its spread
+column is the largest distance of a replica from their mean, relative to the mean's norm.
 
 Columns: row; held-out loss of the final model (EVAL_BATCHES micro-batches no run trains on: the one yardstick
 for every mode) and its ratio (L0 - L) / (L0 - L of the single process); kB sent and received per sample
@@ -13,11 +16,12 @@ trained, all peers together; the training loss over the last 5 steps and its pro
 L0 for both runs: the mean of their first-step losses); bytes per peer per step as its all-reduce counted them;
 x fewer bytes than fp32, over the run and over its last rounds (dgc's sparsity warms up); wall time per run.
 Goals: issue 12: fp16 >= 0.98; 8-bit >= 0.97 at >= 4x; powersgd (rank 4) >= 0.95 at >= 10x; dgc >= 0.95 at
->= 100x after warm-up. Issue 13: diloco-h50 >= 40x fewer bytes per sample than fp16 at >= 0.9 of its progress.
+>= 100x after warm-up. Issue 13: diloco-h50 >= 40x fewer bytes per sample than fp16 at >= 0.9 of its progress;
+gossip: replicas within 1% of the norm at the end, >= 0.85 of sync's progress.
 
-    python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,dgc,diloco-h10,diloco-h50]
+    python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,dgc,diloco-h10,diloco-h50,gossip-loss]
                                    [--seeds 0,1,2] [--steps 60] [--batch 48] [--seq-length 128]
-                                   [--overlap optimizer] [--inner-lr 1e-3] [--inner-warmup 10]
+                                   [--overlap optimizer] [--inner-lr 1e-3] [--inner-warmup 10] [--gossip-k 10]
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ def diloco_h(row: str) -> Optional[int]:
     return int(row.removeprefix("diloco-h")) if row.startswith("diloco-h") else None
 
 
+def gossip_rule(row: str) -> Optional[str]:
+    """The interpolation of a row named gossip-<rule>; None for any other row."""
+    return row.removeprefix("gossip-") if row.startswith("gossip-") else None
+
+
+def local_steps(row: str) -> bool:
+    """Rows whose peers step on their own (diloco, gossip): their loss curve is not the swarm model's."""
+    return diloco_h(row) is not None or gossip_rule(row) is not None
+
+
 def run_config(args, row: str, seed: int) -> dict:
     config = yaml.safe_load((ROOT / "configs" / "albert-tiny.yaml").read_text())
     config["task"]["data"]["seq_length"] = args.seq_length
@@ -62,8 +76,13 @@ def run_config(args, row: str, seed: int) -> dict:
     if h is not None:  # an outer step every H micro-batches per peer; the pseudo-gradients travel in fp16
         micro = config["training"]["micro_batch_size"]
         config["training"]["target_batch_size"] = h * PEERS * micro
-        config["averaging"].update(mode="diloco", compression="fp16")
+        config["averaging"].update(mode="diloco", compression=args.local_codec)
         config["averaging"]["diloco"] = {"inner_lr": args.inner_lr, "inner_warmup_steps": args.inner_warmup}
+    rule = gossip_rule(row)
+    if rule is not None:  # an epoch is still --batch samples of the swarm's: --steps epochs, the same samples
+        config["averaging"].update(mode="gossip", compression=args.local_codec)
+        config["averaging"]["gossip"] = {"interpolation": rule, "mean_local_steps": args.gossip_k,
+                                         "lr": args.inner_lr, "warmup_steps": args.inner_warmup}
     return config
 
 
@@ -146,6 +165,11 @@ def swarm(args, row: str, seed: int, identities: Path, workdir: Path) -> dict:
             by_step.setdefault(int(step), []).append(loss)
     losses = [statistics.mean(by_step[k]) for k in sorted(by_step)]
     moved = sum(s["allreduce_bytes_sent"] + s["allreduce_bytes_received"] for s in summaries)
+    spread, evals = None, [eval_loss(args, seed, Path(finals[0]))]
+    if gossip_rule(row) is not None:  # gossip's bytes are its exchanges; every replica is a model of the run
+        moved = sum(s["gossip"]["bytes_sent"] + s["gossip"]["bytes_received"] for s in summaries)
+        spread = replica_spread([Path(f) for f in finals])
+        evals = [evals[0], *(eval_loss(args, seed, Path(f)) for f in finals[1:])]
     rounds = sum(s["rounds_joined"] + s["rounds_failed"] for s in summaries)
     return dict(losses=losses, bytes_per_step=moved / max(rounds, 1),
                 fewer=sum(s["allreduce_fp32_bytes"] for s in summaries) / moved if moved else float("nan"),
@@ -155,7 +179,18 @@ def swarm(args, row: str, seed: int, identities: Path, workdir: Path) -> dict:
                 samples_per_step=sum(s["samples_contributed"] for s in summaries) / steps,
                 # what each peer sent and received, per sample the swarm trained: comparable across modes
                 bytes_per_sample=moved / max(1, sum(s["samples_contributed"] for s in summaries)),
-                eval=eval_loss(args, seed, Path(finals[0])))
+                eval=statistics.mean(evals), spread=spread)
+
+
+def replica_spread(checkpoints: list[Path]) -> float:
+    """The largest distance of a replica from the replicas' mean, relative to the mean's norm."""
+    from safetensors.torch import load_file
+
+    replicas = [load_file(path / "model.safetensors") for path in checkpoints]
+    names = [n for n, t in replicas[0].items() if t.is_floating_point()]
+    mean = {n: sum(r[n].double() for r in replicas) / len(replicas) for n in names}
+    norm = sum(float(t.pow(2).sum()) for t in mean.values()) ** 0.5
+    return max(sum(float((r[n].double() - mean[n]).pow(2).sum()) for n in names) ** 0.5 for r in replicas) / norm
 
 
 def progress(losses: list[float], first: Optional[float] = None) -> tuple[float, float]:
@@ -167,9 +202,14 @@ def progress(losses: list[float], first: Optional[float] = None) -> tuple[float,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default="fp16,uniform8bit,powersgd,dgc",
-                        help="rows: sync codecs, and diloco-h<H> (DiLoCo, H inner steps per peer per outer step)")
+                        help="rows: sync codecs, diloco-h<H> (DiLoCo, H inner steps per peer per outer step), gossip-<rule> "
+                             "(constant, clock, loss, evolutionary)")
     parser.add_argument("--inner-lr", type=float, default=1e-3, help="diloco rows: the inner AdamW's learning rate")
     parser.add_argument("--inner-warmup", type=int, default=10, help="diloco rows: inner warm-up, micro-batches")
+    parser.add_argument("--local-codec", default="fp16",
+                        help="diloco and gossip rows: the codec of their pseudo-gradients or parameters")
+    parser.add_argument("--gossip-k", type=float, default=10.0,
+                        help="gossip rows: mean local steps between a peer's merges (the lr and warm-up: --inner-*)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=48, help="samples per collaborative step (all 3 peers)")
@@ -211,24 +251,29 @@ def main() -> int:
                   f"{result['bytes_per_step'] / 1e6:.2f} MB/peer/step ({result['fewer']:.1f}x fewer than fp32, "
                   f"{result['fewer_recent']:.1f}x over the last rounds), "
                   f"{result['failed']} rounds failed, {result['samples_per_step']:.0f} samples/step, "
+                  + (f"replicas within {result['spread']:.2%}, " if result["spread"] is not None else "") +
                   f"{result['wall']:.0f} s", flush=True)
         ratios, evals = [r["ratio"] for r in results], [r["eval_ratio"] for r in results]
         rows.append((codec, f"{statistics.mean(r['eval'] for r in results):.3f}",
                      f"{statistics.mean(evals):.3f} +- {statistics.pstdev(evals):.3f}",
                      f"{statistics.mean(r['bytes_per_sample'] for r in results) / 1e3:.1f}",
-                     # a diloco row's own loss curve is per outer step, of replicas mid-inner-loop: not comparable
+                     # diloco's and gossip's own loss curves are of replicas between merges: not comparable
                      *((f"{statistics.mean(r['last'] for r in results):.3f}",
                         f"{statistics.mean(ratios):.3f} +- {statistics.pstdev(ratios):.3f}")
-                       if diloco_h(codec) is None else ("-", "-")),
-                     f"{statistics.mean(r['bytes_per_step'] for r in results) / 1e6:.2f}",
-                     f"{statistics.mean(r['fewer'] for r in results):.1f}x",
-                     f"{statistics.mean(r['fewer_recent'] for r in results):.1f}x",
+                       if not local_steps(codec) else ("-", "-")),
+                     # all-reduce rounds' columns: a gossip row has none (its bytes are in kB/sample)
+                     *((f"{statistics.mean(r['bytes_per_step'] for r in results) / 1e6:.2f}",
+                        f"{statistics.mean(r['fewer'] for r in results):.1f}x",
+                        f"{statistics.mean(r['fewer_recent'] for r in results):.1f}x")
+                       if gossip_rule(codec) is None else ("-", "-", "-")),
+                     f"{statistics.mean(r['spread'] for r in results):.2%}" if gossip_rule(codec) else "-",
                      f"{statistics.mean(r['wall'] for r in results):.0f} s"))
     header = ("row", "held-out loss", "held-out ratio", "kB/sample", f"train loss (last {LAST})", "progress ratio",
               "MB/peer/step", "vs fp32",
-              f"vs fp32, last {RECENT_ROUNDS} rounds", "wall/run")
+              f"vs fp32, last {RECENT_ROUNDS} rounds", "replica spread", "wall/run")
     print(f"\n3 peers, {args.steps * args.batch} samples per run ({args.steps} sync steps of {args.batch}; "
-          f"diloco rows the same samples), seq {args.seq_length}, overlap {args.overlap}, "
+          f"diloco and gossip rows the same samples, in {args.local_codec}), seq {args.seq_length}, "
+          f"overlap {args.overlap}, "
           f"seeds {args.seeds}; "
           f"single process L0 - L{args.steps}: " + ", ".join(f"{single[s][0]:.3f}" for s in seeds))
     print("\n".join(aligned([header, *rows])))

@@ -91,12 +91,38 @@ class DiLoCoConfig(Section):
                                     "this peer's own micro-batches")
 
 
+GOSSIP_RULES = ("constant", "clock", "loss", "evolutionary")
+
+
+class GossipConfig(Section):
+    """averaging.mode gossip (collab.gossip): no global step; pairwise merges with random peers."""
+    mean_local_steps: float = Field(10.0, ge=1, le=10**6, description="local steps between a peer's merges: "
+                                    "drawn from a Poisson distribution with this mean (at least 1)")
+    interpolation: Literal[GOSSIP_RULES] = Field(
+        "evolutionary", description="how far a merge moves toward the peer: constant (the value below); clock "
+        "(peer's samples / both's); loss (the lower-loss model weighs more); evolutionary (a random split of the "
+        "unit interval, the better model taking the smaller part)")
+    constant: float = Field(0.5, ge=0, le=1, description="interpolation constant's factor")
+    divergence_threshold: float = Field(0.0, ge=0, le=1e6, description="below this loss, a merge's factor shrinks "
+                                        "by loss / threshold (0: off; dpwa's)")
+    lr: Optional[float] = Field(None, gt=0, description="the local AdamW's learning rate (default: "
+                                "training.learning_rate)")
+    warmup_steps: int = Field(0, ge=0, le=10**7, description="linear warm-up of the local learning rate, in this "
+                              "peer's own micro-batches")
+    max_distance: float = Field(1.0, gt=0, le=100, description="a peer's parameters further than this (relative to "
+                                "this replica's norm) are refused: a sign flip is 2, a replica 10x scaled 9")
+    exchange_timeout: float = Field(30.0, gt=0, le=3600, description="seconds for one exchange of parameters; a "
+                                    "peer that times out is picked less often")
+
+
 class AveragingConfig(Section):
-    mode: Literal["sync", "diloco"] = Field(
+    mode: Literal["sync", "diloco", "gossip"] = Field(
         "sync", description="sync: the swarm averages gradients once per target batch (DeDLOC); diloco: each peer "
         "takes its own inner steps and the swarm averages where they went once per target batch (samples per "
-        "outer step), then every replica takes the same outer step (collab.diloco)")
+        "outer step), then every replica takes the same outer step (collab.diloco); gossip: each peer trains on "
+        "its own and merges its parameters with a random peer's every few steps (collab.gossip)")
     diloco: DiLoCoConfig = Field(default_factory=DiLoCoConfig)
+    gossip: GossipConfig = Field(default_factory=GossipConfig)
     matchmaking_time: float = Field(5.0, gt=0, description="seconds spent forming an averaging group")
     group_size: Optional[int] = Field(
         None, ge=2, le=1024, description="begin a round as soon as this many peers joined its group instead of "
@@ -130,11 +156,12 @@ class AveragingConfig(Section):
 
     @model_validator(mode="after")
     def _diloco_fits(self):
-        if self.mode != "diloco":
+        if self.mode == "sync":
             return self
+        what = "diloco's pseudo-gradients" if self.mode == "diloco" else "gossip's parameters"
         if self.compression in ("dgc", "powersgd"):
             raise ValueError(f"averaging.compression {self.compression} keeps per-round state for gradients and "
-                             "cannot carry diloco's pseudo-gradients; use fp16, uniform8bit or none")
+                             f"cannot carry {what}; use fp16, uniform8bit or none")
         return self
 
 

@@ -166,14 +166,16 @@ def inner_optimizer(config, task) -> Callable[[], torch.optim.Optimizer]:
     lr = settings.inner_lr if settings.inner_lr is not None else training.learning_rate
     warmup = settings.inner_warmup_steps
 
-    def make() -> torch.optim.Optimizer:
-        optimizer = torch.optim.AdamW(task.parameter_groups(), lr=lr)
-        if warmup:
-            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-            optimizer.register_step_post_hook(lambda *_: schedule.step())
-        return optimizer
+    return lambda: adamw_with_warmup(task.parameter_groups(), lr, warmup)
 
-    return make
+
+def adamw_with_warmup(groups, lr: float, warmup_steps: int) -> torch.optim.Optimizer:
+    """AdamW whose learning rate rises linearly over its first `warmup_steps` steps (0: none)."""
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    if warmup_steps:
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
+        optimizer.register_step_post_hook(lambda *_: schedule.step())
+    return optimizer
 
 
 def outer_optimizer(config) -> Callable[[list], torch.optim.Optimizer]:

@@ -38,7 +38,8 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
     averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2),
                          target_group_size=avg.group_size)
-    mode = _diloco(config, task, rule, gate, rejections, traffic, averager_opts) if avg.mode == "diloco" else {}
+    mode = {"sync": lambda *_: {}, "diloco": _diloco, "gossip": _gossip}[avg.mode](
+        config, task, rule, gate, rejections, traffic, averager_opts)
     return mode.pop("optimizer_class", CollabOptimizer)(**{**dict(
         averaging_log=averaging_log,
         stop=stop,
@@ -99,8 +100,38 @@ def _diloco(config: RunConfig, task: Task, rule, gate, rejections, traffic, aver
         reuse_grad_buffers=True,  # no accumulators: a round's tensors are made from the parameters
         delay_optimizer_step=False,
         delay_grad_averaging=False,
+        # hivemind applies a background state round's result at a later step, copying the averaged outer
+        # parameters over the replica: the inner steps taken since were lost (a CI run's peer sent a zero
+        # pseudo-gradient with 296 samples' weight). The state round runs inside the outer step instead
+        delay_state_averaging=False,
         grad_averager_factory=partial(PseudoGradientAverager, gate=gate, rule=rule, findings=rejections.queue,
                                       traffic=traffic.queue, **averager_opts),
+    )
+
+
+def _gossip(config: RunConfig, task: Task, *_) -> dict:
+    """What averaging.mode gossip changes (collab.gossip): hivemind's local updates (an AdamW step per micro-batch,
+    no gradient averager), no state rounds, and the pairwise exchanges beside them."""
+    from collab.diloco import adamw_with_warmup
+    from collab.gossip import GossipOptimizer
+
+    settings, training = config.averaging.gossip, config.training
+    lr = settings.lr if settings.lr is not None else training.learning_rate
+    return dict(
+        optimizer_class=GossipOptimizer,
+        settings=settings,
+        compression=wire_codec(config.averaging.compression),
+        seed=training.seed,
+        max_grad_norm=training.max_grad_norm,
+        use_local_updates=True,
+        optimizer=partial(adamw_with_warmup, lr=lr, warmup_steps=settings.warmup_steps),
+        scheduler=None,
+        offload_optimizer=False,
+        reuse_grad_buffers=False,
+        delay_optimizer_step=False,
+        delay_grad_averaging=False,
+        grad_averager_factory=None,
+        average_state_every=10**9,  # the merges are the averaging
     )
 
 

@@ -84,6 +84,10 @@ class CollabOptimizer(Optimizer):
         self.gate, self.rule = gate, rule
         self.rejections = rejections if rejections is not None else RejectionLog()
         self.stop = stop if stop is not None else threading.Event()
+        # --max-epochs: the trainer leaves at this epoch. A step that moves this peer's label to it (taking its
+        # groupmates' epoch) starts no round for the next one: a CI peer bumped to its last epoch went into a round
+        # the others had left, and waited 90 s for a group and a donor that never came
+        self.leave_at_epoch: Optional[int] = None
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
@@ -130,8 +134,11 @@ class CollabOptimizer(Optimizer):
                        f"behind its groupmates, though it made the same steps; now at epoch {ahead}")
         return True
 
+    def _at_the_end(self) -> bool:
+        return self.leave_at_epoch is not None and self.local_epoch >= self.leave_at_epoch
+
     def _update_global_epoch(self, grad_scaler) -> None:
-        if self.stop.is_set():
+        if self.stop.is_set() or self._at_the_end():
             # leaving: this epoch's step is left to the peers who stay. Starting it would wait for the gradient
             # buffers, which a background round (overlap=full) holds until it gives up: past the leave's grace
             return
@@ -145,8 +152,8 @@ class CollabOptimizer(Optimizer):
             # straight into the next gradient round and stay behind for good (CI, the NAT test: two of four
             # peers contributed 8 samples an epoch, each time joining the others' next round)
             self.state_averager.step(wait_for_delayed_updates=True)
-            if self._adopt_the_swarms_epoch() and not self.tracker.ready_to_update_epoch:
-                return  # at the swarm's epoch now: accumulate toward its target like everyone else
+            if self._adopt_the_swarms_epoch() and (self._at_the_end() or not self.tracker.ready_to_update_epoch):
+                return  # at the swarm's epoch now: accumulate toward its target like everyone else (or leave)
         try:
             super()._update_global_epoch(grad_scaler)
         except LeavingMidStep:
@@ -411,6 +418,9 @@ class CollabOptimizer(Optimizer):
 
     def has_pending_updates(self) -> bool:
         return any(not update.done() for update in self.state_averager.pending_updates)
+
+    def observe_loss(self, loss: float) -> None:
+        """The loss of each micro-batch this peer trained on (gossip's merges weigh replicas by it)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # with reuse_grad_buffers hivemind accumulates in .grad itself and clears it after each epoch

@@ -38,6 +38,10 @@ class PeerState(BaseModel):
     fewer_bytes_than_fp32: Optional[float] = None  # how many times fewer than the same rounds uncompressed
     inner_steps: Optional[int] = None  # diloco: this peer's inner steps toward the coming outer step
     pseudo_gradient_norm: Optional[float] = None  # diloco: the norm of the last pseudo-gradient it sent
+    merges_per_minute: Optional[float] = None  # gossip: its merges in the last minute
+    merge_update_norm: Optional[float] = None  # gossip: how far its last merge moved its replica
+    distance_to_mean: Optional[float] = None  # gossip: its replica's distance to the replicas' mean, relative to
+    # the mean's norm, estimated from the peers' sketches (collab.gossip_rules.spread_from_mean)
     contributions_rejected: int = 0  # what other peers refused from it (collab.rejections), summed over them
     rejected_by_reason: dict[str, int] = {}
     reported_by: int = 0  # how many other peers refused something from it
@@ -47,6 +51,7 @@ class PeerState(BaseModel):
 class RunState(BaseModel):
     run_id: str
     mode: str = "sync"  # averaging.mode, as the peers' records say (an epoch is an outer step in diloco)
+    replica_spread: Optional[float] = None  # gossip: the largest distance_to_mean among online peers
     global_epoch: int
     samples_accumulated: int
     target_batch_size: Optional[int]
@@ -104,13 +109,18 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
             fewer_bytes_than_fp32=r.fewer_bytes_than_fp32 if r else None,
             inner_steps=r.inner_steps if r else None,
             pseudo_gradient_norm=r.pseudo_gradient_norm if r else None,
+            merges_per_minute=r.merges_per_minute if r else None,
+            merge_update_norm=r.merge_update_norm if r else None,
         ))
+    _estimate_spread(peers, records)
     _flag_stragglers(peers, global_epoch)
     _flag_suspects(peers, records)
     modes = Counter(r.mode for r in records.values())
     return RunState(
         run_id=run_id,
         mode=modes.most_common(1)[0][0] if modes else "sync",
+        replica_spread=max((p.distance_to_mean for p in peers if p.online and p.distance_to_mean is not None),
+                           default=None),
         global_epoch=global_epoch,
         samples_accumulated=accumulated,
         target_batch_size=target,
@@ -124,6 +134,18 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
         peers=peers,
         time=now,
     )
+
+
+def _estimate_spread(peers: list[PeerState], records: dict) -> None:
+    """gossip: each online peer's distance to the mean replica, from the sketches of equal length they published."""
+    from collab.gossip_rules import SKETCH_SIZE, spread_from_mean
+
+    sketches = {p.peer_id: records[p.peer_id].param_sketch for p in peers
+                if p.online and p.peer_id in records and records[p.peer_id].param_sketch is not None
+                and len(records[p.peer_id].param_sketch) == SKETCH_SIZE}
+    distances = spread_from_mean(sketches) if len(sketches) >= 2 else {}
+    for p in peers:
+        p.distance_to_mean = distances.get(p.peer_id)
 
 
 def progress_records(dht, run_id: str) -> dict:

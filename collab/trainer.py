@@ -71,6 +71,8 @@ class Summary:
     mode: str = "sync"  # averaging.mode
     # diloco: each outer step as this peer saw it (outer step -> norm, weight, probe, applied; collab.diloco)
     outer_steps: dict[int, dict] = field(default_factory=dict)
+    # gossip: exchanges asked, answered, failed and refused, the recent merges, this replica's norm and sketch
+    gossip: dict = field(default_factory=dict)
     device: str = ""  # where and in what precision this peer computed (collab.precision)
     fp16_overflows: int = 0  # micro-batches skipped by fp16 loss scaling (not dropped: collab.guard never saw them)
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
@@ -165,6 +167,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                          "id'), you run 'collab invite --run DIR --peer ID' and send back the invite it prints")
             print(f"Started a new swarm. Others join with:\n{line}", flush=True)
         opt = _build_optimizer(config, task, swarm, log, stop, shared)
+        opt.leave_at_epoch = options.max_epochs
         if sharer is not None and sharer.watch is not None:  # a private run: non-members' progress is not counted
             opt.tracker.members = shared.private.access.allows
             sharer.watch.on_revoked.append(opt.apply_revocations)
@@ -208,6 +211,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                         opt.step()
                         opt.zero_grad()
                         epoch_loss.add(loss.item())
+                        opt.observe_loss(loss.item())
                         summary.samples_contributed += micro
                     else:
                         opt.drop_micro_batch()
@@ -237,6 +241,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     opt.traffic.copy_to(summary)
                     summary.nonfinite_parameters = nonfinite_parameters(task.model)
                     summary.outer_steps = dict(getattr(opt, "outer_steps", {}))
+                    summary.gossip = getattr(opt, "report", dict)()
                     write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
                     summary.peers_found_back = swarm.rejoin()
@@ -260,6 +265,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
             opt.traffic.copy_to(summary)
             summary.nonfinite_parameters = nonfinite_parameters(task.model)
+            summary.gossip = getattr(opt, "report", dict)()
             # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
             # a peer whose last step was its own: that model is nobody else's
             saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")
@@ -397,8 +403,17 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         mode=config.averaging.mode,
         inner_steps=getattr(opt, "inner_steps", None),
         pseudo_gradient_norm=getattr(opt, "last_pseudo_gradient_norm", None),
+        **_gossip_fields(opt),
     )
     publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
+
+
+def _gossip_fields(opt) -> dict:
+    if not hasattr(opt, "report"):
+        return {}
+    report = opt.report()
+    return dict(merges_per_minute=report["merges_per_minute"], merge_update_norm=report["last_update_norm"],
+                param_norm=report["param_norm"], param_sketch=report["sketch"])
 
 
 def _snapshot(opt, summary: Summary, loss, log: AveragingLog) -> Snapshot:

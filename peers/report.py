@@ -39,6 +39,8 @@ class PeerReport:
     allreduce_mb_per_round: Optional[float] = None  # what its gradient all-reduces sent + received, per round
     fewer_bytes_than_fp32: Optional[float] = None
     loss_epochs: int = 0  # epochs with a loss from this peer (a peer restarted in the last seconds has one or two)
+    merges: Optional[int] = None  # gossip: parameter merges it made (asked and answered)
+    final_sketch: Optional[list] = None  # gossip: its replica's count sketch at the end (collab.gossip_rules)
 
 
 MIN_LOSS_EPOCHS = 3
@@ -63,6 +65,14 @@ class SwarmReport:
     churn_events: list[dict] = field(default_factory=list)
 
     @property
+    def replica_spread(self) -> Optional[float]:
+        """gossip: the largest distance of a final replica from the replicas' mean, relative to its norm."""
+        from collab.gossip_rules import spread_from_mean
+
+        sketches = {str(p.index): p.final_sketch for p in self.peers if p.final_sketch}
+        return max(spread_from_mean(sketches).values()) if len(sketches) >= 2 else None
+
+    @property
     def loss_fell(self) -> bool:
         """Loss fell on every peer that trained MIN_LOSS_EPOCHS epochs or more. A peer restarted near the end
         has a loss or two from a few micro-batches of 8 samples: noise (a churn run's 7.314 -> 7.319 from 32)."""
@@ -75,7 +85,8 @@ class SwarmReport:
         return any(p.nonfinite_parameters for p in self.peers)
 
     def to_json(self) -> str:
-        return json.dumps(dict(asdict(self), loss_fell=self.loss_fell, any_nonfinite=self.any_nonfinite), indent=1)
+        return json.dumps(dict(asdict(self), loss_fell=self.loss_fell, any_nonfinite=self.any_nonfinite,
+                               replica_spread=self.replica_spread), indent=1)
 
     def to_table(self) -> str:
         rows = [("peer", "id", "link", "epochs", "samples", "compute", "rounds ok/failed", "group", "sent/recv MB",
@@ -97,6 +108,11 @@ class SwarmReport:
             hit = [e["peer"] for e in self.churn_events if e["action"] in ("kill", "term", "stop")]
             lines.append(f"churn: {len(hit)} hits on {len(set(hit))} of {len(self.peers)} peers, "
                          f"{len(self.churn_events) - len(hit)} brought back")
+        if any(p.merges is not None for p in self.peers):
+            spread = self.replica_spread
+            lines.append(f"gossip: {sum(p.merges or 0 for p in self.peers)} merges; at the end the replicas were within "
+                         + (f"{spread:.2%} of their mean (estimated from sketches)" if spread is not None else "? of "
+                            "their mean (fewer than two replicas reported)"))
         lines.append(f"swarm: reached epoch {self.epochs_reached} in {self.duration_seconds:.0f} s "
                      f"({self.epochs_per_minute:.2f} epochs/min while training); "
                      f"loss fell on every peer that trained {MIN_LOSS_EPOCHS}+ epochs: {'yes' if self.loss_fell else 'no'}; "
@@ -180,6 +196,8 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         compute_utilization=sum(s.get("compute_seconds", 0.0) for s in summaries) / trained if trained > 0 else None,
         allreduce_mb_per_round=moved / rounds / 1e6 if rounds and moved else None,
         fewer_bytes_than_fp32=fp32 / moved if moved else None,
+        merges=sum(s["gossip"].get("merges", 0) for s in summaries if s.get("gossip")) if last.get("gossip") else None,
+        final_sketch=last.get("gossip", {}).get("sketch") or None,
     )
 
 

@@ -8,6 +8,8 @@ test switch. Each attack acts where a hostile peer can, after the honest peer's 
   --weight W          it claims averaging weight W (as if it had accumulated W samples)
   --garbage-reducer   the part it reduces for the group comes back as noise x 1000
   --poison-state      it claims the highest state-sharing priority and serves its state x 1000
+  --gossip-scale S    (averaging.mode gossip) the parameters it sends peers are its own times S (nan: all NaN);
+                      it merges what it receives honestly
 """
 
 from __future__ import annotations
@@ -73,6 +75,35 @@ def serve_poisoned_state() -> None:
     RecordingStateAverager.state_sharing_priority = property(declared.fget, lambda self, _: declared.fset(self, 1e9))
 
 
+def send_scaled_parameters(scale: float) -> None:
+    """Its snapshot, the parameters peers receive from it, is its own times `scale`; its own replica is not.
+    Copied and scaled under one hold of the snapshot's lock: between two, the averager process serving an
+    exchange could read the honest copy (a CI run's honest peers merged some)."""
+    import time
+
+    import torch
+
+    from collab.gossip import GossipOptimizer
+
+    @torch.no_grad()
+    def scaled(self):
+        with self.gossip.get_tensors() as snapshot:
+            for slot, param in zip(snapshot, self.params):
+                slot.copy_(param.detach())
+                slot.fill_(float("nan")) if scale != scale else slot.mul_(scale)
+        self.gossip.clock.value = self.clock
+        self._snapshot_at = time.monotonic()
+
+    GossipOptimizer._refresh_snapshot = scaled
+    init = GossipOptimizer.__init__
+
+    def init_scaled(self, *args, **kwargs):  # from the start: its first snapshot is made before any step
+        init(self, *args, **kwargs)
+        self._refresh_snapshot()
+
+    GossipOptimizer.__init__ = init_scaled
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     attack = parser.add_mutually_exclusive_group(required=True)
@@ -81,6 +112,7 @@ def main() -> int:
     attack.add_argument("--weight", type=float)
     attack.add_argument("--garbage-reducer", action="store_true")
     attack.add_argument("--poison-state", action="store_true")
+    attack.add_argument("--gossip-scale", type=float)
     args, rest = parser.parse_known_args()
     if args.sign_flip is not None:
         poison_sent_gradients(lambda t: -args.sign_flip * t)
@@ -90,6 +122,8 @@ def main() -> int:
         claim_weight(args.weight)
     elif args.garbage_reducer:
         reduce_garbage()
+    elif args.gossip_scale is not None:
+        send_scaled_parameters(args.gossip_scale)
     else:
         serve_poisoned_state()
     print(f"[attack] {' '.join(sys.argv[1:3])}", flush=True)

@@ -39,7 +39,13 @@ def test_cli_flags_override_the_file(micro_config):
     ({"averaging.mode": "diloco", "averaging.compression": "dgc"},
      "averaging.compression dgc keeps per-round state for gradients and cannot carry diloco's pseudo-gradients; "
      "use fp16, uniform8bit or none"),
-    ({"averaging.mode": "gossip"}, "averaging.mode: input should be 'sync' or 'diloco'"),
+    ({"averaging.mode": "dpwa"}, "averaging.mode: input should be 'sync', 'diloco' or 'gossip'"),
+    ({"averaging.mode": "gossip", "averaging.compression": "powersgd"},
+     "averaging.compression powersgd keeps per-round state for gradients and cannot carry gossip's parameters"),
+    ({"averaging.gossip": {"interpolation": "average"}},
+     "averaging.gossip.interpolation: input should be 'constant', 'clock', 'loss' or 'evolutionary'"),
+    ({"averaging.gossip": {"mean_local_steps": 0}}, "averaging.gossip.mean_local_steps: input should be greater "
+                                                    "than or equal to 1"),
     ({"averaging.diloco": {"outer_lr": 0}}, "averaging.diloco.outer_lr: input should be greater than 0"),
     ({"training.precision": "fp8"}, "training.precision: input should be 'auto', 'fp32', 'fp16' or 'bf16'"),
 ])

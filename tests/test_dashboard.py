@@ -118,6 +118,20 @@ def test_page_in_a_real_browser(live):
                                    timeout=60_000)
             assert page.inner_text("#run-id") == swarm.run_id
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+            # a gossip run (the same peers, as a gossip run's records would show them): merges per minute, the last
+            # merge's norm and each replica's distance from the mean, and the replicas' spread by the epoch
+            run = get(dashboard, "/api/run").json()
+            assert "peers" in run, run
+            run.update(mode="gossip", replica_spread=0.0123)
+            for peer in run["peers"]:
+                peer.update(merges_per_minute=12.0, merge_update_norm=0.0456, distance_to_mean=0.0089)
+            page.route("**/api/run", lambda route: route.fulfill(json=run))
+            page.wait_for_function("document.querySelector('#epoch-label').textContent.includes('gossip')",
+                                   timeout=30_000)
+            assert "replicas within 1.23%" in page.text_content("#epoch-label")
+            cell = page.text_content("#peers tbody tr td:nth-child(6)")
+            assert "12 merges/min" in cell and "last |Δ| 0.046" in cell and "0.89% from mean" in cell, cell
         finally:
             browser.close()
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

@@ -43,11 +43,15 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
     with LocalSwarm(3, run_id, tmp_path / "peers", env=peer_env(),
                     join_args=["--max-epochs", "1000"], per_peer_args={0: ["--run", str(folder)]}) as swarm:
         organizer, invited, revoked = swarm.peers
-        # the three invites at once: each is two CLI processes (a few s of imports each on 2 busy cores)
-        with ThreadPoolExecutor(3) as pool:
-            tokens = list(pool.map(lambda who: _invite(folder, who[0], tmp_path, who[1]),
-                                   [(invited.identity_path, "peer1"), (revoked.identity_path, "peer2"),
-                                    (watcher, "watcher")]))
+        # the watcher's invite as a volunteer and the organizer make it ('collab id', 'collab invite'); the two
+        # peers' through the same function in-process (each CLI process is a few s of imports on 2 busy cores)
+        organizer_key = load_run_folder(folder).organizer_key
+        tokens = []
+        for peer in (invited, revoked):
+            path = tmp_path / f"peer{peer.index}.invite"
+            path.write_text(make_invite(run_id, peer.peer_id, organizer_key, lifetime=3600).to_text())
+            tokens.append(str(path))
+        tokens.append(_invite(folder, watcher, tmp_path, "watcher"))
         for peer, token in zip((invited, revoked), tokens):
             peer.args += ["--token-file", token]
         swarm.start()
@@ -58,8 +62,7 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
         joining = ["join", "--run-id", run_id, "--initial-peers", swarm.initial_peer,
                    "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--max-epochs", "1"]
         late_key = RSAPrivateKey()
-        expired = make_invite(run_id, peer_id_of(late_key.get_public_key()), load_run_folder(folder).organizer_key,
-                              lifetime=-3600)
+        expired = make_invite(run_id, peer_id_of(late_key.get_public_key()), organizer_key, lifetime=-3600)
         (tmp_path / "expired.invite").write_text(expired.to_text())
         token = tokens[2]
         reading = ["status", "--run-id", run_id, "--initial-peers", swarm.initial_peer, "--json", "--wait", "10",

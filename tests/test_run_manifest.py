@@ -54,6 +54,8 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
         bad = write_config(tmp_path, {"training.target_batch_size": 4096}, "bad.yaml")
         joining = ["join", "--run-id", run_id, "--initial-peers", swarm.initial_peer,
                    "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        # one after the other: at once, the two processes' start-up starved the volunteer's on 2 cores (a CI run's
+        # organizer trained two epochs alone before it came, and they averaged once)
         refused = run_cli(*joining, "--run-key", key, "--config", str(bad), timeout=120)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
         assert (f"training.target_batch_size is 4096 in --config {bad} or --target-batch-size, but the run's "

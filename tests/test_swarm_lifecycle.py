@@ -19,7 +19,7 @@ RUN_FIELDS = {"run_id", "global_epoch", "samples_accumulated", "target_batch_siz
 
 
 def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path, run_id, no_leftover_processes):
-    max_epochs = 10  # the SIGTERM comes at epoch 3-6 (each status call takes ~5 s): the others advance past it
+    max_epochs = 8  # the SIGTERM comes at epoch 3-5: the others advance past it
     # parameters averaged every 3 epochs, as in real configs: a leaving peer is rarely inside that round
     config = write_config(tmp_path, {"averaging.average_state_every": 3, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0})
@@ -51,7 +51,7 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
         tree = [psutil.Process(leaving.popen.pid), *psutil.Process(leaving.popen.pid).children(recursive=True)]
         print(f"SIGTERM to a peer whose tree is {[(p.pid, p.name()) for p in tree]}")
         assert any("p2pd" in p.name() for p in tree), [p.name() for p in tree]
-        epoch_at_sigterm = status_json(run_id, swarm.initial_peer)["global_epoch"]
+        epoch_at_sigterm = read_summary(swarm.peers[0])["final_epoch"]  # rewritten each epoch
         started = time.monotonic()
         leaving.signal(signal.SIGTERM)
         code = leaving.wait(timeout=10)

@@ -48,9 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="'embedded', a tokenizer.json, a tokenizer folder, or a hub name")
     p.add_argument("--compression", default=None, choices=COMPRESSIONS,
                    help="how gradients travel, for a new run (default fp16; powersgd sends ~10x+ fewer bytes)")
-    p.add_argument("--mode", default=None, choices=("sync", "diloco"),
+    p.add_argument("--mode", default=None, choices=("sync", "diloco", "gossip"),
                    help="how the swarm averages (fixed for a run by its manifest): sync (gradients every target "
-                        "batch) or diloco (inner steps, then pseudo-gradients every target batch)")
+                        "batch), diloco (inner steps, then pseudo-gradients every target batch) or gossip (local "
+                        "steps, pairwise merges with random peers)")
     p.add_argument("--matchmaking-time", type=float, default=None, help="seconds to form an averaging group")
     p.add_argument("--group-size", type=int, default=None,
                    help="begin a round once this many peers joined it, before --matchmaking-time is up")

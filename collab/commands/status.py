@@ -80,14 +80,18 @@ def format_state(state) -> str:
 
     eta = f"{state.eta_seconds:.0f} s" if state.eta_seconds is not None else "unknown"
     target = state.target_batch_size or "?"
-    diloco = state.mode == "diloco"
+    diloco, gossip = state.mode == "diloco", state.mode == "gossip"
     step = "outer step" if diloco else "epoch"
-    table = Table(title=f"run {state.run_id}{' (diloco)' if diloco else ''}: {step} {state.global_epoch}, "
+    spread = f", replicas within {state.replica_spread:.2%} of their mean" if state.replica_spread is not None else ""
+    table = Table(title=f"run {state.run_id}{f' ({state.mode})' if state.mode != 'sync' else ''}: {step} "
+                        f"{state.global_epoch}{spread}, "
                         f"{state.samples_accumulated}/{target} samples toward the next step, "
                         f"{state.samples_per_second:.1f} samples/s, ETA {eta}")
     columns = ["peer", "client", "samples/s", step, "loss", "contributed", "MB/round", "last seen", "refused by others"]
     if diloco:
         columns[4:4] = ["inner steps", "last pseudo-grad norm"]
+    if gossip:
+        columns[4:4] = ["merges/min", "last merge |Δ|", "from mean"]
     for column in columns:
         table.add_column(column)
     for p in state.peers:
@@ -98,6 +102,10 @@ def format_state(state) -> str:
         if diloco:
             cells[4:4] = [str(p.inner_steps) if p.inner_steps is not None else "-",
                           f"{p.pseudo_gradient_norm:.4g}" if p.pseudo_gradient_norm is not None else "-"]
+        if gossip:
+            cells[4:4] = [f"{p.merges_per_minute:.0f}" if p.merges_per_minute is not None else "-",
+                          f"{p.merge_update_norm:.4g}" if p.merge_update_norm is not None else "-",
+                          f"{p.distance_to_mean:.2%}" if p.distance_to_mean is not None else "-"]
         table.add_row(*cells)
     console = Console(width=140, record=True)
     with console.capture() as capture:

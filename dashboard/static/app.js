@@ -16,6 +16,11 @@ function duration(seconds) {
 function text(el, value) { el.textContent = value; }
 
 function epochCell(p) {
+  if (finite(p.merges_per_minute)) {
+    // gossip: how often it merges, how far the last merge moved it, how far it is from the replicas' mean
+    const far = finite(p.distance_to_mean) ? `, ${fmt(100 * p.distance_to_mean, 2)}% from mean` : "";
+    return `${p.epoch} (${fmt(p.merges_per_minute, 0)} merges/min, last |Δ| ${fmt(p.merge_update_norm, 3)}${far})`;
+  }
   if (!finite(p.inner_steps)) return p.epoch;
   const norm = finite(p.pseudo_gradient_norm) ? `, last |Δ| ${fmt(p.pseudo_gradient_norm, 3)}` : "";
   return `${p.epoch} (+${p.inner_steps} inner${norm})`;
@@ -25,7 +30,10 @@ function renderRun(run) {
   text($("run-id"), run.run_id);
   text($("epoch"), run.global_epoch);
   // diloco: an epoch is an outer step; each peer shows its inner steps since and its last pseudo-gradient's norm
-  text($("epoch-label"), run.mode === "diloco" ? "outer step (diloco)" : "global epoch");
+  // gossip: no global step; the epoch counts the swarm's samples, and the replicas' spread says how close they are
+  const spread = finite(run.replica_spread) ? `, replicas within ${fmt(100 * run.replica_spread, 2)}%` : "";
+  text($("epoch-label"), run.mode === "diloco" ? "outer step (diloco)"
+    : run.mode === "gossip" ? `epoch (gossip${spread})` : "global epoch");
   const target = run.target_batch_size;
   const done = finite(target) && target > 0 ? Math.min(1, Math.max(0, run.samples_accumulated / target)) : 0;
   $("progress-fill").style.width = `${(done * 100).toFixed(1)}%`;
