@@ -77,11 +77,12 @@ class RobustPartReducer(TensorPartReducer):
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, rule: Aggregation,
                  report: Optional[Callable[[int, str], None]] = None, excluded: Collection[int] = (),
-                 report_clipping: bool = True, caps: Optional[dict[int, float]] = None):
+                 report_clipping: bool = True, caps: Optional[dict[int, float]] = None, own: Optional[int] = None):
         # clipping is reported for gradients only: replicas in a state round are near-identical, so the clip
         # radius is tiny and a replica one own step away is "far" without anything wrong with its peer
         self.rule, self.report, self.excluded = rule, report, frozenset(excluded)
         self.caps = caps or {}  # sender index -> the most weight its signed progress makes plausible
+        self.own = own  # this peer's sender index: its weight is what it counted, not a claim to bound
         self.report_clipping = report_clipping
         self.received: list[tuple[int, torch.Tensor, float]] = []
         self.findings: dict[int, set[str]] = {}
@@ -149,6 +150,8 @@ class RobustPartReducer(TensorPartReducer):
         median = float(w.median())
         for i, sender in enumerate(senders):
             signed = self.caps.get(sender)
+            if sender == self.own:
+                continue
             if signed is not None:
                 # backed by its own signed progress (never doubted up to the group's median: records lag). A
                 # weight so backed is not held to the median: in a group of peers that brought a micro-batch

@@ -20,6 +20,7 @@ What this borrows from the sync mode, and why it makes DiLoCo elastic where Open
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -47,7 +48,9 @@ class PseudoGradients:
     epoch = 0  # this peer's outer step, sent along with every round (DiLoCoOptimizer keeps it current)
 
     def schedule_step(self, *args, **kwargs):
-        kwargs.setdefault("gather", self.epoch)
+        # each member says its outer step and where its outer parameters are (a projection): members at one
+        # outer step hold the same ones, to fp32 rounding
+        kwargs.setdefault("gather", [self.epoch, _probe(self.outer_parameters, self.probe_seed + 1)])
         return super().schedule_step(*args, **kwargs)
 
     @torch.no_grad()
@@ -75,10 +78,17 @@ class PseudoGradients:
 
 class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, GradientAverager):
     def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
-                 traffic=None, **kwargs):
+                 traffic=None, target_batch_size: int = 1, **kwargs):
         # as CollabGradientAverager: before hivemind's constructor starts the averager process
         self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        self.target_batch_size = target_batch_size
         super().__init__(*args, **kwargs)
+
+    def _own_norm_scale(self, weight) -> float:
+        # a pseudo-gradient grows with the inner steps taken (at most linearly): a peer that joined with one micro-
+        # batch to go (weight 8 of 480) holds a part ~1/20 as long as the average, and refused an honest round
+        # as "implausible" until it scaled its own by the steps the swarm took
+        return max(1.0, self.target_batch_size / weight) if weight and weight > 0 else 1.0
 
 
 class DiLoCoOptimizer(CollabOptimizer):
@@ -128,12 +138,24 @@ class DiLoCoOptimizer(CollabOptimizer):
         and this peer takes the group's (bounded by the swarm's epoch as the progress records show it, so a
         groupmate cannot make it skip ahead)."""
         group = super()._wait_for_round(control)
-        claimed = [epoch for epoch in group.values() if type(epoch) is int]
-        ahead = min(max(claimed, default=self.local_epoch), self.tracker.global_epoch)
+        claims = [_claim(gathered) for gathered in group.values()]
+        ahead = min(max((epoch for epoch, _ in claims if epoch is not None), default=self.local_epoch),
+                    self.tracker.global_epoch)
         if ahead > self.local_epoch:
-            with self.state_averager.lock_optimizer:
-                self.state_averager.local_epoch = ahead
-            self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
+            ours = _probe(self.grad_averager.outer_parameters, self.seed + 1)
+            same = [epoch for epoch, where in claims
+                    if where is not None and math.isclose(where, ours, rel_tol=1e-4, abs_tol=1e-6)]
+            if ahead in same:
+                with self.state_averager.lock_optimizer:
+                    self.state_averager.local_epoch = ahead
+                self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
+            elif len(same) < 2:  # (itself included) no groupmate holds its outer parameters, and some are ahead
+                # it downloaded a donor's state from before the outer step the others made meanwhile (a CI
+                # replica ended 0.24 away, one outer step short). This round's outer step is applied, then the
+                # swarm's state downloaded. (With a groupmate beside it, the one ahead is the odd one: a peer
+                # that stepped alone)
+                self._record_own_step(f"its outer parameters are not its group's (outer step {ahead}): it missed "
+                                      "an outer step while it downloaded the state")
         return group
 
     def _load_averaged_gradients_into_optimizer_(self) -> None:
@@ -151,6 +173,14 @@ class DiLoCoOptimizer(CollabOptimizer):
     @property
     def last_pseudo_gradient_norm(self) -> Optional[float]:
         return self.grad_averager.last_norm
+
+
+def _claim(gathered) -> tuple[Optional[int], Optional[float]]:
+    """(outer step, outer-parameter projection) from what a member gathered; (None, None) for anything else."""
+    if isinstance(gathered, (list, tuple)) and len(gathered) == 2 and type(gathered[0]) is int \
+            and isinstance(gathered[1], float) and math.isfinite(gathered[1]):
+        return gathered[0], gathered[1]
+    return None, None
 
 
 def _probe(tensors, seed: int) -> float:

@@ -105,6 +105,7 @@ def _diloco(config: RunConfig, task: Task, rule, gate, rejections, traffic, aver
         # pseudo-gradient with 296 samples' weight). The state round runs inside the outer step instead
         delay_state_averaging=False,
         grad_averager_factory=partial(PseudoGradientAverager, gate=gate, rule=rule, findings=rejections.queue,
+                                      target_batch_size=config.training.target_batch_size,
                                       traffic=traffic.queue, **averager_opts),
     )
 

@@ -33,7 +33,7 @@ import time
 from typing import Optional
 
 import torch
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
@@ -47,6 +47,7 @@ from collab.traffic import CountingRunner, TrafficLog
 GRADIENT_BOUND = 10.0
 PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's signed progress makes plausible
 PROGRESS_REFRESH = 5.0  # seconds: the signed progress records are re-read (in the background) at most this often
+FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the records (collab.state, ~0.1-1 s)
 STATE_BOUND = 1.0
 BAN_SECONDS = 600.0
 # what only a broken or hostile peer does. Not an implausible returned average: an honest reducer returns one
@@ -71,11 +72,23 @@ class _CheckedRunner(CountingRunner):
         super().__init__(**kwargs)
         self.bound, self.on_finding, self.is_banned = bound, on_finding, is_banned
         self.caught: dict[int, str] = {}  # peer index -> why its returned part was refused
+        # reducers that failed mid-round (died, timed out): hivemind then keeps each sender's own values for their
+        # parts, so the "average" differs from peer to peer (a DiLoCo test's replicas ended 0.31 apart after a
+        # peer was killed mid-round). Not those this peer left out for a ban: that choice is deliberate
+        self.lost_reducers: set[int] = set()
+        keep_own = self._keep_own_parts = self.tensor_part_container.register_failed_reducer
+
+        def lost(peer_index: int):
+            self.lost_reducers.add(peer_index)
+            keep_own(peer_index)
+
+        self.tensor_part_container.register_failed_reducer = lost
         banned = {i for i, peer_id in enumerate(self.sender_peer_ids) if is_banned(peer_id)}
         self.tensor_part_reducer = RobustPartReducer(
             self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids), rule,
             report=lambda sender, reason: on_finding(self.sender_peer_ids[sender], reason), excluded=banned,
             report_clipping=report_clipping,
+            own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
             caps={i: weight_caps[p.to_base58()] for i, p in enumerate(self.sender_peer_ids) if p.to_base58() in weight_caps})
         register = self.tensor_part_container.register_processed_part
         clipped_group = rule.method == "centered_clip" and len(self.sender_peer_ids) >= 3
@@ -94,7 +107,7 @@ class _CheckedRunner(CountingRunner):
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id and self.is_banned(peer_id):
             self.on_finding(peer_id, "banned: left out of a group")
-            self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
+            self._keep_own_parts(self.ordered_peer_ids.index(peer_id))
             return
         await super()._communicate_with_peer(peer_id)
 
@@ -158,7 +171,9 @@ class CheckedRounds:
         group_id = group_info.group_id if group_id is None else group_id
         # PowerSGD runs two all-reduces per round (its P, then its Q): each has its own history of norms
         phase = group_id[len(group_info.group_id):]
-        bound = self._bound(_norm(tensors), phase)
+        bound = self._bound(_norm(tensors) * self._own_norm_scale(kwargs.get("weight")), phase)
+        if self.kind == "gradients":
+            await self._first_progress_read()
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
                                 on_finding=self._report, is_banned=self.banned,
@@ -174,6 +189,13 @@ class CheckedRounds:
             updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
         finally:
             TrafficLog.put(self.traffic, runner, self._values_per_round(), self.total_size)
+        if runner.lost_reducers and self.kind == "gradients" and not phase:
+            # nothing applied yet, and the tensors are as they were: hivemind's retry loop matches the group's
+            # survivors again (they all lost the same reducer) and averages the same values, exactly. Not within
+            # PowerSGD's two-phase rounds (`phase`): its retry would add the gradients to its error buffers twice
+            lost = ", ".join(runner.ordered_peer_ids[i].to_base58()[-6:] for i in sorted(runner.lost_reducers))
+            raise AllreduceException(f"reducer(s) ...{lost} left mid-round: their parts would differ from peer to "
+                                     f"peer; running the round again without them")
         averaged_norm = _norm([t + u for t, u in zip(tensors, updates)]) if self.kind == "gradients" else None
         why = self._refusal(runner, updates, bound, averaged_norm)
         if why is not None:
@@ -207,6 +229,11 @@ class CheckedRounds:
             return f"the averaged state moves this replica by {_norm(updates):.3g}, above the bound {bound:.3g}"
         return None
 
+    def _own_norm_scale(self, weight: Optional[float]) -> float:
+        """How much longer than this peer's own part an honest average may be, given this peer's weight (1: as
+        long; gradients are per-sample means. collab.diloco's pseudo-gradients grow with the steps taken)."""
+        return 1.0
+
     def _bound(self, own_norm: float, phase: bytes = b"") -> float:
         if self.kind == "gradients":
             recent = self._recent_norms(phase)
@@ -219,17 +246,25 @@ class CheckedRounds:
     def _weight_caps(self) -> dict[str, float]:
         """Per peer id, the most averaging weight (samples) its signed progress makes plausible now: the samples
         it reported plus its reported rate times the time since, with slack (records lag; rates are averages)."""
-        now, caps = get_dht_time(), {}
-        for peer, record in self._signed_progress().items():
+        now, caps, records = get_dht_time(), {}, self._signed_progress()
+        # hivemind's rate is an EMA of seconds per sample, whose first intervals (a cold first batch) are slow: a
+        # peer that started seconds ago reports a fraction of its rate (a late joiner's went 13 -> 52 -> 126
+        # samples/s over its first three outer steps, and its honest weight was capped). No peer is held to less
+        # than the run's median rate, which one peer cannot move
+        rates = [r.samples_per_second for r in records.values()
+                 if isinstance(getattr(r, "samples_per_second", None), float) and r.samples_per_second >= 1e-3]
+        floor = statistics.median(rates) if rates else 0.0
+        for peer, record in records.items():
             try:
                 rate = record.samples_per_second
-                plausible = record.samples_accumulated + rate * max(0.0, now - record.time)
+                plausible = record.samples_accumulated + max(rate, floor) * max(0.0, now - record.time)
             except (AttributeError, TypeError):
                 continue
             # hivemind's rate is over compute time only, so rate x wall time over-estimates: honest weights pass.
             # A record with no rate yet (a peer that just started) bounds nothing: a cap would wrong a new peer
             if rate >= 1e-3 and math.isfinite(plausible):
                 caps[peer] = max(1.0, PROGRESS_SLACK * plausible)
+        caps.pop(self.peer_id.to_base58(), None)  # this peer knows its own samples: its record only lags them
         return caps
 
     def _signed_progress(self) -> dict:
@@ -249,6 +284,16 @@ class CheckedRounds:
                 None, progress_records, self.dht, run_id_of(self.prefix))
         except Exception as e:  # no records: no caps from them this time (the median cap still holds)
             logging.getLogger(__name__).debug(f"could not read the run's progress: {e!r}")
+        finally:
+            cache["read_once"] = True
+
+    async def _first_progress_read(self, timeout: float = FIRST_READ_WAIT) -> None:
+        """A peer's first rounds come before its first read of the records is back: without them, only the
+        group's median bounds a weight, and an honest peer's whole outer step (472 samples beside a late joiner's
+        8) was capped at 10x it. Wait a moment for that first read; later rounds use the last one at once."""
+        cache = self.__dict__.get("_progress_cache")
+        if cache is not None and not cache.get("read_once") and cache["task"] is not None:
+            await asyncio.wait({cache["task"]}, timeout=timeout)
 
     def _recent_norms(self, phase: bytes = b"") -> list:
         if not hasattr(self, "_norms"):

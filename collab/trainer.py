@@ -185,6 +185,10 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         if options.wait_peers > 1:
             _wait_for_peers(swarm, options, display, stop)
         summary.start_epoch = opt.local_epoch
+        # hivemind's rate estimate (an EMA of seconds per sample) counts its first interval from the optimizer's
+        # creation: the state download and --wait-peers made a peer look 50x slower than it is for its first ~40
+        # micro-batches, on the dashboard and in its signed record, where the others' weight caps read it
+        opt.tracker.performance_ema.reset_timer()
         micro = config.training.micro_batch_size
         epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, float("-inf")
         guard = BatchGuard(task.model.parameters())

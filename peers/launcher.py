@@ -225,19 +225,20 @@ class LocalSwarm:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, count: Optional[int] = None) -> None:
+    def start(self, count: Optional[int] = None, wait_peers: Optional[int] = None) -> None:
         """Start the first peer, wait for its join line, then start the others (or only `count` peers).
 
-        All of them wait until `count` peers are in the run before their first step, so none trains
-        alone through the first epochs while the others are still importing torch.
+        All of them wait until `wait_peers` (default: `count`) peers are in the run before their first step, so
+        none trains alone through the first epochs while the others are still importing torch.
         """
         count = len(self.peers) if count is None else count
+        wait = str(count if wait_peers is None else wait_peers)
         first = self.peers[0]
-        first.start(["--wait-peers", str(count)], env=self._env(0), forks=self._fork_server())
+        first.start(["--wait-peers", wait], env=self._env(0), forks=self._fork_server())
         self._wait_for_join_line(first)
         self.initial_peer = first.maddr
         for peer in self.peers[1:count]:
-            self.start_peer(peer.index, ["--wait-peers", str(count)])
+            self.start_peer(peer.index, ["--wait-peers", wait])
 
     def start_peer(self, index: int, extra: list[str] = ()) -> None:
         """Start (or restart) a peer, joining through every other peer that has been started."""

@@ -12,13 +12,13 @@ from collab.records import LATE_PART
 from collab.state import _flag_suspects
 
 
-def reduce(parts: list[torch.Tensor], weights: list[float], rule: Aggregation, caps: dict | None = None
-           ) -> tuple[torch.Tensor, dict]:
+def reduce(parts: list[torch.Tensor], weights: list[float], rule: Aggregation, caps: dict | None = None,
+           own: int | None = None) -> tuple[torch.Tensor, dict]:
     """One part, sent by every sender at once, through the real reducer (hivemind's waiting and all)."""
     found: dict[int, list[str]] = {}
 
     async def run():
-        reducer = RobustPartReducer([parts[0].shape], len(parts), rule, caps=caps,
+        reducer = RobustPartReducer([parts[0].shape], len(parts), rule, caps=caps, own=own,
                                     report=lambda sender, why: found.setdefault(sender, []).append(why))
         results = await asyncio.gather(*(reducer.accumulate_part(i, 0, part, weight)
                                          for i, (part, weight) in enumerate(zip(parts, weights))))
@@ -71,6 +71,10 @@ def test_a_weight_above_the_senders_signed_progress_is_capped_there():
     expected = (8 * (parts[0] + parts[1] + parts[2]) + 16 * parts[3]) / 40
     assert torch.allclose(result, expected, atol=1e-5)
     assert found == {3: ["weight above its signed progress"]}
+    # the reducer's own part: its weight is what it counted itself, and stands above any bound
+    result, found = reduce(parts, [8.0, 8.0, 8.0, 400.0], Aggregation(method="mean"), caps={3: 16.0}, own=3)
+    assert torch.allclose(result, (8 * (parts[0] + parts[1] + parts[2]) + 400 * parts[3]) / 424, atol=1e-5)
+    assert found == {}
 
 
 def test_centered_clip_bounds_a_sign_flipped_x1000_part():
@@ -116,12 +120,14 @@ def test_every_part_bad_fails_the_part_for_everyone():
 
 
 def test_weight_caps_follow_each_senders_signed_progress():
-    """What a sender's signed progress makes plausible now: its samples plus its rate times the record's age
-    (records lag the round), times a slack of 2; a peer that reported nothing yet gets the floor of 1 sample, and
-    one with no rate yet (just started) no cap."""
+    """What a sender's signed progress makes plausible now: its samples plus its rate (at least the run's median
+    rate: a peer's first rates are underestimates) times the record's age (records lag the round), times a slack of
+    2; a peer that reported nothing yet gets the floor of 1 sample, one with no rate yet (just started) no cap, and
+    this peer no cap on itself."""
     import time
     from types import SimpleNamespace
 
+    from hivemind.p2p import PeerID
     from hivemind.utils import get_dht_time
 
     from collab.robust_rounds import PROGRESS_SLACK, CheckedRounds
@@ -130,12 +136,16 @@ def test_weight_caps_follow_each_senders_signed_progress():
     record = lambda samples, rate, age: SimpleNamespace(  # noqa: E731
         samples_accumulated=samples, samples_per_second=rate, time=now - age)
     rounds = CheckedRounds()
+    rounds.peer_id = PeerID(b"collab-test-peer")
     rounds._progress_cache = {"read_at": time.monotonic(), "task": None,
                               "records": {"fast": record(100, 10.0, 2.0), "idle": record(0, 0.1, 0.0),
-                                          "new": record(0, 1e-30, 30.0)}}
+                                          "ramping": record(0, 1.0, 3.0), "new": record(0, 1e-30, 30.0),
+                                          rounds.peer_id.to_base58(): record(0, 10.0, 60.0)}}
     caps = rounds._weight_caps()
+    median_rate = (1.0 + 10.0) / 2  # of 0.1, 1, 10, 10
     assert abs(caps["fast"] - PROGRESS_SLACK * (100 + 10.0 * 2.0)) < 1.0, caps
-    assert caps["idle"] == 1.0 and set(caps) == {"fast", "idle"}
+    assert abs(caps["ramping"] - PROGRESS_SLACK * median_rate * 3.0) < 1.0, caps
+    assert caps["idle"] == 1.0 and set(caps) == {"fast", "idle", "ramping"}, caps
 
 
 def test_a_part_from_few_samples_is_noisy_not_an_outlier():

@@ -35,8 +35,10 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
         victim = swarm.peers[2]
         # kill -9 in the middle of an inner loop: once the swarm has made an outer step, an inner loop is
         # (nearly) always what a peer is doing - an outer step takes a fraction of a second
-        wait_for(lambda: victim.summary_path.exists() and read_summary(victim)["final_epoch"] >= 1, timeout=240,
-                 what="the first outer step")
+        # (on the victim and on a survivor: a peer that stepped alone is at epoch 1 before the swarm's records are,
+        # and the late peer, reading them, joined outer step 0 instead of downloading the state)
+        wait_for(lambda: all(p.summary_path.exists() and read_summary(p)["final_epoch"] >= 1
+                             for p in (victim, swarm.peers[0])), timeout=240, what="the first outer step")
         victim.signal(signal.SIGKILL)
         killed_at = time.monotonic()
         swarm.start_peer(3)
@@ -82,7 +84,8 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
         mean = sum(s["weight"] * s["probe"] for s in steps) / sum(s["weight"] for s in steps)
         spread = max(s["probe"] for s in steps) - min(s["probe"] for s in steps)
         assert spread > 0.1, steps  # they did differ before the round
-        assert abs(ours["applied"] - mean) < 0.02 * spread, (group, mean, steps)
+        assert abs(ours["applied"] - mean) < 0.02 * spread, (group, mean, steps, {
+            i: s["rejected"] for i, s in summaries.items()})  # a weight cap or a part left out is reported there
         checked += 1
         with_the_late_peer += joined["peer_id"] in group["peers"]
     assert checked >= 3 and with_the_late_peer >= 1, (checked, with_the_late_peer, summaries[0]["groups"])

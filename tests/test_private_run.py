@@ -54,11 +54,13 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
         tokens.append(_invite(folder, watcher, tmp_path, "watcher"))
         for peer, token in zip((invited, revoked), tokens):
             peer.args += ["--token-file", token]
-        swarm.start()
+        # the organizer alone first, waiting for its two peers: the refused processes below then share the 2 cores
+        # with nobody's training
+        swarm.start(count=1, wait_peers=3)
         assert "--token-file INVITE" in organizer.log_text()
 
         # at once (each is a process of its own): a stranger with the join line but no invite, a peer whose invite
-        # expired, and an invited watcher reading the run
+        # expired, an uninvited dashboard; then, with the invited peers in, an invited watcher reading the run
         joining = ["join", "--run-id", run_id, "--initial-peers", swarm.initial_peer,
                    "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--max-epochs", "1"]
         late_key = RSAPrivateKey()
@@ -79,8 +81,10 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
             uninvited_dashboard = pool.submit(run_cli, "dashboard", "--run-id", run_id, "--initial-peers",
                                               swarm.initial_peer, "--port", str(free_ports(1)[0]), timeout=120)
             refused = pool.submit(run_cli, *joining, "--token-file", str(tmp_path / "expired.invite"), timeout=60)
-            seen = wait_for(members_seen, 150, what="all three members in the watcher's status")
             stranger, refused, dashboard = stranger.result(), refused.result(), uninvited_dashboard.result()
+        for peer in (invited, revoked):
+            swarm.start_peer(peer.index, ["--wait-peers", "3"])
+        seen = wait_for(members_seen, 150, what="all three members in the watcher's status")
         assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr
         assert f"run {run_id!r} is private" in _last_line(stranger) and "collab id" in _last_line(stranger)
         assert refused.returncode == 2 and "expired" in _last_line(refused), refused.stderr

@@ -46,7 +46,10 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
                     per_peer_args={0: ["--run", str(folder), "--checkpoint-dir", str(checkpoints[0])],
                                    1: ["--run-key", key, "--checkpoint-dir", str(checkpoints[1])]},
                     per_peer_env={1: {"COLLAB_CACHE_DIR": str(other_cache)}}) as swarm:
-        swarm.start()
+        # the organizer alone first, waiting for its volunteer: the refused joins below then share the 2 cores
+        # with nobody's training (beside two training peers, CI took 106 s here, and once a starved volunteer
+        # joined so late that the organizer had trained two epochs alone)
+        swarm.start(count=1, wait_peers=2)
         line = re.search(r"^collab join .*$", swarm.peers[0].log_text(), re.M).group(0)
         assert line.endswith(f"--run-key {key}") and "--config" not in line, line
 
@@ -54,8 +57,6 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
         bad = write_config(tmp_path, {"training.target_batch_size": 4096}, "bad.yaml")
         joining = ["join", "--run-id", run_id, "--initial-peers", swarm.initial_peer,
                    "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-        # one after the other: at once, the two processes' start-up starved the volunteer's on 2 cores (a CI run's
-        # organizer trained two epochs alone before it came, and they averaged once)
         refused = run_cli(*joining, "--run-key", key, "--config", str(bad), timeout=120)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
         assert (f"training.target_batch_size is 4096 in --config {bad} or --target-batch-size, but the run's "
@@ -63,6 +64,7 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
         impostor = run_cli(*joining, "--run-key", "0" * 32, timeout=120)
         assert impostor.returncode == 2, impostor.stderr
         assert f"signed by key {key}, not --run-key {'0' * 32}" in impostor.stderr.strip().splitlines()[-1]
+        swarm.start_peer(1, ["--wait-peers", "2"])
 
         assert swarm.wait(timeout=300), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
         organizer, volunteer = (read_summary(p) for p in swarm.peers)
