@@ -32,7 +32,7 @@ from hivemind.averaging.partition import AllreduceException, BannedException, Te
 
 from collab.records import LATE_PART
 
-AGGREGATIONS = ("mean", "centered_clip")
+AGGREGATIONS = ("mean", "centered_clip", "adasum")
 DROP_BEYOND = 5.0  # clip radii: a part further than this from the coordinate-wise median is not taken at all
 
 
@@ -44,6 +44,25 @@ class Aggregation:
     tau: float = 2.0  # clip radius, in median distances of the parts from their median
     iterations: int = 5
     max_weight_ratio: float = 10.0  # a sender's weight is capped at this many times the group's median
+
+
+def adasum(parts: torch.Tensor) -> torch.Tensor:
+    """Adasum (Maleki et al. 2021) of `parts` (n x d), pairwise up a binary tree: for two gradients a and b,
+    (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b - their sum when orthogonal, either one when identical, and in
+    between what is new in each added once. In fp64: the dot products of long parts lose digits in fp32.
+    Weights do not enter (as in Horovod's): each part counts once, whatever its samples."""
+    level = list(parts.double())
+    while len(level) > 1:
+        merged = [_adasum_pair(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        level = merged + ([level[-1]] if len(level) % 2 else [])
+    return level[0].to(parts.dtype)
+
+
+def _adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    dot, a_sq, b_sq = float(a @ b), float(a @ a), float(b @ b)
+    if a_sq == 0 or b_sq == 0:
+        return a + b  # one of them is zero: nothing to share
+    return (1 - dot / (2 * a_sq)) * a + (1 - dot / (2 * b_sq)) * b
 
 
 def centered_clip(parts: torch.Tensor, weights: torch.Tensor, tau: float, iterations: int
@@ -86,6 +105,7 @@ class RobustPartReducer(TensorPartReducer):
         self.report_clipping = report_clipping
         self.received: list[tuple[int, torch.Tensor, float]] = []
         self.findings: dict[int, set[str]] = {}
+        self.group_weight: Optional[float] = None
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -163,6 +183,9 @@ class RobustPartReducer(TensorPartReducer):
                 self._found(sender, "weight above the group's bound")
                 w[i] = self.rule.max_weight_ratio * median
         stacked = torch.stack(parts)
+        self.group_weight = float(w.sum())  # the samples this average stands for (collab.noise_scale's B)
+        if self.rule.method == "adasum":
+            return adasum(stacked).reshape(shape)
         if self.rule.method == "centered_clip" and len(parts) > 2:
             result, coefficients = centered_clip(stacked, w, self.rule.tau, self.rule.iterations)
             # reported when left out only: a part clipped within DROP_BEYOND radii is an odd batch as much as an

@@ -145,9 +145,11 @@ class AveragingConfig(Section):
         "step replaces the parameters the inner steps work on, so nothing overlaps")
     average_state_every: int = Field(5, gt=0, description="also average parameters every N epochs (repairs drift)")
     bandwidth: Optional[float] = Field(None, gt=0, le=1e6, description="announced upload bandwidth, Mbit/s")
-    aggregation: Literal["auto", "mean", "centered_clip"] = Field(
+    aggregation: Literal["auto", "mean", "centered_clip", "adasum"] = Field(
         "auto", description="how each part of a round is combined: mean, or centered_clip (bounds what a few bad "
-        "peers can do); auto: centered_clip in an open run, mean in a private one (the manifest records which)")
+        "peers can do), or adasum (adds what is new in each peer's gradient: sync mode, lossless or 8-bit "
+        "codecs; state rounds then use centered_clip); auto: centered_clip in an open run, mean in a private "
+        "one (the manifest records which)")
     clip_tau: float = Field(2.0, gt=0, le=100, description="centered_clip's radius, in median distances of the "
                             "parts from their median (honest parts lie within it)")
     clip_iterations: int = Field(5, ge=1, le=100)
@@ -156,6 +158,10 @@ class AveragingConfig(Section):
 
     @model_validator(mode="after")
     def _diloco_fits(self):
+        if self.aggregation == "adasum" and (self.mode != "sync" or self.compression in ("dgc", "powersgd")):
+            raise ValueError("averaging.aggregation adasum combines whole gradients of sync mode; it cannot combine "
+                             f"{'PowerSGD factors or DGC selections' if self.mode == 'sync' else self.mode + ' rounds'}"
+                             ": use mean or centered_clip there")
         if self.mode == "sync":
             return self
         what = "diloco's pseudo-gradients" if self.mode == "diloco" else "gossip's parameters"

@@ -77,6 +77,7 @@ class PseudoGradients:
 
 
 class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, GradientAverager):
+    measures_noise = False  # (collab.noise_scale) a pseudo-gradient is no per-sample mean gradient
     def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  traffic=None, target_batch_size: int = 1, **kwargs):
         # as CollabGradientAverager: before hivemind's constructor starts the averager process

@@ -82,6 +82,7 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, PowerSGDG
     restored when a round fails: the trainer then steps on this peer's own gradients, and the same gradient left
     in the feedback would be sent again in the next round and applied twice.
     """
+    measures_noise = False  # (collab.noise_scale) its rounds carry no whole gradients
 
     def __init__(self, parameters, averager_rank: int, *, seed: int, gate: Optional[MemberGate] = None,
                  rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):
@@ -113,6 +114,7 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, PowerSGDG
 
 class CollabDGCAverager(MembersOnly, CheckedRounds, OwnGradients, DGCSelection, GradientAverager):
     """Deep Gradient Compression (collab.dgc); its sparse parts travel losslessly (collab.compression.SparseParts)."""
+    measures_noise = False  # (collab.noise_scale) its rounds carry no whole gradients
 
     def __init__(self, *args, settings: DGCSettings, seed: int, gate: Optional[MemberGate] = None,
                  rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):

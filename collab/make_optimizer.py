@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from functools import partial
 from typing import Optional
 
@@ -31,8 +32,11 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     avg = config.averaging
     compression = wire_codec(avg.compression)
     # the manifest says mean or centered_clip; "auto" only reaches here from a config that skipped it
-    rule = Aggregation(method="mean" if avg.aggregation == "mean" else "centered_clip", tau=avg.clip_tau,
-                       iterations=avg.clip_iterations, max_weight_ratio=avg.max_weight_ratio)
+    method = avg.aggregation if avg.aggregation in ("mean", "adasum") else "centered_clip"
+    rule = Aggregation(method=method, tau=avg.clip_tau, iterations=avg.clip_iterations,
+                       max_weight_ratio=avg.max_weight_ratio)
+    # adasum adds gradients; parameters (state rounds) are averaged, robustly
+    state_rule = replace(rule, method="centered_clip") if method == "adasum" else rule
     rejections, traffic = RejectionLog(), TrafficLog()
     quiet_rejections()  # a refused round is reported once by collab, not with hivemind's traceback
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
@@ -44,7 +48,7 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         averaging_log=averaging_log,
         stop=stop,
         gate=gate,
-        rule=rule,
+        rule=state_rule,  # the state averager's (the gradient averager's is in its factory)
         rejections=rejections,
         traffic=traffic,
         dht=dht,

@@ -56,6 +56,10 @@ class PeerMetricsRecord(pydantic.BaseModel):
     merge_update_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     param_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     param_sketch: Optional[pydantic.conlist(pydantic.confloat(ge=-1e12, le=1e12, strict=True), max_items=64)] = None
+    # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds (collab.noise_scale): readers
+    # pool the peers' (their ratio is B_noise)
+    noise_signal: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
+    noise_trace: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     rejected: Dict[pydantic.constr(max_length=128, strict=True),
                    Dict[pydantic.constr(max_length=160, strict=True), pydantic.conint(ge=0, le=10**12, strict=True)]] = {}
 

@@ -22,6 +22,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from collab.metrics import AveragingLog
 from collab.aggregation import Aggregation
+from collab.noise_scale import NoiseScale
 from collab.rejections import RejectionLog
 from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
@@ -88,6 +89,7 @@ class CollabOptimizer(Optimizer):
         # groupmates' epoch) starts no round for the next one: a CI peer bumped to its last epoch went into a round
         # the others had left, and waited 90 s for a group and a donor that never came
         self.leave_at_epoch: Optional[int] = None
+        self.noise_scale = NoiseScale()  # the gradient noise scale, from this peer's rounds (collab.noise_scale)
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
@@ -324,7 +326,14 @@ class CollabOptimizer(Optimizer):
         else:
             failure = "no gradient round was running"
         # the averager's process counted the round's bytes just before it returned; the queue may lag a moment
-        self.traffic.end_round(wait=0.5 if averaged else 0.0)
+        measuring = averaged and self.grad_averager.measures_noise
+        round_traffic = self.traffic.end_round(wait=0.5 if averaged else 0.0, norms_wait=0.3 if measuring else 0.0)
+        if measuring and round_traffic is not None and round_traffic.norms is not None:
+            own_sq, own_samples, average_sq, group_samples = round_traffic.norms
+            # a peer that reduced no part (client mode) does not see the group's weights: the swarm's samples
+            # this epoch stand in for them
+            group = group_samples if group_samples else self.tracker.global_progress.samples_accumulated
+            self.noise_scale.update(own_sq, own_samples, average_sq, group)
         if not averaged:
             if self.stop.is_set():
                 # leaving: no step at all rather than one on local gradients. Loading them would also wait

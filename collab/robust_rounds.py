@@ -120,6 +120,9 @@ class CheckedRounds:
     kind: str = "gradients"
     findings = None
     traffic = None  # a TrafficLog's queue: each run's bytes (gradient rounds)
+    # whether a round's tensors are this peer's mean gradient and the group's (collab.noise_scale): not DGC's
+    # selections, PowerSGD's factors or diloco's pseudo-gradients
+    measures_noise = True
 
     def _values_per_round(self) -> int:
         """How many values one round all-reduces (PowerSGD: its factors, fewer than the gradient's)."""
@@ -171,7 +174,8 @@ class CheckedRounds:
         group_id = group_info.group_id if group_id is None else group_id
         # PowerSGD runs two all-reduces per round (its P, then its Q): each has its own history of norms
         phase = group_id[len(group_info.group_id):]
-        bound = self._bound(_norm(tensors) * self._own_norm_scale(kwargs.get("weight")), phase)
+        own_norm = _norm(tensors)
+        bound = self._bound(own_norm * self._own_norm_scale(kwargs.get("weight")), phase)
         if self.kind == "gradients":
             await self._first_progress_read()
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
@@ -205,6 +209,10 @@ class CheckedRounds:
             raise RejectedRound(why)
         for tensor, update in zip(tensors, updates):
             tensor.add_(update, alpha=self._averaging_alpha)
+        if averaged_norm is not None and not phase and self.measures_noise:  # collab.noise_scale's, exact here
+            TrafficLog.put_norms(self.traffic, own_sq=own_norm ** 2, own_samples=kwargs.get("weight"),
+                                 average_sq=averaged_norm ** 2,
+                                 group_samples=runner.tensor_part_reducer.group_weight)
         if averaged_norm is not None:
             recent = self._recent_norms(phase)
             recent.append(averaged_norm)

@@ -33,6 +33,7 @@ class PeerState(BaseModel):
     last_seen: float  # seconds since the peer last published
     online: bool
     straggler: bool  # online but an epoch or more behind, or under a quarter of the median speed
+    straggler_reason: Optional[str] = None  # "compute: ..." or "link: ..." (or "behind: ...") for a straggler
     batches_dropped: int = 0  # its own micro-batches it did not send (non-finite loss or gradients)
     mb_per_round: Optional[float] = None  # sent + received per gradient round, as it counted them
     fewer_bytes_than_fp32: Optional[float] = None  # how many times fewer than the same rounds uncompressed
@@ -52,6 +53,10 @@ class RunState(BaseModel):
     run_id: str
     mode: str = "sync"  # averaging.mode, as the peers' records say (an epoch is an outer step in diloco)
     replica_spread: Optional[float] = None  # gossip: the largest distance_to_mean among online peers
+    # the gradient noise scale B_noise, in samples: the online peers' smoothed tr(Sigma) over their |G|^2 (pooled:
+    # collab.noise_scale), and how many peers measured it
+    noise_scale: Optional[float] = None
+    noise_scale_peers: int = 0
     global_epoch: int
     samples_accumulated: int
     target_batch_size: Optional[int]
@@ -113,12 +118,16 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
             merge_update_norm=r.merge_update_norm if r else None,
         ))
     _estimate_spread(peers, records)
-    _flag_stragglers(peers, global_epoch)
     _flag_suspects(peers, records)
+    _flag_stragglers(peers, global_epoch)  # after: a link straggler is told by the late parts others reported
     modes = Counter(r.mode for r in records.values())
+    online = {p.peer_id for p in peers if p.online}
+    noise_scale, measured = pooled_noise_scale([r for peer, r in records.items() if peer in online])
     return RunState(
         run_id=run_id,
         mode=modes.most_common(1)[0][0] if modes else "sync",
+        noise_scale=noise_scale,
+        noise_scale_peers=measured,
         replica_spread=max((p.distance_to_mean for p in peers if p.online and p.distance_to_mean is not None),
                            default=None),
         global_epoch=global_epoch,
@@ -134,6 +143,18 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
         peers=peers,
         time=now,
     )
+
+
+def pooled_noise_scale(records) -> tuple[Optional[float], int]:
+    """B_noise from the peers' smoothed estimates: the mean of their tr(Sigma) over the mean of their |G|^2 (each
+    peer's own ratio is much noisier: collab.noise_scale), and how many peers had one."""
+    measured = [(r.noise_signal, r.noise_trace) for r in records
+                if r.noise_signal is not None and r.noise_trace is not None]
+    if not measured:
+        return None, 0
+    signal = sum(s for s, _ in measured) / len(measured)
+    trace = sum(t for _, t in measured) / len(measured)
+    return (trace / signal if signal > 0 and trace > 0 else None), len(measured)
 
 
 def _estimate_spread(peers: list[PeerState], records: dict) -> None:
@@ -162,6 +183,9 @@ def _read_progress(dht, run_id: str, rejected: Rejections, now: float) -> dict:
     return drop_implausible_epochs(progress, rejected, now)
 
 
+LATE_PARTS_FOR_LINK = 3  # late parts (as others reported them) that mark a peer whose link holds rounds up
+
+
 def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:
     online = [p for p in peers if p.online]
     speeds = sorted(p.samples_per_second for p in online if p.role == "trainer")
@@ -169,7 +193,20 @@ def _flag_stragglers(peers: list[PeerState], global_epoch: int) -> None:
     for p in online:
         if p.role != "trainer":
             continue
-        p.straggler = p.epoch < global_epoch - 1 or (median > 0 and p.samples_per_second < 0.25 * median)
+        slow = median > 0 and p.samples_per_second < 0.25 * median
+        # others left its parts out of their rounds because they came too late: its uplink holds them up
+        late = sum(n for reason, n in p.rejected_by_reason.items() if reason.startswith(LATE_PART))
+        behind = p.epoch < global_epoch - 1
+        # (the reports are totals over the run: late in a quarter of its rounds or more, not once long ago)
+        lagging_link = late >= LATE_PARTS_FOR_LINK and late >= 0.25 * max(1, p.rounds_joined + p.rounds_failed)
+        p.straggler = behind or slow or lagging_link
+        if slow:
+            p.straggler_reason = (f"compute: {p.samples_per_second:.1f} samples/s, under a quarter of the median "
+                                  f"{median:.1f}")
+        elif lagging_link:
+            p.straggler_reason = f"link: its parts came too late for {late} of the others' rounds"
+        elif behind:
+            p.straggler_reason = f"behind: epoch {p.epoch}, the swarm's {global_epoch}, at a normal compute speed"
 
 
 def _flag_suspects(peers: list[PeerState], records: dict) -> None:

@@ -77,6 +77,9 @@ class RoundTraffic:
     bytes_sent: int = 0
     bytes_received: int = 0
     fp32_bytes: float = 0.0  # the same round uncompressed (see the module's docstring)
+    # collab.noise_scale's inputs, from a gradient round this peer accepted: its own gradient's squared norm and
+    # samples, the average's and the samples it stands for (None where this peer reduced no part: client mode)
+    norms: Optional[tuple[float, float, float, Optional[float]]] = None
 
     @property
     def ratio(self) -> Optional[float]:
@@ -105,18 +108,35 @@ class TrafficLog:
         except (OSError, ValueError, queue.Full):  # closed at shutdown: nothing to count any more
             pass
 
-    def end_round(self, wait: float = 0.0) -> Optional[RoundTraffic]:
+    @staticmethod
+    def put_norms(traffic_queue, own_sq: float, own_samples, average_sq: float, group_samples) -> None:
+        """From the averager's process, after a gradient round it accepted."""
+        if traffic_queue is None or not own_samples:
+            return
+        try:
+            traffic_queue.put_nowait(("norms", float(own_sq), float(own_samples), float(average_sq),
+                                      None if group_samples is None else float(group_samples)))
+        except (OSError, ValueError, queue.Full):
+            pass
+
+    def end_round(self, wait: float = 0.0, norms_wait: float = 0.0) -> Optional[RoundTraffic]:
         """Sum what the round's runs put (called by the trainer once the round is over); None if nothing moved.
-        `wait`: how long the first report may take to arrive (a queue's put reaches the other end a bit later)."""
+        `wait`: how long the first report may take to arrive (a queue's put reaches the other end a bit later);
+        `norms_wait`: how long the round's norms may take after it (they are put once the round is applied)."""
         this = RoundTraffic()
         while True:
+            if this.norms is None and norms_wait > 0 and this.bytes_sent + this.bytes_received > 0:
+                wait, norms_wait = norms_wait, 0.0
             try:
-                sent, received, fp32 = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
+                sent, received, fp32, *rest = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
                 wait = 0.0
             except queue.Empty:
                 break
             except (OSError, ValueError, EOFError):
                 break
+            if sent == "norms":
+                this.norms = (received, fp32, *rest)
+                continue
             this.bytes_sent += int(sent)
             this.bytes_received += int(received)
             this.fp32_bytes += float(fp32)

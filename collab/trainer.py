@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 import warnings
@@ -408,8 +409,17 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         inner_steps=getattr(opt, "inner_steps", None),
         pseudo_gradient_norm=getattr(opt, "last_pseudo_gradient_norm", None),
         **_gossip_fields(opt),
+        **_noise_fields(opt),
     )
     publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
+
+
+def _noise_fields(opt) -> dict:
+    noise = getattr(opt, "noise_scale", None)
+    if noise is None or noise.signal is None or not all(math.isfinite(v) and abs(v) <= 1e12
+                                                         for v in (noise.signal, noise.noise)):
+        return {}
+    return dict(noise_signal=float(noise.signal), noise_trace=float(noise.noise))
 
 
 def _gossip_fields(opt) -> dict:

@@ -41,6 +41,12 @@ class RunMetrics:
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric([s.run_id], float(value))
             yield family
+        if s.noise_scale is not None:
+            family = GaugeMetricFamily("collab_gradient_noise_scale", "B_noise in samples: the batch at which a "
+                                       "gradient's noise equals its signal (compare collab_target_batch_size)",
+                                       labels=labels)
+            family.add_metric([s.run_id], float(s.noise_scale))
+            yield family
         family = GaugeMetricFamily("collab_rejected_records_by_reason",
                                    "Records dropped in the last read, by why (forged id, future time, ...)",
                                    labels=["run_id", "reason"])

@@ -123,15 +123,23 @@ def test_page_in_a_real_browser(live):
             # merge's norm and each replica's distance from the mean, and the replicas' spread by the epoch
             run = get(dashboard, "/api/run").json()
             assert "peers" in run, run
-            run.update(mode="gossip", replica_spread=0.0123)
+            # and the gradient noise scale against the target; a peer flagged as a straggler says why
+            run.update(mode="gossip", replica_spread=0.0123, noise_scale=812.4, noise_scale_peers=2)
             for peer in run["peers"]:
                 peer.update(merges_per_minute=12.0, merge_update_norm=0.0456, distance_to_mean=0.0089)
+            run["peers"][0].update(straggler=True, straggler_reason="link: its parts came too late for 4 of the "
+                                   "others' rounds")
             page.route("**/api/run", lambda route: route.fulfill(json=run))
             page.wait_for_function("document.querySelector('#epoch-label').textContent.includes('gossip')",
                                    timeout=30_000)
             assert "replicas within 1.23%" in page.text_content("#epoch-label")
             cell = page.text_content("#peers tbody tr td:nth-child(6)")
             assert "12 merges/min" in cell and "last |Δ| 0.046" in cell and "0.89% from mean" in cell, cell
+            assert page.text_content("#noise-scale") == "812 samples"
+            assert page.get_attribute("#noise-scale", "title").startswith(f"{812.4 / run['target_batch_size']:.2f}x")
+            row = f"#peers tbody tr[data-peer-id='{run['peers'][0]['peer_id']}']"
+            assert page.text_content(f"{row} td:last-child") == "straggler (link)"
+            assert page.get_attribute(f"{row} td:last-child", "title").startswith("link: its parts came too late")
         finally:
             browser.close()
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

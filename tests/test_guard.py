@@ -144,3 +144,20 @@ def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_straggler_is_flagged_with_its_reason_compute_or_link():
+    from collab.records import LATE_PART
+    from collab.state import _flag_stragglers
+
+    peers = {name: peer_state(name) for name in ("fast", "fast2", "slow", "late", "once")}
+    for p in peers.values():
+        p.samples_per_second, p.rounds_joined = 40.0, 8
+    peers["slow"].samples_per_second = 5.0
+    peers["late"].rejected_by_reason = {f"{LATE_PART} (gradients)": 4}  # 4 of its 8 rounds: its uplink
+    peers["once"].rejected_by_reason = {f"{LATE_PART} (gradients)": 1}  # once: a hiccup, not a straggler
+    _flag_stragglers(list(peers.values()), global_epoch=3)
+    assert peers["slow"].straggler and peers["slow"].straggler_reason.startswith("compute: 5.0 samples/s")
+    assert peers["late"].straggler and peers["late"].straggler_reason == "link: its parts came too late for 4 of " \
+        "the others' rounds"
+    assert not any(peers[name].straggler for name in ("fast", "fast2", "once"))

@@ -114,14 +114,31 @@ def format_state(state) -> str:
             if p.suspect:
                 reasons = ", ".join(f"{n} {why}" for why, n in sorted(p.rejected_by_reason.items(), key=lambda r: -r[1]))
                 console.print(f"suspect {p.peer_id}: {p.reported_by} peers refused from it: {reasons}")
+            if p.online and p.straggler and p.straggler_reason:
+                console.print(f"straggler {p.peer_id[-12:]}: {p.straggler_reason}")
             if p.batches_dropped:
                 console.print(f"{p.peer_id[-12:]} dropped {p.batches_dropped} of its own micro-batches "
                               "(non-finite loss or gradients; none were sent)")
+        if state.noise_scale is not None:
+            console.print(noise_scale_line(state.noise_scale, state.target_batch_size, state.noise_scale_peers))
         if state.rejected_records:
             reasons = ", ".join(f"{n} {why}" for why, n in sorted(state.rejected_by_reason.items()))
             signers = ", ".join(f"{who[-12:]} ({n})" for who, n in state.rejected_by_signer.items())
             console.print(f"ignored {state.rejected_records} untrusted records: {reasons}; from {signers}")
     return capture.get()
+
+
+def noise_scale_line(b_noise: float, target, peers: int) -> str:
+    """B_noise against the target, and what it means (collab.noise_scale)."""
+    if target:
+        ratio = b_noise / target
+        advice = ("the target is well below it: a larger one would need fewer steps for nearly the same samples" if ratio > 2 else "the target is well above it: a smaller one would reach "
+                  "the same loss with fewer samples" if ratio < 0.5 else "the target is near it: a good size")
+        vs = f" against a target of {target} ({ratio:.2g}x): {advice}"
+    else:
+        vs = ""
+    return (f"gradient noise scale B_noise ~ {b_noise:.0f} samples (the batch at which a gradient's noise equals "
+            f"its signal; from {peers} peer(s)){vs}")
 
 
 def _traffic(peer) -> str:

@@ -43,6 +43,11 @@ function renderRun(run) {
   text($("peers-online"), online.length);
   text($("sps"), fmt(run.samples_per_second));
   text($("rejected"), run.rejected_records);
+  // B_noise against the target: the number a researcher would tune the target batch by
+  const noise = run.noise_scale;
+  text($("noise-scale"), finite(noise) ? `${fmt(noise, 0)} samples` : "not measured yet");
+  $("noise-scale").title = finite(noise) && finite(target) && target > 0
+    ? `${fmt(noise / target, 2)}x the target batch of ${target}; from ${run.noise_scale_peers} peer(s)` : "";
   // why, so an organizer can tell a forged-id attack from a peer on an old version
   $("rejected").title = Object.entries(run.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n");
   text($("status"), `updated ${new Date(run.time * 1000).toLocaleTimeString()}`);
@@ -52,7 +57,8 @@ function renderRun(run) {
     const row = document.createElement("tr");
     row.dataset.peerId = p.peer_id;
     row.className = p.suspect ? "suspect" : !p.online ? "stale" : p.straggler ? "straggler" : "";
-    const state = p.suspect ? "suspect" : !p.online ? "stale" : p.straggler ? "straggler" : "online";
+    const state = p.suspect ? "suspect" : !p.online ? "stale"
+      : p.straggler ? `straggler${p.straggler_reason ? ` (${p.straggler_reason.split(":")[0]})` : ""}` : "online";
     const refused = p.contributions_rejected ? `${p.contributions_rejected} (by ${p.reported_by})` : "0";
     const cells = [p.peer_id.slice(-10), p.client_mode ? "client / NAT" : "full", fmt(p.samples_per_second),
       `${fmt(100 * p.contribution, 0)}%`, fmt(p.loss, 3), epochCell(p), traffic(p), `${duration(p.last_seen)} ago`, refused,
@@ -66,6 +72,7 @@ function renderRun(run) {
     // what was refused, and why: a clipped part (odd data, or an attack) reads differently from a NaN
     row.children[8].title = Object.entries(p.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n")
       + (p.batches_dropped ? `\nits own dropped micro-batches: ${p.batches_dropped}` : "");
+    row.lastChild.title = p.straggler_reason || "";  // the whole reason: compute or link, with its numbers
     return row;
   }));
 
@@ -126,6 +133,7 @@ async function refresh() {
       drawChart($("chart-loss"), history.points, "loss");
       drawChart($("chart-sps"), history.points, "samples_per_second");
       drawChart($("chart-peers"), history.points, "peers_online");
+      drawChart($("chart-noise"), history.points, "noise_scale");
     }
   } catch (error) {
     text($("status"), `dashboard unreachable: ${error}`);
