@@ -183,7 +183,10 @@ class RobustPartReducer(TensorPartReducer):
                 self._found(sender, "weight above the group's bound")
                 w[i] = self.rule.max_weight_ratio * median
         stacked = torch.stack(parts)
-        self.group_weight = float(w.sum())  # the samples this average stands for (collab.noise_scale's B)
+        # the samples this average stands for (collab.noise_scale's B): its variance is that of a mean of
+        # (sum w)^2 / sum(w^2 / claimed) samples, which is sum w unless a weight was capped below its claim
+        claimed = torch.tensor(weights)
+        self.group_weight = float(w.sum() ** 2 / (w ** 2 / claimed).sum())
         if self.rule.method == "adasum":
             return adasum(stacked).reshape(shape)
         if self.rule.method == "centered_clip" and len(parts) > 2:

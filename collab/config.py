@@ -17,6 +17,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, mode
 from collab.errors import UserError
 from collab.sections import Section
 from collab.tasks.albert_config import AlbertTaskConfig
+from collab.tasks.linreg_config import LinregTaskConfig
 from collab.tasks.swav_config import SwavTaskConfig
 
 DEFAULT_CONFIG_NAME = "albert-tiny"
@@ -178,7 +179,8 @@ class CheckpointConfig(Section):
 
 
 # task.name -> that task's config section; `name` may be left out for the default task, albert
-TASK_CONFIGS: dict[str, type[BaseModel]] = {"albert": AlbertTaskConfig, "swav": SwavTaskConfig}
+TASK_CONFIGS: dict[str, type[BaseModel]] = {"albert": AlbertTaskConfig, "swav": SwavTaskConfig,
+                                             "linreg": LinregTaskConfig}
 
 
 def _task_name(value: Any) -> Any:

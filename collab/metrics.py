@@ -60,6 +60,7 @@ class PeerMetricsRecord(pydantic.BaseModel):
     # pool the peers' (their ratio is B_noise)
     noise_signal: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     noise_trace: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
+    noise_rounds: Optional[pydantic.conint(ge=0, le=10**12, strict=True)] = None  # rounds behind the two
     rejected: Dict[pydantic.constr(max_length=128, strict=True),
                    Dict[pydantic.constr(max_length=160, strict=True), pydantic.conint(ge=0, le=10**12, strict=True)]] = {}
 

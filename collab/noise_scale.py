@@ -27,6 +27,7 @@ from typing import Optional
 
 SMOOTHING = 0.98  # each round's estimate moves the averages by 2%: a window of ~50 rounds (at 0.9, 3 peers' estimates of a
 # known B_noise of 41 ranged 19-92; at 0.98, 32-66, and their pooled one 39-45)
+WINDOW = round(1 / (1 - SMOOTHING))  # rounds the smoothed estimates mostly stand for
 
 
 def two_batch_estimate(small_sq: float, small_batch: float, big_sq: float, big_batch: float

@@ -330,10 +330,10 @@ class CollabOptimizer(Optimizer):
         round_traffic = self.traffic.end_round(wait=0.5 if averaged else 0.0, norms_wait=0.3 if measuring else 0.0)
         if measuring and round_traffic is not None and round_traffic.norms is not None:
             own_sq, own_samples, average_sq, group_samples = round_traffic.norms
-            # a peer that reduced no part (client mode) does not see the group's weights: the swarm's samples
-            # this epoch stand in for them
-            group = group_samples if group_samples else self.tracker.global_progress.samples_accumulated
-            self.noise_scale.update(own_sq, own_samples, average_sq, group)
+            # the group's samples are known exactly to a peer that reduced a part (the weights it combined): one
+            # that reduced none (a client; or a small model, whose one part another peer reduced) does not guess
+            if group_samples:
+                self.noise_scale.update(own_sq, own_samples, average_sq, group_samples)
         if not averaged:
             if self.stop.is_set():
                 # leaving: no step at all rather than one on local gradients. Loading them would also wait

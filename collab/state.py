@@ -146,14 +146,18 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
 
 
 def pooled_noise_scale(records) -> tuple[Optional[float], int]:
-    """B_noise from the peers' smoothed estimates: the mean of their tr(Sigma) over the mean of their |G|^2 (each
-    peer's own ratio is much noisier: collab.noise_scale), and how many peers had one."""
-    measured = [(r.noise_signal, r.noise_trace) for r in records
-                if r.noise_signal is not None and r.noise_trace is not None]
+    """B_noise from the peers' smoothed estimates: their tr(Sigma) over their |G|^2, each averaged over the peers
+    weighted by the rounds behind it, up to the smoothing's window (each peer's own ratio is much noisier:
+    collab.noise_scale), and how many peers had one."""
+    from collab.noise_scale import WINDOW
+
+    measured = [(r.noise_signal, r.noise_trace, min(WINDOW, max(1, getattr(r, "noise_rounds", None) or 1)))
+                for r in records if r.noise_signal is not None and r.noise_trace is not None]
     if not measured:
         return None, 0
-    signal = sum(s for s, _ in measured) / len(measured)
-    trace = sum(t for _, t in measured) / len(measured)
+    total = sum(n for _, _, n in measured)
+    signal = sum(s * n for s, _, n in measured) / total
+    trace = sum(t * n for _, t, n in measured) / total
     return (trace / signal if signal > 0 and trace > 0 else None), len(measured)
 
 

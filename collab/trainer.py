@@ -74,6 +74,8 @@ class Summary:
     outer_steps: dict[int, dict] = field(default_factory=dict)
     # gossip: exchanges asked, answered, failed and refused, the recent merges, this replica's norm and sketch
     gossip: dict = field(default_factory=dict)
+    # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds (collab.noise_scale)
+    noise_scale: dict = field(default_factory=dict)
     device: str = ""  # where and in what precision this peer computed (collab.precision)
     fp16_overflows: int = 0  # micro-batches skipped by fp16 loss scaling (not dropped: collab.guard never saw them)
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
@@ -247,6 +249,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     summary.nonfinite_parameters = nonfinite_parameters(task.model)
                     summary.outer_steps = dict(getattr(opt, "outer_steps", {}))
                     summary.gossip = getattr(opt, "report", dict)()
+                    summary.noise_scale = _noise_fields(opt)
                     write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
                     summary.peers_found_back = swarm.rejoin()
@@ -419,7 +422,7 @@ def _noise_fields(opt) -> dict:
     if noise is None or noise.signal is None or not all(math.isfinite(v) and abs(v) <= 1e12
                                                          for v in (noise.signal, noise.noise)):
         return {}
-    return dict(noise_signal=float(noise.signal), noise_trace=float(noise.noise))
+    return dict(noise_signal=float(noise.signal), noise_trace=float(noise.noise), noise_rounds=noise.updates)
 
 
 def _gossip_fields(opt) -> dict:

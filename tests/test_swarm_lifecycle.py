@@ -40,9 +40,9 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
             assert peer["loss"] is not None and 0 < peer["loss"] < 20
             assert 0 <= peer["last_seen"] < 60
         assert abs(sum(p["contribution"] for p in trainers) - 1.0) < 1e-6
-        # both peers measured the gradient noise scale from their real rounds (own and averaged norms) and
-        # published it; its value is checked against a known truth in test_noise_scale.py
-        assert state["noise_scale_peers"] == 2, state
+        # the gradient noise scale, measured from real rounds (own and averaged norms) by a peer that reduced a
+        # part, and published; its value is checked against a known truth in test_noise_scale.py
+        assert state["noise_scale_peers"] >= 1, state
         assert state["noise_scale"] is None or state["noise_scale"] > 0, state
 
         # a peer that joins now downloads the state and trains at the swarm's epoch

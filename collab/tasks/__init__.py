@@ -70,4 +70,8 @@ def build_task(config) -> Task:
         from collab.tasks.swav import SwavTask
 
         return SwavTask(config.task, config.training)
+    if config.task.name == "linreg":
+        from collab.tasks.linreg import LinregTask
+
+        return LinregTask(config.task, config.training)
     raise ValueError(f"unknown task {config.task.name!r}")  # unreachable: the config schema lists the tasks
