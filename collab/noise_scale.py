@@ -51,6 +51,7 @@ class NoiseScale:
     smoothing: float = SMOOTHING
     signal_avg: float = 0.0
     noise_avg: float = 0.0
+    weight_avg: float = 0.0
     updates: int = 0
     last_group_samples: Optional[float] = None
 
@@ -60,14 +61,21 @@ class NoiseScale:
         if estimate is None:
             return False
         signal, noise = estimate
-        self.signal_avg = self.smoothing * self.signal_avg + (1 - self.smoothing) * signal
-        self.noise_avg = self.smoothing * self.noise_avg + (1 - self.smoothing) * noise
+        # both estimators divide by 1 - B_i/B: a peer that brought most of the group's samples measures little
+        # (its gradient nearly is the average) and its noise is amplified. Rounds count by the square of that
+        # factor (a real run's peers brought 25-100% of a round's samples; unweighted, one such round moved a
+        # pooled estimate 20% off)
+        weight = (1 - own_samples / group_samples) ** 2
+        self.signal_avg = self.smoothing * self.signal_avg + (1 - self.smoothing) * weight * signal
+        self.noise_avg = self.smoothing * self.noise_avg + (1 - self.smoothing) * weight * noise
+        self.weight_avg = self.smoothing * self.weight_avg + (1 - self.smoothing) * weight
         self.updates += 1
         self.last_group_samples = group_samples
         return True
 
     def _corrected(self, value: float) -> float:
-        return value / (1 - self.smoothing ** self.updates)
+        # the weighted average so far: the moving average of the weights is also the bias correction
+        return value / self.weight_avg
 
     @property
     def signal(self) -> Optional[float]:

@@ -1,6 +1,6 @@
 """Churn: peers killed with SIGKILL and restarted keep the run going; the restarted ones catch up.
 
-The short, strict version: 4 peers for 80 s. benchmarks/churn.py runs the long one (5 peers, 130 s, against a
+The short, strict version: 4 peers for 62 s. benchmarks/churn.py runs the long one (5 peers, 130 s, against a
 steady swarm)."""
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # load_state_timeout. The rate against a steady swarm is benchmarks/churn.py's (ratio 1.92 measured).
     config = swarm_config(tmp_path, 4, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0})
-    # a kill every 20 s for 80 s: hits at 20, 40 and 60 s, the first while the peers may still start (as a crash
-    # can come), restarts 8 s later; the one at 28 s has most of the run left to catch up and train
-    churned = _simulate(tmp_path, "churn", config, duration=80, churn=ChurnSpec("kill", every=20, downtime=8))
+    # a kill every 16 s for 62 s: hits at 16, 32 and 48 s, the first while the peers may still start (as a crash
+    # can come), restarts 6 s later; the one at 22 s has most of the run left to catch up and train. (At 80 s
+    # and kills every 20 s the swarm reached epoch 8, 5 of them before the first kill)
+    churned = _simulate(tmp_path, "churn", config, duration=62, churn=ChurnSpec("kill", every=16, downtime=6))
     # the swarm trained on through the hits; a swarm whose restarted peers stall it (the catch-up bugs this test
     # caught) made 4 epochs in 130 s
     assert churned.epochs_reached >= 5, churned.to_table()

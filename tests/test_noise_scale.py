@@ -106,29 +106,30 @@ def test_status_says_what_the_noise_scale_means():
 
 @pytest.mark.swarm
 def test_three_real_peers_measure_a_known_noise_scale_within_20_percent(tmp_path, run_id, no_leftover_processes):
-    """The linreg task (B_noise = 4001 at its start), a learning rate too small to move it, 3 real peers averaging
-    10 rounds of 64000 samples: the noise scale they measure from their rounds' norms and publish, pooled as status
-    pools it, is the truth within 20%. (Epochs of ~2 s: at 96 samples a peer made its epochs alone before the
-    others' progress reached it. Its 2000 dimensions concentrate the norms: simulated, the pooled estimate was
-    within 3% at this size, within 20% at 20 dimensions and 30 rounds of 96 samples)"""
-    task = {"name": "linreg", "dim": 2000, "noise_sd": 1.0, "distance": 1.0}
+    """The linreg task (B_noise = 40001 at its start), a learning rate too small to move it, 3 real peers averaging
+    6 rounds of 30000 samples: the noise scale they measure from their rounds' norms and publish, pooled as status
+    pools it, is the truth within 20% (asserted: 10%; at 12 rounds of 40000, three runs measured it within 1.2%).
+    Epochs of seconds, not of 96 samples: then a peer made its epochs alone before the others' progress reached
+    it. Its size also matters: the per-round estimate's noise relative to what it measures grows as
+    sqrt(B_i) / B_noise, and at 2000 dimensions (B_noise 4001) three runs were 5-15% off."""
+    task = {"name": "linreg", "dim": 20000, "noise_sd": 1.0, "distance": 1.0}
     truth = LinregTaskConfig(**task).true_noise_scale()
     # the plain mean and no codec: the estimator reads the weighted average's norm
     config = swarm_config(tmp_path, 3, {"task": task, "training.micro_batch_size": 256,
-                                        "training.target_batch_size": 64000, "training.learning_rate": 1e-9,
+                                        "training.target_batch_size": 30000, "training.learning_rate": 1e-9,
                                         "averaging.aggregation": "mean", "averaging.compression": "none",
                                         "averaging.average_state_every": 1000})
-    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "10"], env=peer_env()) as swarm:
+    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "6"], env=peer_env()) as swarm:
         swarm.start()
         codes = [peer.wait(timeout=300) for peer in swarm.peers]
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
         assert codes == [0, 0, 0], f"exit codes {codes}\n{logs}"
         summaries = [read_summary(peer) for peer in swarm.peers]
     # a peer measures the rounds in which it reduced a part (it then knows the group's samples exactly): this
-    # model is one part (8 KB), so one reducer per round
+    # model is one part (80 KB), so one reducer per round
     measured = [s["noise_scale"] for s in summaries if s["noise_scale"].get("noise_rounds")]
-    assert sum(m["noise_rounds"] for m in measured) >= 6, ([s["noise_scale"] for s in summaries],
+    assert sum(m["noise_rounds"] for m in measured) >= 4, ([s["noise_scale"] for s in summaries],
                                                       [s["group_sizes"] for s in summaries])
     pooled, peers = pooled_noise_scale([SimpleNamespace(**m) for m in measured])
     print(f"B_noise measured {pooled:.1f} by {peers} peer(s), truth {truth:.1f}")
-    assert peers >= 1 and abs(pooled - truth) < 0.2 * truth, (pooled, truth, measured)
+    assert peers >= 1 and abs(pooled - truth) < 0.1 * truth, (pooled, truth, measured)
