@@ -4,7 +4,8 @@ For each row and each seed: 3 `collab join` peers (peers.launcher, 127.0.0.1) tr
 embedded corpus; one process trains the same model (same seed, so the same initial weights), optimizer and
 schedule with plain gradient accumulation to the same batch. The swarm's peers keep their identities (so their
 data order) across rows: rows differ only in the codec or mode. Rows: sync codecs (fp16, uniform8bit, powersgd,
-dgc, ...), --steps collaborative steps of --batch samples; diloco-h<H> (averaging.mode diloco, pseudo-gradients
+dgc, ...; CODEC+AGGREGATION for another aggregation, e.g. fp16+adasum against fp16+mean), --steps collaborative
+steps of --batch samples; diloco-h<H> (averaging.mode diloco, pseudo-gradients
 in --local-codec, fp16 by default, an outer step every H micro-batches per peer), and gossip-<rule>
 (averaging.mode gossip with that interpolation, parameters exchanged in --local-codec every --gossip-k local
 steps on average), on the same number of samples. A gossip row's held-out loss is the mean over the three replicas (no replica is "the" model); its spread
@@ -70,8 +71,11 @@ def run_config(args, row: str, seed: int) -> dict:
     config["task"]["data"]["seq_length"] = args.seq_length
     config["training"].update(target_batch_size=args.batch, seed=seed, total_steps=max(args.steps * 2, 100))
     # a round as soon as all 3 are in it; parameters averaged rarely: the gradients' codec is what is measured
-    config["averaging"].update(compression=row, group_size=PEERS, average_state_every=10**6,
+    codec, _, aggregation = row.partition("+")  # fp16+adasum: a sync codec with another aggregation
+    config["averaging"].update(compression=codec, group_size=PEERS, average_state_every=10**6,
                                dgc_warmup_epochs=args.dgc_warmup, overlap=args.overlap)
+    if aggregation:
+        config["averaging"]["aggregation"] = aggregation
     h = diloco_h(row)
     if h is not None:  # an outer step every H micro-batches per peer; the pseudo-gradients travel in fp16
         micro = config["training"]["micro_batch_size"]
