@@ -169,9 +169,9 @@ class RobustPartReducer(TensorPartReducer):
         w = torch.tensor(weights)
         median = float(w.median())
         for i, sender in enumerate(senders):
-            signed = self.caps.get(sender)
-            if sender == self.own:
+            if sender == self.own:  # this peer's own weight is what it counted, not a claim (and its record lags)
                 continue
+            signed = self.caps.get(sender)
             if signed is not None:
                 # backed by its own signed progress (never doubted up to the group's median: records lag). A
                 # weight so backed is not held to the median: in a group of peers that brought a micro-batch

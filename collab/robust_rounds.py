@@ -209,7 +209,8 @@ class CheckedRounds:
             raise RejectedRound(why)
         for tensor, update in zip(tensors, updates):
             tensor.add_(update, alpha=self._averaging_alpha)
-        if averaged_norm is not None and not phase and self.measures_noise:  # collab.noise_scale's, exact here
+        # collab.noise_scale's inputs, exact here; not under adasum, whose result is no weighted mean
+        if averaged_norm is not None and not phase and self.measures_noise and self.rule.method != "adasum":
             TrafficLog.put_norms(self.traffic, own_sq=own_norm ** 2, own_samples=kwargs.get("weight"),
                                  average_sq=averaged_norm ** 2,
                                  group_samples=runner.tensor_part_reducer.group_weight)
@@ -272,7 +273,6 @@ class CheckedRounds:
             # A record with no rate yet (a peer that just started) bounds nothing: a cap would wrong a new peer
             if rate >= 1e-3 and math.isfinite(plausible):
                 caps[peer] = max(1.0, PROGRESS_SLACK * plausible)
-        caps.pop(self.peer_id.to_base58(), None)  # this peer knows its own samples: its record only lags them
         return caps
 
     def _signed_progress(self) -> dict:
