@@ -101,4 +101,7 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
 
     for i in (0, 1):  # the loss fell on the peers that trained from the start
         losses = [v for _, v in sorted((int(k), v) for k, v in summaries[i]["loss_by_epoch"].items())]
-        assert losses[-1] < losses[0], (i, losses)
+        # the median of the later epochs: an epoch's mean can be one or two micro-batches right after an outer
+        # step, when DiLoCo's loss spikes (Nesterov at lr 0.7; a CI run's last epoch read 7.53 after 6.43, from 7.05)
+        later = sorted(losses[2:])
+        assert later[len(later) // 2] < losses[0] - 0.05, (i, losses)
