@@ -53,9 +53,28 @@ def shipped_config_names() -> list[str]:
     return sorted(p.stem for p in configs_dir().glob("*.yaml"))
 
 
+class AutoTargetConfig(Section):
+    """training.target_batch_size: auto (collab.batch_plan): the target follows the swarm's measured noise scale."""
+    enabled: bool = Field(False, description="set by target_batch_size: auto")
+    min: int = Field(64, gt=0, le=10**9, description="the smallest target the run may take")
+    max: int = Field(8192, gt=0, le=10**9, description="the largest target the run may take")
+    start: Optional[int] = Field(None, gt=0, le=10**9, description="the target until the noise scale is measured "
+                                 "(default: min)")
+    every_epochs: int = Field(5, ge=1, le=10**6, description="epochs between two changes of the target (each at "
+                              "most 2x)")
+
+
 class TrainingConfig(Section):
     micro_batch_size: int = Field(8, gt=0, description="samples per local forward/backward")
-    target_batch_size: int = Field(256, gt=0, description="samples the whole swarm accumulates per optimizer step")
+    target_batch_size: int = Field(256, gt=0, description="samples the whole swarm accumulates per optimizer step "
+                                   "('auto': it follows the measured gradient noise scale, within auto_target)")
+    auto_target: AutoTargetConfig = Field(default_factory=AutoTargetConfig)
+    lr_scaling: Literal["none", "adascale"] = Field(
+        "none", description="adascale: the learning rate times AdaScale's gain for the target (from the measured "
+        "noise scale), and the schedule in scale-invariant steps of base_batch_size")
+    base_batch_size: Optional[int] = Field(None, gt=0, le=10**9, description="the batch the learning rate and "
+                                           "schedule were tuned at (AdaScale's and goodput's baseline; default: "
+                                           "the starting target)")
     learning_rate: float = Field(1.76e-3, gt=0)
     warmup_steps: int = Field(50, ge=0, description="linear warm-up, in collaborative steps (epochs)")
     total_steps: int = Field(10_000, gt=0, description="length of the linear decay, in collaborative steps")
@@ -68,8 +87,34 @@ class TrainingConfig(Section):
         "auto", description="forward and backward passes' precision (autocast; fp16 with loss scaling); auto: "
         "fp16 on a GPU, fp32 on a CPU. The optimizer and the averaged gradients stay fp32")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_target(cls, data: Any) -> Any:
+        # target_batch_size: auto is stored as the starting target and auto_target.enabled (the manifest's form)
+        if isinstance(data, dict) and data.get("target_batch_size") == "auto":
+            auto = dict(data.get("auto_target") or {})
+            auto["enabled"] = True
+            start = auto.get("start") if auto.get("start") is not None else auto.get("min", AutoTargetConfig().min)
+            data = {**data, "auto_target": auto, "target_batch_size": start}
+        return data
+
+    @property
+    def base_batch(self) -> int:
+        return self.base_batch_size or self.target_batch_size
+
     @model_validator(mode="after")
     def _target_holds_a_micro_batch(self):
+        auto = self.auto_target
+        if auto.enabled and not auto.min <= self.target_batch_size <= auto.max:
+            raise ValueError(f"auto_target: min ({auto.min}) <= start ({self.target_batch_size}) <= max ({auto.max}) "
+                             "must hold; fix the bounds or auto_target.start")
+        if auto.enabled and auto.min < self.micro_batch_size:
+            raise ValueError(f"auto_target.min ({auto.min}) is smaller than micro_batch_size ({self.micro_batch_size})"
+                             "; raise auto_target.min")
+        lowest = auto.min if auto.enabled else self.target_batch_size
+        if self.lr_scaling == "adascale" and self.base_batch > lowest:
+            raise ValueError(f"base_batch_size ({self.base_batch}) is above the smallest target ({lowest}); AdaScale "
+                             "scales the learning rate up from the base batch: lower base_batch_size")
         if self.target_batch_size < self.micro_batch_size:
             raise ValueError(
                 f"target_batch_size ({self.target_batch_size}) is smaller than micro_batch_size "
@@ -198,6 +243,23 @@ class RunConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     averaging: AveragingConfig = Field(default_factory=AveragingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _noise_scale_is_measured(self):
+        # both follow the noise scale, measured on whole gradients of the sync mode's weighted mean
+        training, avg = self.training, self.averaging
+        wants = ("training.target_batch_size auto" if training.auto_target.enabled else
+                 "training.lr_scaling adascale" if training.lr_scaling == "adascale" else None)
+        if wants is None:
+            return self
+        if avg.mode != "sync":
+            raise ValueError(f"{wants} follows the gradient noise scale, measured in sync mode only; use a fixed "
+                             f"target and lr_scaling none with averaging.mode {avg.mode}")
+        if avg.compression in ("dgc", "powersgd") or avg.aggregation == "adasum":
+            what = f"averaging.compression {avg.compression}" if avg.aggregation != "adasum" else "adasum"
+            raise ValueError(f"{wants} needs the gradient noise scale, which {what} rounds do not measure (no whole "
+                             "gradients, or no weighted mean); use fp16 or none and mean or centered_clip")
+        return self
 
 
 # CLI flag -> dotted config path. The flag wins over the file, the file over the defaults.

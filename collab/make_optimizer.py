@@ -27,8 +27,9 @@ from collab.tasks import Task
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
                     client_mode: bool = False, stop: Optional[threading.Event] = None,
-                    gate: Optional[MemberGate] = None) -> CollabOptimizer:
-    """`gate`: in a private run, the members check every averager applies (collab.run.gate)."""
+                    gate: Optional[MemberGate] = None, plan=None) -> CollabOptimizer:
+    """`gate`: in a private run, the members check every averager applies (collab.run.gate); `plan`: the run's
+    batch plan (collab.plan_keeper) when its target or learning rate follows the noise scale (sync mode only)."""
     avg = config.averaging
     compression = wire_codec(avg.compression)
     # the manifest says mean or centered_clip; "auto" only reaches here from a config that skipped it
@@ -42,7 +43,12 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
     averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2),
                          target_group_size=avg.group_size)
-    mode = {"sync": lambda *_: {}, "diloco": _diloco, "gossip": _gossip}[avg.mode](
+    scheduler = task.scheduler_factory()
+    if plan is not None:
+        from collab.plan_keeper import scheduled_by_plan
+
+        scheduler = scheduled_by_plan(scheduler, plan)
+    mode = {"sync": lambda *_: dict(plan_keeper=plan), "diloco": _diloco, "gossip": _gossip}[avg.mode](
         config, task, rule, gate, rejections, traffic, averager_opts)
     return mode.pop("optimizer_class", CollabOptimizer)(**{**dict(
         averaging_log=averaging_log,
@@ -57,7 +63,7 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         batch_size_per_step=config.training.micro_batch_size,
         params=_parameter_groups(config, task),
         optimizer=task.optimizer_factory(),
-        scheduler=task.scheduler_factory(),
+        scheduler=scheduler,
         matchmaking_time=avg.matchmaking_time,
         averaging_timeout=avg.averaging_timeout,
         next_chunk_timeout=avg.next_chunk_timeout,

@@ -61,6 +61,12 @@ class PeerMetricsRecord(pydantic.BaseModel):
     noise_signal: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     noise_trace: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     noise_rounds: Optional[pydantic.conint(ge=0, le=10**12, strict=True)] = None  # rounds behind the two
+    # the run's batch plan as this peer follows it (collab.batch_plan): AdaScale's gain, the schedule's
+    # scale-invariant progress, and the base batch and length it is measured in (readers: goodput and the ETA)
+    lr_gain: Optional[pydantic.confloat(ge=1, le=1e6, strict=True)] = None
+    progress_steps: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
+    base_batch_size: Optional[pydantic.conint(gt=0, le=10**9, strict=True)] = None
+    total_steps: Optional[pydantic.conint(gt=0, le=10**12, strict=True)] = None
     rejected: Dict[pydantic.constr(max_length=128, strict=True),
                    Dict[pydantic.constr(max_length=160, strict=True), pydantic.conint(ge=0, le=10**12, strict=True)]] = {}
 

@@ -79,7 +79,8 @@ class CollabOptimizer(Optimizer):
 
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None,
                  gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
-                 rejections: Optional[RejectionLog] = None, traffic: Optional[TrafficLog] = None, **kwargs):
+                 rejections: Optional[RejectionLog] = None, traffic: Optional[TrafficLog] = None,
+                 plan_keeper=None, **kwargs):
         self.averaging_log = averaging_log
         self.traffic = traffic if traffic is not None else TrafficLog()  # its queue goes to the gradient averager
         self.gate, self.rule = gate, rule
@@ -90,6 +91,8 @@ class CollabOptimizer(Optimizer):
         # the others had left, and waited 90 s for a group and a donor that never came
         self.leave_at_epoch: Optional[int] = None
         self.noise_scale = NoiseScale()  # the gradient noise scale, from this peer's rounds (collab.noise_scale)
+        self.plan_keeper = plan_keeper  # the run's target and lr gain per epoch (collab.plan_keeper), or None
+        self._plan_followed = None
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
@@ -114,7 +117,23 @@ class CollabOptimizer(Optimizer):
     def step(self, *args, **kwargs):
         self._most_peers = max(self._most_peers, self.tracker.global_progress.num_peers)
         self._adopt_the_swarms_epoch()
+        self._follow_the_plan()
         return super().step(*args, **kwargs)
+
+    def _follow_the_plan(self) -> None:
+        """The run's target for this epoch (collab.batch_plan); and, for a plan read after the schedule stepped
+        into this epoch, this epoch's learning rate again (the schedule reads the plan: collab.plan_keeper)."""
+        if self.plan_keeper is None:
+            return
+        plan = self.plan_keeper.plan
+        self.tracker.target_batch_size = plan.target_at(self.local_epoch)
+        if plan is not self._plan_followed:
+            self._plan_followed = plan
+            scheduler = self.state_averager.scheduler
+            with self.state_averager.lock_optimizer:
+                for group, base, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                                  scheduler.lr_lambdas):
+                    group["lr"] = base * lr_lambda(scheduler.last_epoch)
 
     def _adopt_the_swarms_epoch(self) -> bool:
         """Heal a lineage split (collab.replica.RecordingStateAverager.epoch_ahead): this peer made its

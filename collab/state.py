@@ -57,6 +57,18 @@ class RunState(BaseModel):
     # collab.noise_scale), and how many peers measured it
     noise_scale: Optional[float] = None
     noise_scale_peers: int = 0
+    noise_scale_rounds: int = 0  # the rounds behind it, summed over those peers
+    # the run's batch plan (collab.batch_plan), as most online peers follow it: AdaScale's learning-rate gain,
+    # the schedule's scale-invariant progress (steps of base_batch_size) and its length; goodput (Pollux): the
+    # samples/s times their statistical efficiency (B_noise + base) / (B_noise + target), i.e. samples/s as
+    # worth at the base batch; and the time until the schedule's end, at the swarm's current pace
+    lr_gain: Optional[float] = None
+    progress_steps: Optional[float] = None
+    total_steps: Optional[int] = None
+    base_batch_size: Optional[int] = None
+    efficiency: Optional[float] = None
+    goodput: Optional[float] = None
+    eta_to_end_seconds: Optional[float] = None
     global_epoch: int
     samples_accumulated: int
     target_batch_size: Optional[int]
@@ -122,12 +134,15 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
     _flag_stragglers(peers, global_epoch)  # after: a link straggler is told by the late parts others reported
     modes = Counter(r.mode for r in records.values())
     online = {p.peer_id for p in peers if p.online}
-    noise_scale, measured = pooled_noise_scale([r for peer, r in records.items() if peer in online])
+    live = [r for peer, r in records.items() if peer in online]
+    noise_scale, measured = pooled_noise_scale(live)
     return RunState(
         run_id=run_id,
         mode=modes.most_common(1)[0][0] if modes else "sync",
         noise_scale=noise_scale,
         noise_scale_peers=measured,
+        noise_scale_rounds=sum(r.noise_rounds or 0 for r in live if r.noise_signal is not None),
+        **adaptive_progress(live, noise_scale, target, throughput),
         replica_spread=max((p.distance_to_mean for p in peers if p.online and p.distance_to_mean is not None),
                            default=None),
         global_epoch=global_epoch,
@@ -143,6 +158,27 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
         peers=peers,
         time=now,
     )
+
+
+def adaptive_progress(records, noise_scale: Optional[float], target: Optional[int], throughput: float) -> dict:
+    """RunState's plan fields from the online peers' records (the most common values: one peer may lie)."""
+    from collab.batch_plan import efficiency
+
+    def common(name):
+        values = Counter(getattr(r, name) for r in records if getattr(r, name, None) is not None)
+        return values.most_common(1)[0][0] if values else None
+
+    gain, total, base = common("lr_gain"), common("total_steps"), common("base_batch_size")
+    progress = max((r.progress_steps for r in records if r.progress_steps is not None), default=None)
+    fields = dict(lr_gain=gain, progress_steps=progress, total_steps=total, base_batch_size=base)
+    if base is None or not target:
+        return fields
+    if noise_scale is not None:
+        fields["efficiency"] = efficiency(noise_scale, base, target)
+        fields["goodput"] = throughput * fields["efficiency"]
+    if progress is not None and total and throughput > 0:  # an epoch every target/throughput s, gain steps each
+        fields["eta_to_end_seconds"] = max(0.0, total - progress) * target / (throughput * (gain or 1.0))
+    return fields
 
 
 def pooled_noise_scale(records) -> tuple[Optional[float], int]:

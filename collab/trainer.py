@@ -17,6 +17,7 @@ from collab.config import RunConfig
 from collab.guard import RELOAD_AFTER, BatchGuard
 from collab.lifecycle import StopOnSignal
 from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
+from collab.plan_keeper import plan_fields, plan_in_force, start_plan_keeper
 from collab.precision import Precision
 from collab.progress import ProgressDisplay, Snapshot
 from collab.run.sharing import RunSharer, SharedRun
@@ -51,6 +52,10 @@ class Summary:
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
+    # training.target_batch_size auto / lr_scaling adascale (collab.batch_plan): per epoch [target, gain,
+    # scale-invariant progress, learning rate] as this peer used them, and the plans it issued (the organizer)
+    plan_by_epoch: dict[int, list] = field(default_factory=dict)
+    plans_issued: int = 0
     loaded_state_from_peers: bool = False
     swarm_epoch_at_join: int = 0  # the swarm's epoch when this peer came in (0: nothing to catch up on yet)
     checkpoint: Optional[str] = None
@@ -152,7 +157,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     display = ProgressDisplay(live=options.live_display)
     summary.peer_id = swarm.peer_id
     log = AveragingLog()
-    opt = dashboard = sharer = None
+    opt = dashboard = sharer = keeper = None
     try:
         def leave(_why: str) -> None:  # this peer's invite was revoked or expired: leave as on a signal
             stop.set()
@@ -169,7 +174,9 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                 line += (" --token-file INVITE\nThis run is private: each volunteer sends you their peer id ('collab "
                          "id'), you run 'collab invite --run DIR --peer ID' and send back the invite it prints")
             print(f"Started a new swarm. Others join with:\n{line}", flush=True)
-        opt = _build_optimizer(config, task, swarm, log, stop, shared)
+        # the run's target and learning-rate gain for each epoch, when they follow the noise scale
+        keeper = start_plan_keeper(config, swarm, shared, lambda: opt.local_epoch if opt is not None else 0)
+        opt = _build_optimizer(config, task, swarm, log, stop, shared, keeper)
         opt.leave_at_epoch = options.max_epochs
         if sharer is not None and sharer.watch is not None:  # a private run: non-members' progress is not counted
             opt.tracker.members = shared.private.access.allows
@@ -241,6 +248,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     _checkpoint(opt, task, config, summary)
                     checkpoint_due = False
                 if new_epoch:
+                    if keeper is not None:  # what this peer used for the epoch it now starts (peers must agree)
+                        summary.plan_by_epoch[opt.local_epoch] = plan_in_force(keeper, opt)
                     summary.final_epoch = opt.local_epoch
                     summary.train_seconds = time.monotonic() - loop_started
                     log.copy_to(summary)
@@ -282,6 +291,9 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                 _checkpoint(opt, task, config, summary)
         if dashboard is not None:
             dashboard.stop()
+        if keeper is not None:
+            keeper.stop()
+            summary.plans_issued = keeper.issued
         if sharer is not None:
             sharer.stop()
         swarm.shutdown()
@@ -332,14 +344,14 @@ def _settle(opt, config: RunConfig) -> str:
 
 
 def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event,
-                     shared: Optional[SharedRun]):
+                     shared: Optional[SharedRun], keeper=None):
     from collab.make_optimizer import build_optimizer
     from collab.run.gate import MemberGate
 
     private = shared.private if shared is not None else None
     gate = MemberGate(swarm.peer.run_id, private.access.organizer_key) if private is not None else None
     return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode,
-                           stop=stop, gate=gate)
+                           stop=stop, gate=gate, plan=keeper)
 
 
 def _start_dashboard(swarm: Swarm, port: int):
@@ -413,6 +425,7 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         pseudo_gradient_norm=getattr(opt, "last_pseudo_gradient_norm", None),
         **_gossip_fields(opt),
         **_noise_fields(opt),
+        **plan_fields(getattr(opt, "plan_keeper", None), opt.local_epoch, config.training),
     )
     publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
 

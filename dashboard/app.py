@@ -41,6 +41,17 @@ class RunMetrics:
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric([s.run_id], float(value))
             yield family
+        for name, doc, value in (
+            ("collab_goodput", "Samples/s times their statistical efficiency at the target (Pollux)", s.goodput),
+            ("collab_statistical_efficiency", "(B_noise + base batch) / (B_noise + target)", s.efficiency),
+            ("collab_lr_gain", "AdaScale's learning-rate gain the run follows", s.lr_gain),
+            ("collab_progress_steps", "The schedule's position, in scale-invariant steps", s.progress_steps),
+            ("collab_eta_to_end_seconds", "Seconds until the schedule's end at the current pace", s.eta_to_end_seconds),
+        ):
+            if value is not None:
+                family = GaugeMetricFamily(name, doc, labels=labels)
+                family.add_metric([s.run_id], float(value))
+                yield family
         if s.noise_scale is not None:
             family = GaugeMetricFamily("collab_gradient_noise_scale", "B_noise in samples: the batch at which a "
                                        "gradient's noise equals its signal (compare collab_target_batch_size)",

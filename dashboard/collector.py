@@ -30,6 +30,7 @@ class RunPoint:
     loss: Optional[float]  # median loss of the online trainers
     noise_scale: Optional[float] = None  # B_noise (collab.noise_scale)
     target_batch_size: Optional[int] = None
+    goodput: Optional[float] = None  # samples/s x statistical efficiency (collab.batch_plan)
 
 
 @dataclass
@@ -102,7 +103,8 @@ class Collector:
         online = [p for p in state.peers if p.online]
         losses = [p.loss for p in online if p.loss is not None and math.isfinite(p.loss)]
         point = RunPoint(state.time, state.global_epoch, state.samples_per_second, len(online),
-                         statistics.median(losses) if losses else None, state.noise_scale, state.target_batch_size)
+                         statistics.median(losses) if losses else None, state.noise_scale, state.target_batch_size,
+                         state.goodput)
         encoded = state.model_dump_json().encode()
         with self._lock:
             self.snapshot, self.snapshot_json, self.snapshot_time = state, encoded, time.time()

@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
                    help="where this peer computes (default auto: its GPU if torch sees one)")
     p.add_argument("--precision", default=None, choices=("auto", "fp32", "fp16", "bf16"),
                    help="autocast precision of forward/backward (default auto: fp16 on a GPU, fp32 on a CPU)")
-    p.add_argument("--target-batch-size", type=int, default=None, help="swarm-wide batch per optimizer step")
+    p.add_argument("--target-batch-size", type=_target, default=None, metavar="N|auto",
+                   help="swarm-wide batch per optimizer step; auto: it follows the measured gradient noise scale")
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--dataset", default=None,
                    help="'embedded', local text files/folders (comma-separated), or hf:NAME (a Hugging Face dataset)")
@@ -64,6 +65,15 @@ def add_parser(sub) -> None:
     p.add_argument("--summary-json", type=Path, default=None, help="write a JSON summary here when the peer exits")
     p.add_argument("--no-live", action="store_true", help="print one line per epoch instead of a live bar")
     p.set_defaults(run=run, hard_exit=True)
+
+
+def _target(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a number of samples nor 'auto'") from None
 
 
 def raise_internal_error(error: Exception):

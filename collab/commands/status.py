@@ -121,6 +121,8 @@ def format_state(state) -> str:
                               "(non-finite loss or gradients; none were sent)")
         if state.noise_scale is not None:
             console.print(noise_scale_line(state.noise_scale, state.target_batch_size, state.noise_scale_peers))
+        if state.goodput is not None or state.progress_steps is not None:
+            console.print(goodput_line(state))
         if state.rejected_records:
             reasons = ", ".join(f"{n} {why}" for why, n in sorted(state.rejected_by_reason.items()))
             signers = ", ".join(f"{who[-12:]} ({n})" for who, n in state.rejected_by_signer.items())
@@ -139,6 +141,21 @@ def noise_scale_line(b_noise: float, target, peers: int) -> str:
         vs = ""
     return (f"gradient noise scale B_noise ~ {b_noise:.0f} samples (the batch at which a gradient's noise equals "
             f"its signal; from {peers} peer(s)){vs}")
+
+
+def goodput_line(state) -> str:
+    """Goodput and the schedule's progress in scale-invariant steps (collab.batch_plan)."""
+    parts = []
+    if state.goodput is not None:
+        parts.append(f"goodput {state.goodput:.1f} samples/s ({state.samples_per_second:.1f} samples/s x "
+                     f"statistical efficiency {state.efficiency:.2f} at target {state.target_batch_size} against "
+                     f"base batch {state.base_batch_size})")
+    if state.progress_steps is not None:
+        gain = f", learning-rate gain {state.lr_gain:.3g}" if state.lr_gain is not None else ""
+        end = (f", ETA {state.eta_to_end_seconds:.0f} s to the schedule's end" if state.eta_to_end_seconds is not None
+               else "")
+        parts.append(f"schedule at {state.progress_steps:.1f}/{state.total_steps} scale-invariant steps{gain}{end}")
+    return "; ".join(parts)
 
 
 def _traffic(peer) -> str:

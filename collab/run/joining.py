@@ -37,7 +37,7 @@ def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) 
 
         invite = make_invite(run.manifest.run_id, peer_id, run.organizer_key, lifetime=ORGANIZER_INVITE_SECONDS)
         private = PrivateRun(invite, AccessList(run.manifest.run_id, run.manifest.organizer_key), folder / REVOKED)
-    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, private)
+    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, private, run.organizer_key)
 
 
 def as_first_peer(run_id: str, local: RunConfig, user: dict) -> tuple[RunConfig, SharedRun]:
@@ -45,7 +45,7 @@ def as_first_peer(run_id: str, local: RunConfig, user: dict) -> tuple[RunConfig,
 
     run = ephemeral_run(run_id, local)
     config = config_for_peer(run.manifest, user, run.tokenizer_file)  # user: its checkpoint dir, not shared
-    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file)
+    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, organizer_key=run.organizer_key)
 
 
 def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str],

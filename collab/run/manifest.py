@@ -165,6 +165,9 @@ def contradictions(manifest: Manifest, local_raw: dict, source: Optional[str]) -
         theirs = _get(manifest.config, dotted)
         if dotted in PER_PEER or theirs == value:
             continue
+        if dotted == "training.target_batch_size" and value == "auto" and \
+                _get(manifest.config, "training.auto_target.enabled") is True:
+            continue  # a manifest stores auto as its starting target and auto_target.enabled
         shown = "(not set)" if theirs is _MISSING else json.dumps(theirs)
         flag = FIELD_TO_FLAG.get(dotted)
         if source is None:  # no config file: it came from a flag

@@ -236,6 +236,7 @@ class SharedRun:
     fingerprint: str
     tokenizer_file: Optional[Path]
     private: Optional["PrivateRun"] = None  # a private run's membership (collab.run.watch); None: an open run
+    organizer_key: object = None  # the run's private key, on the organizer's peer only (it signs batch plans)
 
 
 class RunSharer:

@@ -48,6 +48,14 @@ function renderRun(run) {
   text($("noise-scale"), finite(noise) ? `${fmt(noise, 0)} samples` : "not measured yet");
   $("noise-scale").title = finite(noise) && finite(target) && target > 0
     ? `${fmt(noise / target, 2)}x the target batch of ${target}; from ${run.noise_scale_peers} peer(s)` : "";
+  // goodput (Pollux) and the schedule in scale-invariant steps (collab.batch_plan)
+  text($("goodput"), finite(run.goodput) ? `${fmt(run.goodput)} samples/s` : "not measured yet");
+  $("goodput").title = finite(run.efficiency)
+    ? `${fmt(run.samples_per_second)} samples/s x efficiency ${fmt(run.efficiency, 2)} at target ${target} (base batch ${run.base_batch_size})` : "";
+  text($("schedule"), finite(run.progress_steps)
+    ? `${fmt(run.progress_steps, 1)} / ${run.total_steps} steps` + (finite(run.lr_gain) ? `, lr gain ${fmt(run.lr_gain, 2)}` : "")
+      + (finite(run.eta_to_end_seconds) ? `, ends in ${duration(run.eta_to_end_seconds)}` : "")
+    : "–");
   // why, so an organizer can tell a forged-id attack from a peer on an old version
   $("rejected").title = Object.entries(run.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n");
   text($("status"), `updated ${new Date(run.time * 1000).toLocaleTimeString()}`);
@@ -134,6 +142,7 @@ async function refresh() {
       drawChart($("chart-sps"), history.points, "samples_per_second");
       drawChart($("chart-peers"), history.points, "peers_online");
       drawChart($("chart-noise"), history.points, "noise_scale");
+      drawChart($("chart-goodput"), history.points, "goodput");
     }
   } catch (error) {
     text($("status"), `dashboard unreachable: ${error}`);
