@@ -7,7 +7,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
-from collab.batch_plan import BatchPlan, adascale_gain_for, efficiency, first_plan, newest_plan, next_plan
+from collab.batch_plan import adascale_gain_for, efficiency, first_plan, newest_plan, next_plan
 from collab.config import RunConfig
 from collab.records import Rejections
 from collab.tasks.linreg_config import LinregTaskConfig
