@@ -145,13 +145,16 @@ def single_process(args, seed: int) -> list[float]:
     return losses, eval_loss(args, seed, task=task)
 
 
-def swarm(args, row: str, seed: int, identities: Path, workdir: Path) -> dict:
+def swarm(args, row: str, seed: int, identities: Path, workdir: Path, config: Optional[dict] = None,
+          steps: Optional[int] = None) -> dict:
+    """One row's run on 3 peers. `config`, `steps`: instead of the row's (benchmarks/batch_scaling.py)."""
     workdir.mkdir(parents=True)
     for i in range(PEERS):  # the same peers (so the same data order) in every row of this seed
         shutil.copy(identities / f"peer{i}.identity", workdir / f"peer{i}.identity")
-    config = workdir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(args, row, seed)))
-    started, steps = time.monotonic(), steps_for(args, row)
+    config_file = workdir / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config if config is not None else run_config(args, row, seed)))
+    config = config_file
+    started, steps = time.monotonic(), steps if steps is not None else steps_for(args, row)
     checkpoints = {i: ["--checkpoint-dir", str(workdir / f"ckpt{i}")] for i in range(PEERS)}
     with LocalSwarm(PEERS, f"fidelity-{uuid.uuid4().hex[:6]}", workdir,
                     ["--config", str(config), "--max-epochs", str(steps)], env=peer_env(),
@@ -175,7 +178,7 @@ def swarm(args, row: str, seed: int, identities: Path, workdir: Path) -> dict:
         spread = replica_spread([Path(f) for f in finals])
         evals = [evals[0], *(eval_loss(args, seed, Path(f)) for f in finals[1:])]
     rounds = sum(s["rounds_joined"] + s["rounds_failed"] for s in summaries)
-    return dict(losses=losses, bytes_per_step=moved / max(rounds, 1),
+    return dict(losses=losses, summaries=summaries, bytes_per_step=moved / max(rounds, 1),
                 fewer=sum(s["allreduce_fp32_bytes"] for s in summaries) / moved if moved else float("nan"),
                 # the last rounds alone (after dgc's warm-up): each peer's own recent rate, averaged
                 fewer_recent=statistics.mean(s["allreduce_recent_fewer_than_fp32"] or float("nan") for s in summaries),

@@ -140,3 +140,30 @@ def test_three_peers_follow_one_plan_the_target_moves_toward_b_noise_and_adascal
     for a, b in zip(epochs, epochs[1:]):
         if plans[0][a][1] == plans[0][b][1]:
             assert plans[0][b][2] == pytest.approx(plans[0][a][2] + (b - a) * plans[0][a][1], rel=1e-6), (a, b)
+
+
+def test_goodput_and_the_eta_come_from_the_records_most_peers_agree_on():
+    from types import SimpleNamespace
+
+    from collab.commands.status import goodput_line
+    from collab.state import RunState, adaptive_progress
+
+    def record(**changes):
+        return SimpleNamespace(**{**dict(lr_gain=2.0, progress_steps=100.0, total_steps=1100, base_batch_size=256),
+                                  **changes})
+
+    liar = record(lr_gain=1000.0, total_steps=10**9, base_batch_size=1)
+    fields = adaptive_progress([record(), record(progress_steps=98.0), liar], noise_scale=768.0, target=1024,
+                               throughput=512.0)
+    assert (fields["lr_gain"], fields["total_steps"], fields["base_batch_size"]) == (2.0, 1100, 256)
+    assert fields["efficiency"] == pytest.approx((768 + 256) / (768 + 1024))  # Pollux's, = gain / S
+    assert fields["goodput"] == pytest.approx(512 * fields["efficiency"])
+    # 1000 steps left, 2 per epoch of 1024 samples at 512 samples/s: 500 epochs of 2 s
+    assert fields["eta_to_end_seconds"] == pytest.approx(1000.0)
+    state = RunState(run_id="r", global_epoch=5, samples_accumulated=0, target_batch_size=1024,
+                     samples_per_second=512.0, eta_seconds=None, num_peers=3, num_clients=0, rejected_records=0,
+                     peers=[], time=0.0, noise_scale=768.0, **fields)
+    line = goodput_line(state)
+    assert "goodput 292.6 samples/s" in line and "efficiency 0.57" in line and "100.0/1100" in line, line
+    assert adaptive_progress([], None, 1024, 512.0) == dict(lr_gain=None, progress_steps=None, total_steps=None,
+                                                           base_batch_size=None)

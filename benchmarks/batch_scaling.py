@@ -1,0 +1,135 @@
+"""Bigger targets, AdaScale and an automatic target: loss against samples seen, 3 real collab peers per row.
+
+Rows (ALBERT-tiny on the embedded corpus, the runner of benchmarks/fidelity.py, the same peers and data order in
+every row): fixed-<T> (target T, the learning rate tuned at the base batch), fixed-<T>+adascale
+(training.lr_scaling adascale over base batch --base: the learning rate times AdaScale's gain from the swarm's
+measured noise scale, the schedule in scale-invariant steps), auto (target_batch_size auto from --base within
+[--base, 16 --base], with AdaScale). Every row trains --samples samples (1.5x the reference's, so a slower row
+can still reach its loss).
+
+Columns: the loss the row reached (mean of its last 5 epochs); samples to the reference's final loss (fixed-<base>'s
+mean over its last 5 epochs: the first epoch whose trailing 5-epoch mean is at or below it), as a ratio of the
+reference's own; wall time to that loss (the run's wall time at that epoch's share of its epochs) against the
+reference's; the last target and gain; epochs. Goal (issue 14): fixed-<4 base>+adascale reaches the reference's
+loss within 1.1x its samples; auto reaches it in less wall time than the best fixed row.
+
+    python3 benchmarks/batch_scaling.py [--rows fixed-128,fixed-256,fixed-512,fixed-256+adascale,fixed-512+adascale,auto]
+                                        [--base 128] [--reference-steps 40] [--seed 0] [--seq-length 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.fidelity import PEERS, run_config, swarm  # noqa: E402
+from peers.report import aligned  # noqa: E402
+
+TRAIL = 5
+
+
+def row_config(args, row: str) -> tuple[dict, int]:
+    """The row's run config and its --max-epochs (enough epochs for --samples at its smallest target)."""
+    config = run_config(SimpleNamespace(seq_length=args.seq_length, batch=args.base, steps=args.reference_steps,
+                                        dgc_warmup=4, overlap="optimizer", local_codec="fp16"), "fp16", args.seed)
+    training = config["training"]
+    samples = int(args.reference_steps * args.base * 1.5)
+    training["total_steps"] = 4 * args.reference_steps  # linear decay: a schedule longer than every row's run
+    name, _, scaling = row.partition("+")
+    if name == "auto":
+        training.update(target_batch_size="auto", base_batch_size=args.base, lr_scaling="adascale",
+                        auto_target={"min": args.base, "max": 16 * args.base, "every_epochs": 3})
+        return config, samples // args.base
+    target = int(name.removeprefix("fixed-"))
+    training["target_batch_size"] = target
+    if scaling == "adascale":
+        training.update(lr_scaling="adascale", base_batch_size=args.base)
+    return config, max(1, samples // target)
+
+
+def curve(result: dict, default_target: int) -> list[tuple[int, float]]:
+    """(samples seen at the end of the epoch, the peers' mean loss over it) per epoch."""
+    by_epoch: dict[int, list[float]] = {}
+    targets: dict[int, int] = {}
+    for s in result["summaries"]:
+        for epoch, loss in s["loss_by_epoch"].items():
+            by_epoch.setdefault(int(epoch), []).append(loss)
+        for epoch, plan in s.get("plan_by_epoch", {}).items():
+            targets[int(epoch)] = plan[0]
+    points, seen = [], 0
+    for epoch in sorted(by_epoch):
+        seen += targets.get(epoch, default_target)
+        points.append((seen, statistics.mean(by_epoch[epoch])))
+    return points
+
+
+def reached(points: list[tuple[int, float]], level: float) -> Optional[int]:
+    """The index of the first epoch whose trailing mean is at or below `level`."""
+    for i in range(TRAIL - 1, len(points)):
+        if statistics.mean(loss for _, loss in points[i - TRAIL + 1:i + 1]) <= level:
+            return i
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="fixed-128,fixed-256,fixed-512,fixed-256+adascale,fixed-512+adascale,auto")
+    parser.add_argument("--base", type=int, default=128, help="the reference target and the base batch")
+    parser.add_argument("--reference-steps", type=int, default=40, help="epochs of the reference row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args()
+    from hivemind.p2p import P2P
+
+    work = Path(tempfile.mkdtemp(prefix="collab-batch-scaling-"))
+    (work / "ids").mkdir()
+    for i in range(PEERS):
+        P2P.generate_identity(str(work / "ids" / f"peer{i}.identity"))
+    rows = [f"fixed-{args.base}", *(r for r in args.rows.split(",") if r != f"fixed-{args.base}")]
+    results = {}
+    for row in rows:
+        config, epochs = row_config(args, row)
+        result = swarm(args, row, args.seed, work / "ids", work / row, config=config, steps=epochs)
+        target = config["training"]["target_batch_size"]
+        results[row] = (result, curve(result, target if isinstance(target, int) else args.base), epochs)
+        points = results[row][1]
+        print(f"{row}: {len(points)} epochs, loss {points[0][1]:.3f} -> {points[-1][1]:.3f}, "
+              f"{result['wall']:.0f} s", flush=True)
+    ref_result, ref_points, _ = results[rows[0]]
+    ref_steps = min(args.reference_steps, len(ref_points))
+    level = statistics.mean(loss for _, loss in ref_points[ref_steps - TRAIL:ref_steps])
+    ref_at = reached(ref_points, level)
+    ref_samples = ref_points[ref_at][0]
+    ref_wall = ref_result["wall"] * (ref_at + 1) / len(ref_points)
+    table = [("row", f"loss (last {TRAIL})", "samples to ref. loss", "vs ref.", "wall to ref. loss", "vs ref.",
+              "last target", "last gain", "epochs")]
+    for row in rows:
+        result, points, _ = results[row]
+        at = reached(points, level)
+        plans = result["summaries"][0].get("plan_by_epoch", {})
+        last_plan = plans[max(plans, key=int)] if plans else None
+        wall = result["wall"] * (at + 1) / len(points) if at is not None else None
+        table.append((row, f"{statistics.mean(loss for _, loss in points[-TRAIL:]):.3f}",
+                      str(points[at][0]) if at is not None else "not reached",
+                      f"{points[at][0] / ref_samples:.2f}x" if at is not None else "-",
+                      f"{wall:.0f} s" if wall is not None else "-",
+                      f"{wall / ref_wall:.2f}x" if wall is not None else "-",
+                      str(last_plan[0]) if last_plan else str(row_config(args, row)[0]["training"]["target_batch_size"]),
+                      f"{last_plan[1]:.2f}" if last_plan else "1", str(len(points))))
+    print(f"\n3 peers, ALBERT-tiny seq {args.seq_length}, seed {args.seed}; reference fixed-{args.base}: loss "
+          f"{level:.3f} after {ref_samples} samples ({ref_steps} epochs)")
+    print("\n".join(aligned(table)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
