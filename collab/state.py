@@ -197,12 +197,17 @@ def pooled_noise_scale(records) -> tuple[Optional[float], int]:
     return (trace / signal if signal > 0 and trace > 0 else None), len(measured)
 
 
+SPREAD_FRESH_SECONDS = 30.0
+
+
 def _estimate_spread(peers: list[PeerState], records: dict) -> None:
     """gossip: each online peer's distance to the mean replica, from the sketches of equal length they published."""
     from collab.gossip_rules import SKETCH_SIZE, spread_from_mean
 
+    # a peer publishes every 10 s: a sketch older than 3 of those is a peer that left (kill -9 leaves its last
+    # record "online" for 2 minutes), and its stale replica would widen the spread of those still merging
     sketches = {p.peer_id: records[p.peer_id].param_sketch for p in peers
-                if p.online and p.peer_id in records and records[p.peer_id].param_sketch is not None
+                if p.online and p.last_seen < SPREAD_FRESH_SECONDS and p.peer_id in records and records[p.peer_id].param_sketch is not None
                 and len(records[p.peer_id].param_sketch) == SKETCH_SIZE}
     distances = spread_from_mean(sketches) if len(sketches) >= 2 else {}
     for p in peers:

@@ -98,3 +98,31 @@ def test_the_sketch_estimates_distances_between_replicas():
     spread = spread_from_mean({"a": sa, "b": sb})
     assert spread["a"] == pytest.approx(spread["b"]) and 0 < spread["a"] < 0.05
     assert spread_from_mean({"a": sa, "c": sa}) == {"a": 0.0, "c": 0.0}
+
+
+def test_a_peer_that_stopped_publishing_leaves_the_spread():
+    """kill -9 leaves a peer's last record 'online' for 2 minutes; its stale replica must not widen the spread of
+    the replicas still merging (a CI gossip run showed one)."""
+    from types import SimpleNamespace
+
+    from collab.state import PeerState, _estimate_spread
+
+    generator = torch.Generator().manual_seed(2)
+    base = [torch.randn(400, generator=generator)]
+    near = [sketch([t + 0.001 * torch.randn(t.shape, generator=generator) for t in base], seed=3) for _ in range(2)]
+    far = sketch([t + 1.0 * torch.randn(t.shape, generator=generator) for t in base], seed=3)
+
+    def peer(name, last_seen):
+        return PeerState(peer_id=name, role="trainer", client_mode=False, samples_per_second=1.0, epoch=1, loss=1.0,
+                         samples_contributed=1, contribution=0.3, samples_accumulated=0, bandwidth_mbps=None,
+                         rounds_joined=0, rounds_failed=0, last_seen=last_seen, online=last_seen < 120,
+                         straggler=False)
+
+    records = {name: SimpleNamespace(param_sketch=s) for name, s in (("a", near[0]), ("b", near[1]), ("dead", far))}
+    peers = [peer("a", 2.0), peer("b", 5.0), peer("dead", 60.0)]
+    _estimate_spread(peers, records)
+    assert peers[2].distance_to_mean is None
+    assert max(p.distance_to_mean for p in peers[:2]) < 0.01
+    peers[2] = peer("dead", 5.0)  # while it still published, it counted
+    _estimate_spread(peers, records)
+    assert peers[2].distance_to_mean > 0.1
