@@ -4,8 +4,9 @@ Rows (ALBERT-tiny on the embedded corpus, the runner of benchmarks/fidelity.py, 
 every row): fixed-<T> (target T, the learning rate tuned at the base batch), fixed-<T>+adascale
 (training.lr_scaling adascale over base batch --base: the learning rate times AdaScale's gain from the swarm's
 measured noise scale, the schedule in scale-invariant steps), auto (target_batch_size auto from --base within
-[--base, 16 --base], with AdaScale). Every row trains --samples samples (1.5x the reference's, so a slower row
-can still reach its loss).
+[--base, 16 --base], with AdaScale). Every fixed row trains 1.5x the reference's samples (so a slower row can
+still reach its loss); auto runs as many epochs as the reference row, whatever its targets (only its columns at
+the reference's loss compare).
 
 Columns: the loss the row reached (mean of its last 5 epochs); samples to the reference's final loss (fixed-<base>'s
 mean over its last 5 epochs: the first epoch whose trailing 5-epoch mean is at or below it), as a ratio of the
@@ -15,6 +16,10 @@ loss within 1.1x its samples; auto reaches it in less wall time than the best fi
 
     python3 benchmarks/batch_scaling.py [--rows fixed-128,fixed-256,fixed-512,fixed-256+adascale,fixed-512+adascale,auto]
                                         [--base 128] [--reference-steps 40] [--seed 0] [--seq-length 64]
+    python3 benchmarks/batch_scaling.py --task linreg --base 10240 --rows fixed-40960,fixed-40960+adascale,auto
+
+--task linreg runs the same rows on linear regression (collab.tasks.linreg, SGD) where B_noise is known and far
+above the base batch; ALBERT-tiny's B_noise, early in training, is below it (measured: ~42 samples).
 """
 
 from __future__ import annotations
@@ -36,10 +41,26 @@ from peers.report import aligned  # noqa: E402
 TRAIL = 5
 
 
+def fidelity_args(args) -> SimpleNamespace:
+    """What benchmarks/fidelity.py's runner reads: the reference row's batch and steps."""
+    return SimpleNamespace(seq_length=args.seq_length, batch=args.base, steps=args.reference_steps, dgc_warmup=4,
+                           overlap="optimizer", local_codec="fp16", timeout=args.timeout)
+
+
+# --task linreg: B_noise = dim (e^2 + 1) / e^2 + 1 = 340001 at the start (e = 0.25) and growing, 33x the base
+# batch of 10240: the regime where a 4x target should cost little more than 1x the samples, with AdaScale
+LINREG = {"name": "linreg", "dim": 20000, "noise_sd": 1.0, "distance": 0.25}
+
+
 def row_config(args, row: str) -> tuple[dict, int]:
     """The row's run config and its --max-epochs (enough epochs for --samples at its smallest target)."""
-    config = run_config(SimpleNamespace(seq_length=args.seq_length, batch=args.base, steps=args.reference_steps,
-                                        dgc_warmup=4, overlap="optimizer", local_codec="fp16"), "fp16", args.seed)
+    config = run_config(fidelity_args(args), "fp16", args.seed)
+    if args.task == "linreg":  # plain SGD at a rate that makes progress at the base batch; every part exact
+        config["task"] = dict(LINREG)
+        config["training"].update(micro_batch_size=256, learning_rate=args.lr or 0.03, warmup_steps=0)
+        config["averaging"].update(compression="none", aggregation="mean")
+    elif args.lr:
+        config["training"]["learning_rate"] = args.lr
     training = config["training"]
     samples = int(args.reference_steps * args.base * 1.5)
     training["total_steps"] = 4 * args.reference_steps  # linear decay: a schedule longer than every row's run
@@ -86,6 +107,9 @@ def main() -> int:
     parser.add_argument("--reference-steps", type=int, default=40, help="epochs of the reference row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--task", default="albert", choices=("albert", "linreg"))
+    parser.add_argument("--lr", type=float, default=None, help="the learning rate at the base batch (default: the "
+                        "config's; linreg 0.03)")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
     from hivemind.p2p import P2P
@@ -98,7 +122,8 @@ def main() -> int:
     results = {}
     for row in rows:
         config, epochs = row_config(args, row)
-        result = swarm(args, row, args.seed, work / "ids", work / row, config=config, steps=epochs)
+        result = swarm(fidelity_args(args), row, args.seed, work / "ids", work / row, config=config, steps=epochs,
+                       evaluate=args.task == "albert")
         target = config["training"]["target_batch_size"]
         results[row] = (result, curve(result, target if isinstance(target, int) else args.base), epochs)
         points = results[row][1]
@@ -125,7 +150,8 @@ def main() -> int:
                       f"{wall / ref_wall:.2f}x" if wall is not None else "-",
                       str(last_plan[0]) if last_plan else str(row_config(args, row)[0]["training"]["target_batch_size"]),
                       f"{last_plan[1]:.2f}" if last_plan else "1", str(len(points))))
-    print(f"\n3 peers, ALBERT-tiny seq {args.seq_length}, seed {args.seed}; reference fixed-{args.base}: loss "
+    what = f"ALBERT-tiny seq {args.seq_length}" if args.task == "albert" else f"linreg {LINREG}"
+    print(f"\n3 peers, {what}, seed {args.seed}; reference fixed-{args.base}: loss "
           f"{level:.3f} after {ref_samples} samples ({ref_steps} epochs)")
     print("\n".join(aligned(table)))
     return 0

@@ -146,8 +146,9 @@ def single_process(args, seed: int) -> list[float]:
 
 
 def swarm(args, row: str, seed: int, identities: Path, workdir: Path, config: Optional[dict] = None,
-          steps: Optional[int] = None) -> dict:
-    """One row's run on 3 peers. `config`, `steps`: instead of the row's (benchmarks/batch_scaling.py)."""
+          steps: Optional[int] = None, evaluate: bool = True) -> dict:
+    """One row's run on 3 peers. `config`, `steps`: instead of the row's; `evaluate`: the held-out loss of
+    ALBERT's final model (benchmarks/batch_scaling.py runs other tasks too)."""
     workdir.mkdir(parents=True)
     for i in range(PEERS):  # the same peers (so the same data order) in every row of this seed
         shutil.copy(identities / f"peer{i}.identity", workdir / f"peer{i}.identity")
@@ -172,7 +173,7 @@ def swarm(args, row: str, seed: int, identities: Path, workdir: Path, config: Op
             by_step.setdefault(int(step), []).append(loss)
     losses = [statistics.mean(by_step[k]) for k in sorted(by_step)]
     moved = sum(s["allreduce_bytes_sent"] + s["allreduce_bytes_received"] for s in summaries)
-    spread, evals = None, [eval_loss(args, seed, Path(finals[0]))]
+    spread, evals = None, [eval_loss(args, seed, Path(finals[0])) if evaluate else float("nan")]
     if gossip_rule(row) is not None:  # gossip's bytes are its exchanges; every replica is a model of the run
         moved = sum(s["gossip"]["bytes_sent"] + s["gossip"]["bytes_received"] for s in summaries)
         spread = replica_spread([Path(f) for f in finals])

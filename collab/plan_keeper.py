@@ -41,7 +41,10 @@ class PlanKeeper:
         self._epochs_seen: deque[tuple[float, int]] = deque()  # (time, epoch) at each planning: the run's pace
 
     def start(self) -> "PlanKeeper":
-        self._read()  # a peer joining a run that already moved starts on the run's plan, not on the config's
+        try:  # a peer joining a run that already moved starts on the run's plan, not on the config's
+            self._read()
+        except Exception as e:  # the thread reads again in 2 s
+            logger.warning(f"Batch plan: could not read the run's plan yet ({type(e).__name__}: {e})")
         self._thread.start()
         return self
 
