@@ -3,6 +3,8 @@ rules, and three real peers that follow one plan epoch by epoch."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -10,6 +12,7 @@ from pydantic import ValidationError
 from collab.batch_plan import adascale_gain_for, efficiency, first_plan, newest_plan, next_plan
 from collab.config import RunConfig
 from collab.records import Rejections
+from collab.state import pooled_noise_scale
 from collab.tasks.linreg_config import LinregTaskConfig
 from peers.launcher import LocalSwarm
 from tests.conftest import peer_env, read_summary, swarm_config
@@ -92,32 +95,41 @@ def test_a_plan_the_swarm_cannot_follow_is_refused_with_the_reason(tmp_path, cha
 
 
 @pytest.mark.swarm
-def test_three_peers_follow_one_plan_the_target_moves_toward_b_noise_and_adascale_scales_the_lr(
+def test_three_peers_measure_b_noise_follow_one_plan_toward_it_and_adascale_scales_the_lr(
         tmp_path, run_id, no_leftover_processes):
-    """linreg with B_noise 40001 (a learning rate too small to change it), target auto from 10240 within
-    [5120, 81920], changes every 2 epochs, AdaScale over a base batch of 5120: the organizer's plans take the
-    target up by 2x steps (toward 40960, within 25% of B_noise, where it would stay); every peer used the same target,
-    gain, schedule progress and learning rate for every epoch they all logged; the gain is AdaScale's for the
+    """linreg with B_noise 40001 (a learning rate too small to change it): the 3 peers measure it within 20%;
+    target auto from 15360 within [7680, 122880], changes every 2 epochs, AdaScale over a base batch of 7680:
+    the organizer's plans take the target up toward B_noise, first by 2x; every peer used the same target, gain,
+    schedule progress and learning rate for every epoch they all logged; the gain is AdaScale's for the
     measured B_noise. (Epochs of seconds: at linreg's speed a target of 1000 samples is over before the others'
-    progress reaches a peer, and peers step alone.)"""
+    progress reaches a peer, and peers step alone. Per-round estimates of |G|^2 carry noise ~ tr(Sigma) / B:
+    at targets near 10000 three runs' pooled B_noise were 3-12% off, at 30000 0.2-2%.)"""
     task = {"name": "linreg", "dim": 20000, "noise_sd": 1.0, "distance": 1.0}
     truth = LinregTaskConfig(**task).true_noise_scale()
-    lr, base = 1e-9, 5120
+    lr, base = 1e-9, 7680
     config = swarm_config(tmp_path, 3, {
         "task": task, "training.micro_batch_size": 256, "training.learning_rate": lr,
         "training.target_batch_size": "auto", "training.base_batch_size": base, "training.lr_scaling": "adascale",
-        "training.auto_target": {"min": 5120, "max": 81920, "start": 10240, "every_epochs": 2},
+        "training.auto_target": {"min": 7680, "max": 122880, "start": 15360, "every_epochs": 2},
         "averaging.aggregation": "mean", "averaging.compression": "none", "averaging.average_state_every": 1000})
-    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "14"], env=peer_env(),
+    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "15"], env=peer_env(),
                     per_peer_args={i: ["--wait-peers", "3"] for i in range(3)}) as swarm:
         swarm.start()
         codes = [peer.wait(timeout=240) for peer in swarm.peers]
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
         assert codes == [0, 0, 0], f"exit codes {codes}\n{logs}"
         summaries = [read_summary(peer) for peer in swarm.peers]
+    # the noise scale the peers measured from their rounds' norms and published, pooled as status and the
+    # organizer pool it: the truth within 20%. (A peer measures the rounds in which it reduced a part: it then
+    # knows the group's samples exactly. Measured in other runs at B_noise 40001: 39526-40856.)
+    measured = [s["noise_scale"] for s in summaries if s["noise_scale"].get("noise_rounds")]
+    pooled, peers = pooled_noise_scale([SimpleNamespace(**m) for m in measured])
+    print(f"B_noise measured {pooled:.1f} by {peers} peer(s), truth {truth:.1f}")
+    assert peers >= 1 and abs(pooled - truth) < 0.2 * truth, (pooled, truth, measured)
+
     plans = [{int(e): v for e, v in s["plan_by_epoch"].items()} for s in summaries]
     print("targets and gains by epoch:", {e: (v[0], round(v[1], 3)) for e, v in sorted(plans[0].items())})
-    assert summaries[0]["plans_issued"] >= 2 and not any(s["plans_issued"] for s in summaries[1:]), \
+    assert summaries[0]["plans_issued"] >= 1 and not any(s["plans_issued"] for s in summaries[1:]), \
         [(s["plans_issued"], s["plan_by_epoch"]) for s in summaries]
     shared = sorted(set(plans[0]) & set(plans[1]) & set(plans[2]))
     assert len(shared) >= 10, [sorted(p) for p in plans]
@@ -126,9 +138,11 @@ def test_three_peers_follow_one_plan_the_target_moves_toward_b_noise_and_adascal
         assert all(p[epoch][:3] == pytest.approx(first[:3], rel=1e-9) for p in plans), (epoch, [p[epoch] for p in plans])
         assert all(p[epoch][3] == pytest.approx(lr * first[1], rel=1e-6) for p in plans), (epoch, first)
     targets = [plans[0][e][0] for e in sorted(plans[0])]
-    # up toward B_noise, by 2x steps (a second step, to 40960, comes 2 epochs and a lead of >= 10 s later)
-    assert targets[0] == 10240 and targets[-1] in (20480, 40960), targets
-    assert all(b in (a, 2 * a) for a, b in zip(targets, targets[1:])), targets
+    # up toward B_noise: first by 2x (it is 2.6x away), then (2 epochs and a lead of >= 10 s later, if the run
+    # lasts) to within 25% of it, never by more than 2x at once
+    changes = [(a, b) for a, b in zip(targets, targets[1:]) if a != b]
+    assert targets[0] == 15360 and changes and changes[0] == (15360, 30720), targets
+    assert all(a < b <= 2 * a and abs(b - truth) < abs(a - truth) for a, b in changes[1:]), targets
     epochs = sorted(plans[0])
     changed = [b for a, b in zip(epochs, epochs[1:]) if plans[0][a][0] != plans[0][b][0]]
     assert all(b - a >= 2 for a, b in zip(changed, changed[1:])), changed  # every_epochs apart
@@ -143,8 +157,6 @@ def test_three_peers_follow_one_plan_the_target_moves_toward_b_noise_and_adascal
 
 
 def test_goodput_and_the_eta_come_from_the_records_most_peers_agree_on():
-    from types import SimpleNamespace
-
     from collab.commands.status import goodput_line
     from collab.state import RunState, adaptive_progress
 

@@ -10,7 +10,6 @@ import torch
 from collab.aggregation import Aggregation, adasum
 from collab.noise_scale import NoiseScale, adascale_gain, two_batch_estimate
 from collab.state import pooled_noise_scale
-from collab.tasks.linreg_config import LinregTaskConfig
 from peers.launcher import LocalSwarm
 from tests.conftest import peer_env, read_summary, swarm_config
 from tests.test_aggregation import reduce
@@ -105,37 +104,6 @@ def test_status_says_what_the_noise_scale_means():
 
 
 @pytest.mark.swarm
-def test_three_real_peers_measure_a_known_noise_scale_within_20_percent(tmp_path, run_id, no_leftover_processes):
-    """The linreg task (B_noise = 40001 at its start), a learning rate too small to move it, 3 real peers averaging
-    6 rounds of 30000 samples: the noise scale they measure from their rounds' norms and publish, pooled as status
-    pools it, is the truth within 20% (asserted: 10%; at 12 rounds of 40000, three runs measured it within 1.2%).
-    Epochs of seconds, not of 96 samples: then a peer made its epochs alone before the others' progress reached
-    it. Its size also matters: the per-round estimate's noise relative to what it measures grows as
-    sqrt(B_i) / B_noise, and at 2000 dimensions (B_noise 4001) three runs were 5-15% off."""
-    task = {"name": "linreg", "dim": 20000, "noise_sd": 1.0, "distance": 1.0}
-    truth = LinregTaskConfig(**task).true_noise_scale()
-    # the plain mean and no codec: the estimator reads the weighted average's norm
-    config = swarm_config(tmp_path, 3, {"task": task, "training.micro_batch_size": 256,
-                                        "training.target_batch_size": 30000, "training.learning_rate": 1e-9,
-                                        "averaging.aggregation": "mean", "averaging.compression": "none",
-                                        "averaging.average_state_every": 1000})
-    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "6"], env=peer_env()) as swarm:
-        swarm.start()
-        codes = [peer.wait(timeout=300) for peer in swarm.peers]
-        logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
-        assert codes == [0, 0, 0], f"exit codes {codes}\n{logs}"
-        summaries = [read_summary(peer) for peer in swarm.peers]
-    # a peer measures the rounds in which it reduced a part (it then knows the group's samples exactly): this
-    # model is one part (80 KB), so one reducer per round
-    measured = [s["noise_scale"] for s in summaries if s["noise_scale"].get("noise_rounds")]
-    assert sum(m["noise_rounds"] for m in measured) >= 4, ([s["noise_scale"] for s in summaries],
-                                                      [s["group_sizes"] for s in summaries])
-    pooled, peers = pooled_noise_scale([SimpleNamespace(**m) for m in measured])
-    print(f"B_noise measured {pooled:.1f} by {peers} peer(s), truth {truth:.1f}")
-    assert peers >= 1 and abs(pooled - truth) < 0.1 * truth, (pooled, truth, measured)
-
-
-@pytest.mark.swarm
 def test_three_real_peers_train_with_adasum(tmp_path, run_id, no_leftover_processes):
     """averaging.aggregation adasum on 3 real peers (linreg, B_noise 40001, SGD): the model moved toward w*, and
     its steps were Adasum's, not a mean's. Three peers' gradients here share the signal (|G| = 1) and carry
@@ -148,7 +116,7 @@ def test_three_real_peers_train_with_adasum(tmp_path, run_id, no_leftover_proces
     from collab.tasks import build_task
 
     task = {"name": "linreg", "dim": 20000, "noise_sd": 1.0, "distance": 1.0}
-    lr, rounds = 0.05, 6
+    lr, rounds = 0.05, 4
     config = swarm_config(tmp_path, 3, {"task": task, "training.micro_batch_size": 256,
                                         "training.target_batch_size": 30000, "training.learning_rate": lr,
                                         "averaging.aggregation": "adasum", "averaging.compression": "none",
