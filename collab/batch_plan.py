@@ -80,13 +80,9 @@ class BatchPlan(BaseModel):
         return unsigned.model_copy(update=dict(signature=signature))
 
     def valid_for(self, run_id: str, organizer_key: str) -> bool:
-        from collab.run.access import signed_by
+        from collab.run.access import signature_holds
 
-        try:
-            signature = base64.b64decode(self.signature, validate=True)
-        except ValueError:
-            return False
-        return self.run_id == run_id and signed_by(organizer_key, self.payload(), signature)
+        return self.run_id == run_id and signature_holds(organizer_key, self.payload(), self.signature)
 
 
 def first_plan(run_id: str, training) -> BatchPlan:

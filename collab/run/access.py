@@ -100,6 +100,15 @@ def signed_by(organizer_key: str, payload: bytes, signature: bytes) -> bool:
         return False
 
 
+def signature_holds(organizer_key: str, payload: bytes, signature_base64: str) -> bool:
+    """A record's base64 signature is the organizer key's signature of its payload."""
+    try:
+        signature = base64.b64decode(signature_base64, validate=True)
+    except ValueError:
+        return False
+    return signed_by(organizer_key, payload, signature)
+
+
 def expired(expires_at: float, now: Optional[float] = None) -> bool:
     return (time.time() if now is None else now) > expires_at + CLOCK_SKEW
 
@@ -124,11 +133,7 @@ class Revocations(BaseModel):
                                                .decode()))
 
     def valid_for(self, run_id: str, organizer_key: str) -> bool:
-        try:
-            signature = base64.b64decode(self.signature, validate=True)
-        except ValueError:
-            return False
-        return self.run_id == run_id and signed_by(organizer_key, self.payload(), signature)
+        return self.run_id == run_id and signature_holds(organizer_key, self.payload(), self.signature)
 
 
 def newest_revocations(blobs: Iterable, run_id: str, organizer_key: str) -> Optional[Revocations]:
