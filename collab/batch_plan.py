@@ -25,12 +25,11 @@ The target changes at most once per `auto_target.every_epochs` epochs, by at mos
 
 from __future__ import annotations
 
-import base64
 import math
 import time
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 PLAN_SUFFIX = "_plan"
 LEAD_SECONDS = 10.0  # the least time between issuing a plan and its first epoch: every peer reads it first
@@ -75,9 +74,9 @@ class BatchPlan(BaseModel):
         return _payload("collab-batch-plan", **self.model_dump(exclude={"signature"}))
 
     def signed(self, organizer_key) -> "BatchPlan":
-        unsigned = self.model_copy(update=dict(signature=""))
-        signature = base64.b64encode(organizer_key.sign(unsigned.payload())).decode()
-        return unsigned.model_copy(update=dict(signature=signature))
+        from collab.run.access import signed_record
+
+        return signed_record(self, organizer_key)
 
     def valid_for(self, run_id: str, organizer_key: str) -> bool:
         from collab.run.access import signature_holds
@@ -134,21 +133,9 @@ def next_plan(plan: BatchPlan, epoch: int, b_noise: Optional[float], training, s
                      b_noise=float(b_noise), issued_at=time.time() if now is None else now)
 
 
-def newest_plan(blobs, run_id: str, organizer_key: str, rejected=None) -> Optional[BatchPlan]:
-    """The newest plan signed with the run's key among DHT values; others (forged, malformed, another run's)
-    are counted in `rejected` (collab.records.Rejections) when given."""
-    best = None
-    for signer, blob in blobs:
-        plan = None
-        if isinstance(blob, (bytes, str)) and len(blob) < 4096:
-            try:
-                plan = BatchPlan.model_validate_json(blob)
-            except ValidationError:
-                plan = None
-        if plan is None or not plan.valid_for(run_id, organizer_key):
-            if rejected is not None:
-                rejected.add("batch plan not signed with the run's key", signer)
-            continue
-        if best is None or plan.issued_at > best.issued_at:
-            best = plan
-    return best
+def newest_plan(entries, run_id: str, organizer_key: str, rejected=None) -> Optional[BatchPlan]:
+    """The newest plan signed with the run's key among (signer, blob) DHT entries; others (forged, malformed,
+    another run's) are counted in `rejected` (collab.records.Rejections) when given."""
+    from collab.run.access import newest_signed
+
+    return newest_signed(BatchPlan, entries, run_id, organizer_key, 4096, rejected)

@@ -79,13 +79,12 @@ class PlanKeeper:
         self._epochs_seen.append((now, epoch))
         while len(self._epochs_seen) > 2 and now - self._epochs_seen[1][0] > PACE_WINDOW:
             self._epochs_seen.popleft()
-        # seconds per epoch as this peer lived them (rounds included; the records' rates count compute only)
-        (then, before), seconds = self._epochs_seen[0], None
-        if epoch > before:
-            seconds = (now - then) / (epoch - before)
-        elif state.samples_per_second > 0:
-            seconds = self.plan.target_at(epoch) / state.samples_per_second
-        planned = next_plan(self.plan, epoch, b_noise, self.training, seconds)
+        # seconds per epoch as this peer lived them, rounds included: no plan before that is known (the records'
+        # rates count compute only: from them, a linreg run's lead came out at 700 epochs, not 5)
+        then, before = self._epochs_seen[0]
+        if epoch <= before:
+            return
+        planned = next_plan(self.plan, epoch, b_noise, self.training, (now - then) / (epoch - before))
         if planned is None:
             return
         self._adopt(planned.signed(self.organizer_key))
@@ -125,9 +124,9 @@ def start_plan_keeper(config, swarm, shared, epoch: Callable[[], int]) -> Option
     shared: collab.run.sharing.SharedRun, whose manifest names the run's key)."""
     if not follows_a_plan(config.training) or shared is None:
         return None
-    public = organizer_public_key(shared.signed)
-    if public is None:
-        return None
+    from collab.run.manifest import verify
+
+    public = verify(shared.signed, swarm.peer.run_id, shared.fingerprint).organizer_key
     return PlanKeeper(swarm, swarm.peer.run_id, config.training, public, shared.organizer_key, epoch).start()
 
 
@@ -154,11 +153,3 @@ def follows_a_plan(training) -> bool:
     """Whether a run needs a plan keeper: its target or its learning rate follows the swarm's noise scale."""
     return training.auto_target.enabled or training.lr_scaling == "adascale"
 
-
-def organizer_public_key(signed_manifest: bytes) -> Optional[str]:
-    from collab.run.manifest import Manifest, SignedManifest
-
-    try:
-        return Manifest.model_validate_json(SignedManifest.model_validate_json(signed_manifest).manifest).organizer_key
-    except Exception:
-        return None

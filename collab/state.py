@@ -141,7 +141,7 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
         mode=modes.most_common(1)[0][0] if modes else "sync",
         noise_scale=noise_scale,
         noise_scale_peers=measured,
-        noise_scale_rounds=sum(r.noise_rounds or 0 for r in live if r.noise_signal is not None),
+        noise_scale_rounds=noise_rounds(live),
         **adaptive_progress(live, noise_scale, target, throughput),
         replica_spread=max((p.distance_to_mean for p in peers if p.online and p.distance_to_mean is not None),
                            default=None),
@@ -169,7 +169,8 @@ def adaptive_progress(records, noise_scale: Optional[float], target: Optional[in
         return values.most_common(1)[0][0] if values else None
 
     gain, total, base = common("lr_gain"), common("total_steps"), common("base_batch_size")
-    progress = max((r.progress_steps for r in records if r.progress_steps is not None), default=None)
+    positions = sorted(r.progress_steps for r in records if r.progress_steps is not None)
+    progress = positions[len(positions) // 2] if positions else None  # the median: one record cannot move it
     fields = dict(lr_gain=gain, progress_steps=progress, total_steps=total, base_batch_size=base)
     if base is None or not target:
         return fields
@@ -185,9 +186,7 @@ def pooled_noise_scale(records) -> tuple[Optional[float], int]:
     """B_noise from the peers' smoothed estimates: their tr(Sigma) over their |G|^2, each averaged over the peers
     weighted by the rounds behind it, up to the smoothing's window (each peer's own ratio is much noisier:
     collab.noise_scale), and how many peers had one."""
-    from collab.noise_scale import WINDOW
-
-    measured = [(r.noise_signal, r.noise_trace, min(WINDOW, max(1, getattr(r, "noise_rounds", None) or 1)))
+    measured = [(r.noise_signal, r.noise_trace, _rounds(r))
                 for r in records if r.noise_signal is not None and r.noise_trace is not None]
     if not measured:
         return None, 0
@@ -195,6 +194,18 @@ def pooled_noise_scale(records) -> tuple[Optional[float], int]:
     signal = sum(s * n for s, _, n in measured) / total
     trace = sum(t * n for _, t, n in measured) / total
     return (trace / signal if signal > 0 and trace > 0 else None), len(measured)
+
+
+def _rounds(record) -> int:
+    """The rounds a record's estimate stands for, as a reader counts them: at most the smoothing's window (a
+    record may claim any number)."""
+    from collab.noise_scale import WINDOW
+
+    return min(WINDOW, max(1, getattr(record, "noise_rounds", None) or 1))
+
+
+def noise_rounds(records) -> int:
+    return sum(_rounds(r) for r in records if r.noise_signal is not None and r.noise_trace is not None)
 
 
 SPREAD_FRESH_SECONDS = 30.0

@@ -164,7 +164,7 @@ def test_goodput_and_the_eta_come_from_the_records_most_peers_agree_on():
         return SimpleNamespace(**{**dict(lr_gain=2.0, progress_steps=100.0, total_steps=1100, base_batch_size=256),
                                   **changes})
 
-    liar = record(lr_gain=1000.0, total_steps=10**9, base_batch_size=1)
+    liar = record(lr_gain=1000.0, total_steps=10**9, base_batch_size=1, progress_steps=1e9)
     fields = adaptive_progress([record(), record(progress_steps=98.0), liar], noise_scale=768.0, target=1024,
                                throughput=512.0)
     assert (fields["lr_gain"], fields["total_steps"], fields["base_batch_size"]) == (2.0, 1100, 256)

@@ -128,9 +128,7 @@ class Revocations(BaseModel):
                         issued_at=self.issued_at)
 
     def signed(self, organizer_key) -> "Revocations":
-        unsigned = self.model_copy(update=dict(signature=""))
-        return unsigned.model_copy(update=dict(signature=base64.b64encode(organizer_key.sign(unsigned.payload()))
-                                               .decode()))
+        return signed_record(self, organizer_key)
 
     def valid_for(self, run_id: str, organizer_key: str) -> bool:
         return self.run_id == run_id and signature_holds(organizer_key, self.payload(), self.signature)
@@ -138,15 +136,32 @@ class Revocations(BaseModel):
 
 def newest_revocations(blobs: Iterable, run_id: str, organizer_key: str) -> Optional[Revocations]:
     """The newest validly signed list among DHT values (others' copies may be old, malformed or forged)."""
+    return newest_signed(Revocations, ((None, blob) for blob in blobs), run_id, organizer_key, 64 * MAX_REVOKED)
+
+
+def signed_record(record: BaseModel, organizer_key):
+    """`record` (with a `payload()` and a `signature` field) signed with the organizer's key."""
+    unsigned = record.model_copy(update=dict(signature=""))
+    return unsigned.model_copy(update=dict(signature=base64.b64encode(organizer_key.sign(unsigned.payload()))
+                                           .decode()))
+
+
+def newest_signed(model, entries: Iterable, run_id: str, organizer_key: str, max_bytes: int, rejected=None):
+    """The newest (by `issued_at`) record of `model` validly signed with the organizer's key among (signer, blob)
+    DHT entries; the others (old copies aside) are counted in `rejected` (collab.records.Rejections) if given."""
     best = None
-    for blob in blobs:
-        if not isinstance(blob, (bytes, str)) or len(blob) > 64 * MAX_REVOKED:
+    for signer, blob in entries:
+        candidate = None
+        if isinstance(blob, (bytes, str)) and len(blob) <= max_bytes:
+            try:
+                candidate = model.model_validate_json(blob)
+            except ValidationError:
+                candidate = None
+        if candidate is None or not candidate.valid_for(run_id, organizer_key):
+            if rejected is not None:
+                rejected.add(f"{model.__name__} not signed with the run's key", signer)
             continue
-        try:
-            candidate = Revocations.model_validate_json(blob)
-        except ValidationError:
-            continue
-        if candidate.valid_for(run_id, organizer_key) and (best is None or candidate.issued_at > best.issued_at):
+        if best is None or candidate.issued_at > best.issued_at:
             best = candidate
     return best
 
