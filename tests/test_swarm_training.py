@@ -79,8 +79,9 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
 
 
 # x fewer bytes than fp32 on the micro model, measured (each peer, 4 rounds; 3 now): fp16 1.989, powersgd 6.53 (its factors in
-# fp32; the micro model's matrices are small), dgc 31.9 (0.1% of each matrix; its vectors go whole and dominate)
-FEWER_BYTES = {"fp16": (1.95, 2.0), "powersgd": (6.0, 7.0), "dgc": (20.0, 50.0)}
+# fp32; the micro model's matrices are small), dgc 54.5 (0.1% of each matrix; its vectors, in fp16, dominate; 31.9
+# when they went in fp32)
+FEWER_BYTES = {"fp16": (1.95, 2.0), "powersgd": (6.0, 7.0), "dgc": (40.0, 80.0)}
 
 
 def _averaging(compression: str) -> dict:
