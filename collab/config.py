@@ -128,7 +128,7 @@ COMPRESSIONS = ("none", "fp16", "scaled-fp16", "uniform8bit", "quantile8bit", "s
 
 
 class DiLoCoConfig(Section):
-    """averaging.mode diloco (collab.diloco): local steps, then the swarm averages where each replica went."""
+    """averaging.mode diloco (collab.modes.diloco): local steps, then the swarm averages where each replica went."""
     outer_lr: float = Field(0.7, gt=0, le=10, description="the outer Nesterov SGD's learning rate (OpenDiLoCo's)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="the outer Nesterov SGD's momentum")
     inner_lr: Optional[float] = Field(None, gt=0, description="the inner AdamW's learning rate (default: "
@@ -141,7 +141,7 @@ GOSSIP_RULES = ("constant", "clock", "loss", "evolutionary")
 
 
 class GossipConfig(Section):
-    """averaging.mode gossip (collab.gossip): no global step; pairwise merges with random peers."""
+    """averaging.mode gossip (collab.modes.gossip): no global step; pairwise merges with random peers."""
     mean_local_steps: float = Field(10.0, ge=1, le=10**6, description="local steps between a peer's merges: "
                                     "drawn from a Poisson distribution with this mean (at least 1)")
     interpolation: Literal[GOSSIP_RULES] = Field(
@@ -165,8 +165,8 @@ class AveragingConfig(Section):
     mode: Literal["sync", "diloco", "gossip"] = Field(
         "sync", description="sync: the swarm averages gradients once per target batch (DeDLOC); diloco: each peer "
         "takes its own inner steps and the swarm averages where they went once per target batch (samples per "
-        "outer step), then every replica takes the same outer step (collab.diloco); gossip: each peer trains on "
-        "its own and merges its parameters with a random peer's every few steps (collab.gossip)")
+        "outer step), then every replica takes the same outer step (collab.modes.diloco); gossip: each peer trains on "
+        "its own and merges its parameters with a random peer's every few steps (collab.modes.gossip)")
     diloco: DiLoCoConfig = Field(default_factory=DiLoCoConfig)
     gossip: GossipConfig = Field(default_factory=GossipConfig)
     matchmaking_time: float = Field(5.0, gt=0, description="seconds spent forming an averaging group")

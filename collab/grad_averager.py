@@ -5,7 +5,7 @@ round's outcome is known.
 hivemind zeroes the accumulators when a round starts (GradientAverager.step(reset_accumulators=True)), and its
 all-reduce overwrites the averaged buffers in place, so after a failed round its "proceed with local gradients"
 loaded zeros: a step of momentum and weight decay alone. Here the gradients this peer sent are copied when they
-are loaded for the round, and a failed round steps on that copy (collab.optim).
+are loaded for the round, and a failed round steps on that copy (collab.modes.sync).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Building the collaborative optimizer from a run config: hivemind.Optimizer's many arguments, set once here
-(collab.optim is what the optimizer does; this is how it is configured)."""
+(collab.modes holds what each averaging mode does, and what it changes here; this is how it is configured)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from collab.config import RunConfig
 from collab.dgc import DGCSettings, sparsified
 from collab.grad_averager import CollabDGCAverager, CollabGradientAverager, CollabPowerSGDAverager
 from collab.metrics import AveragingLog
-from collab.optim import CollabOptimizer
+from collab.modes import ModeContext, optimizer_options
+from collab.modes.sync import CollabOptimizer
 from collab.precision import uses_precision
 from collab.rejections import RejectionLog
 from collab.robust_rounds import quiet_rejections
@@ -48,9 +49,10 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         from collab.plan_keeper import scheduled_by_plan
 
         scheduler = scheduled_by_plan(scheduler, plan)
-    mode = {"sync": lambda *_: dict(plan_keeper=plan), "diloco": _diloco, "gossip": _gossip}[avg.mode](
-        config, task, rule, gate, rejections, traffic, averager_opts)
-    return mode.pop("optimizer_class", CollabOptimizer)(**{**dict(
+    mode = optimizer_options(avg.mode, ModeContext(config=config, task=task, rule=rule, gate=gate,
+                                                   rejections=rejections, traffic=traffic,
+                                                   averager_opts=averager_opts, plan=plan))
+    return mode.pop("optimizer_class")(**{**dict(
         averaging_log=averaging_log,
         stop=stop,
         gate=gate,
@@ -91,59 +93,6 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         # hivemind's per-round messages ("Averaged gradients with 3 peers") when its log level is INFO or lower
         verbose=logging.getLogger("hivemind").getEffectiveLevel() <= logging.INFO,
     ), **mode})
-
-
-def _diloco(config: RunConfig, task: Task, rule, gate, rejections, traffic, averager_opts) -> dict:
-    """What averaging.mode diloco changes (collab.diloco): the optimizer hivemind wraps is the outer one (no
-    schedule, no weight decay: those are the inner optimizer's), rounds carry pseudo-gradients, and nothing
-    overlaps (the outer step replaces the parameters the inner steps work on)."""
-    from collab.diloco import DiLoCoOptimizer, PseudoGradientAverager, inner_optimizer, outer_optimizer
-
-    return dict(
-        optimizer_class=DiLoCoOptimizer,
-        inner=inner_optimizer(config, task),
-        max_grad_norm=config.training.max_grad_norm,
-        seed=config.training.seed,
-        params=[{"params": [p for p in task.model.parameters() if p.requires_grad]}],
-        optimizer=outer_optimizer(config),
-        scheduler=None,
-        reuse_grad_buffers=True,  # no accumulators: a round's tensors are made from the parameters
-        delay_optimizer_step=False,
-        delay_grad_averaging=False,
-        # hivemind applies a background state round's result at a later step, copying the averaged outer
-        # parameters over the replica: the inner steps taken since were lost (a CI run's peer sent a zero
-        # pseudo-gradient with 296 samples' weight). The state round runs inside the outer step instead
-        delay_state_averaging=False,
-        grad_averager_factory=partial(PseudoGradientAverager, gate=gate, rule=rule, findings=rejections.queue,
-                                      target_batch_size=config.training.target_batch_size,
-                                      traffic=traffic.queue, **averager_opts),
-    )
-
-
-def _gossip(config: RunConfig, task: Task, *_) -> dict:
-    """What averaging.mode gossip changes (collab.gossip): hivemind's local updates (an AdamW step per micro-batch,
-    no gradient averager), no state rounds, and the pairwise exchanges beside them."""
-    from collab.diloco import adamw_with_warmup
-    from collab.gossip import GossipOptimizer
-
-    settings, training = config.averaging.gossip, config.training
-    lr = settings.lr if settings.lr is not None else training.learning_rate
-    return dict(
-        optimizer_class=GossipOptimizer,
-        settings=settings,
-        compression=wire_codec(config.averaging.compression),
-        seed=training.seed,
-        max_grad_norm=training.max_grad_norm,
-        use_local_updates=True,
-        optimizer=partial(adamw_with_warmup, lr=lr, warmup_steps=settings.warmup_steps),
-        scheduler=None,
-        offload_optimizer=False,
-        reuse_grad_buffers=False,
-        delay_optimizer_step=False,
-        delay_grad_averaging=False,
-        grad_averager_factory=None,
-        average_state_every=10**9,  # the merges are the averaging
-    )
 
 
 def _gradient_averager(config: RunConfig, **options):

@@ -46,12 +46,12 @@ class PeerMetricsRecord(pydantic.BaseModel):
     # gradient rounds' traffic as this peer's all-reduce counted it (collab.traffic), over its recent rounds
     mb_per_round: Optional[pydantic.confloat(ge=0, le=1e6, strict=True)] = None
     fewer_bytes_than_fp32: Optional[pydantic.confloat(gt=0, le=1e6, strict=True)] = None
-    # averaging.mode diloco (collab.diloco): inner steps this outer step, and the last pseudo-gradient's norm
+    # averaging.mode diloco (collab.modes.diloco): inner steps this outer step, and the last pseudo-gradient's norm
     mode: Literal["sync", "diloco", "gossip"] = "sync"
     inner_steps: Optional[pydantic.conint(ge=0, le=10**12, strict=True)] = None
     pseudo_gradient_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
-    # averaging.mode gossip (collab.gossip): merges in the last minute, the last merge's update norm, and this
-    # replica's norm and count sketch (collab.gossip_rules.sketch: readers estimate the replicas' spread from it)
+    # averaging.mode gossip (collab.modes.gossip): merges in the last minute, the last merge's update norm, and this
+    # replica's norm and count sketch (collab.modes.gossip_rules.sketch: readers estimate the replicas' spread from it)
     merges_per_minute: Optional[pydantic.confloat(ge=0, le=1e6, strict=True)] = None
     merge_update_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     param_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None

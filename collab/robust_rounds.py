@@ -11,7 +11,7 @@ Three things hivemind leaves unchecked (see DESIGN.md, "hivemind facts"), checke
   recent averages (an average of honest gradients is never longer than the longest of them); for the
   training state (parameters, optimizer statistics) a change of at most STATE_BOUND of its own norm;
 - a round that is rejected fails at once for this peer, without hivemind's retry (its group has finished),
-  and the trainer treats it as any failed round (collab.optim).
+  and the trainer treats it as any failed round (collab.modes.sync).
 A peer caught sending a non-finite part or returning a bad one is banned for BAN_SECONDS: hard evidence, unlike
 a clipped part, which an honest peer with odd data may send. This peer then neither accepts a banned peer's join
 request as a leader nor asks it to lead; in a group another leader put it in (a leader that has not caught it),
@@ -240,7 +240,7 @@ class CheckedRounds:
 
     def _own_norm_scale(self, weight: Optional[float]) -> float:
         """How much longer than this peer's own part an honest average may be, given this peer's weight (1: as
-        long; gradients are per-sample means. collab.diloco's pseudo-gradients grow with the steps taken)."""
+        long; gradients are per-sample means. collab.modes.diloco's pseudo-gradients grow with the steps taken)."""
         return 1.0
 
     def _bound(self, own_norm: float, phase: bytes = b"") -> float:

@@ -42,7 +42,7 @@ class PeerState(BaseModel):
     merges_per_minute: Optional[float] = None  # gossip: its merges in the last minute
     merge_update_norm: Optional[float] = None  # gossip: how far its last merge moved its replica
     distance_to_mean: Optional[float] = None  # gossip: its replica's distance to the replicas' mean, relative to
-    # the mean's norm, estimated from the peers' sketches (collab.gossip_rules.spread_from_mean)
+    # the mean's norm, estimated from the peers' sketches (collab.modes.gossip_rules.spread_from_mean)
     contributions_rejected: int = 0  # what other peers refused from it (collab.rejections), summed over them
     rejected_by_reason: dict[str, int] = {}
     reported_by: int = 0  # how many other peers refused something from it
@@ -213,7 +213,7 @@ SPREAD_FRESH_SECONDS = 30.0
 
 def _estimate_spread(peers: list[PeerState], records: dict) -> None:
     """gossip: each online peer's distance to the mean replica, from the sketches of equal length they published."""
-    from collab.gossip_rules import SKETCH_SIZE, spread_from_mean
+    from collab.modes.gossip_rules import SKETCH_SIZE, spread_from_mean
 
     # a peer publishes every 10 s: a sketch older than 3 of those is a peer that left (kill -9 leaves its last
     # record "online" for 2 minutes), and its stale replica would widen the spread of those still merging

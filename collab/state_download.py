@@ -70,7 +70,7 @@ class CheckedDownloads:
 
     @state_sharing_priority.setter
     def state_sharing_priority(self, epoch: float) -> None:
-        # hivemind and collab.optim set the epoch; a client-mode peer serves nothing (and must declare 0)
+        # hivemind and collab.modes.sync set the epoch; a client-mode peer serves nothing (and must declare 0)
         bonus = donor_preference(self.upload_mbit) if epoch and not self.client_mode else 0.0
         super(CheckedDownloads, type(self)).state_sharing_priority.fset(self, epoch + bonus)
 

@@ -17,6 +17,7 @@ from collab.config import RunConfig
 from collab.guard import RELOAD_AFTER, BatchGuard
 from collab.lifecycle import StopOnSignal
 from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
+from collab.modes import AveragingMode
 from collab.plan_keeper import plan_fields, plan_in_force, start_plan_keeper
 from collab.precision import Precision
 from collab.progress import ProgressDisplay, Snapshot
@@ -75,7 +76,7 @@ class Summary:
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
     mode: str = "sync"  # averaging.mode
-    # diloco: each outer step as this peer saw it (outer step -> norm, weight, probe, applied; collab.diloco)
+    # diloco: each outer step as this peer saw it (outer step -> norm, weight, probe, applied; collab.modes.diloco)
     outer_steps: dict[int, dict] = field(default_factory=dict)
     # gossip: exchanges asked, answered, failed and refused, the recent merges, this replica's norm and sketch
     gossip: dict = field(default_factory=dict)
@@ -303,7 +304,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     return summary
 
 
-def _reload_broken_replica(opt, guard: BatchGuard, summary: Summary, display: ProgressDisplay) -> None:
+def _reload_broken_replica(opt: AveragingMode, guard: BatchGuard, summary: Summary, display: ProgressDisplay) -> None:
     """Micro-batch after micro-batch gave NaN or inf: the replica itself is broken (its weights, or a corrupted
     checkpoint it resumed from). The swarm's state replaces it; alone, there is nothing to reload from."""
     why = ", ".join(f"{n} {reason}" for reason, n in guard.dropped.items())
@@ -326,7 +327,7 @@ def _write_exit_summary(summary: Summary, options: JoinOptions, reason: str) -> 
     return summary
 
 
-def _settle(opt, config: RunConfig) -> str:
+def _settle(opt: AveragingMode, config: RunConfig) -> str:
     """Leaving at --max-epochs: the final replica is the swarm's, or it is said loudly that it is not."""
     try:
         outcome = opt.settle_before_leaving(timeout=config.averaging.load_state_timeout)
@@ -344,7 +345,7 @@ def _settle(opt, config: RunConfig) -> str:
 
 
 def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event,
-                     shared: Optional[SharedRun], keeper=None):
+                     shared: Optional[SharedRun], keeper=None) -> AveragingMode:
     from collab.make_optimizer import build_optimizer
     from collab.run.gate import MemberGate
 
@@ -378,7 +379,7 @@ def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay
                         "training anyway")
 
 
-def _catch_up(opt, display: ProgressDisplay, stop: threading.Event, wait: float = 30.0) -> bool:
+def _catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Event, wait: float = 30.0) -> bool:
     """A late peer first downloads the swarm's parameters and optimizer state, then trains at its epoch."""
     deadline = time.monotonic() + wait
     while not opt.tracker.fetched_global_progress_this_epoch.is_set() and time.monotonic() < deadline:

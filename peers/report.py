@@ -40,7 +40,7 @@ class PeerReport:
     fewer_bytes_than_fp32: Optional[float] = None
     loss_epochs: int = 0  # epochs with a loss from this peer (a peer restarted in the last seconds has one or two)
     merges: Optional[int] = None  # gossip: parameter merges it made (asked and answered)
-    final_sketch: Optional[list] = None  # gossip: its replica's count sketch at the end (collab.gossip_rules)
+    final_sketch: Optional[list] = None  # gossip: its replica's count sketch at the end (collab.modes.gossip_rules)
 
 
 MIN_LOSS_EPOCHS = 3
@@ -67,7 +67,7 @@ class SwarmReport:
     @property
     def replica_spread(self) -> Optional[float]:
         """gossip: the largest distance of a final replica from the replicas' mean, relative to its norm."""
-        from collab.gossip_rules import spread_from_mean
+        from collab.modes.gossip_rules import spread_from_mean
 
         sketches = {str(p.index): p.final_sketch for p in self.peers if p.final_sketch}
         return max(spread_from_mean(sketches).values()) if len(sketches) >= 2 else None

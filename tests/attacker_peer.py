@@ -83,7 +83,7 @@ def send_scaled_parameters(scale: float) -> None:
 
     import torch
 
-    from collab.gossip import GossipOptimizer
+    from collab.modes.gossip import GossipOptimizer
 
     @torch.no_grad()
     def scaled(self):

@@ -31,7 +31,7 @@ import time
 def stall_at_epoch(epoch: int, stall: float, round_fails: bool) -> None:
     from hivemind.averaging.partition import AllreduceException
 
-    from collab.optim import CollabOptimizer
+    from collab.modes.sync import CollabOptimizer
     from collab.state import progress_records
 
     schedule = CollabOptimizer._maybe_schedule_gradient_averaging

@@ -61,7 +61,7 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
     assert joined["samples_contributed"] > 0 and joined["rounds_joined"] >= 1, joined
 
     # each outer step: every peer applied the same average, the weighted mean of the pseudo-gradients its group
-    # sent. Checked on projections (collab.diloco): linear, so an exact average has applied == sum(w * probe) /
+    # sent. Checked on projections (collab.modes.diloco): linear, so an exact average has applied == sum(w * probe) /
     # sum(w) - up to the robust rules' caps on a weight its sender's signed progress record does not back yet
     # (records lag: a cap moved one step's projection by 1.3e-3 of itself in CI). A step without the round, or
     # with a part missing, is off by the spread of the probes (units here)

@@ -1,4 +1,4 @@
-"""averaging.mode gossip's arithmetic (collab.gossip_rules): each interpolation rule gives the factor it defines,
+"""averaging.mode gossip's arithmetic (collab.modes.gossip_rules): each interpolation rule gives the factor it defines,
 K follows its Poisson law, flow control avoids peers that time out, and bad parameters are refused."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from collab.gossip_rules import (FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch,
+from collab.modes.gossip_rules import (FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch,
                                  spread_from_mean)
 
 

@@ -1,4 +1,4 @@
-"""averaging.mode gossip's arithmetic, apart from the wire (collab.gossip): how far a merge moves, how many local
+"""averaging.mode gossip's arithmetic, apart from the wire (collab.modes.gossip): how far a merge moves, how many local
 steps come before the next one, which peer is asked, whether another peer's parameters can be trusted, and the
 sketch of a replica that lets a reader estimate how far apart the replicas are.
 

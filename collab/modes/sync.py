@@ -469,3 +469,9 @@ class CollabOptimizer(Optimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def optimizer_options(context) -> dict:
+    """What averaging.mode sync sets beyond collab.make_optimizer's defaults: only the batch plan, when the run's
+    target or learning rate follows the noise scale (collab.plan_keeper)."""
+    return dict(optimizer_class=CollabOptimizer, plan_keeper=context.plan)

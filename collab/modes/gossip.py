@@ -1,12 +1,12 @@
 """averaging.mode gossip: no global batch. Each peer trains its replica on its own (AdamW, one step per
 micro-batch); after K local steps, K ~ Poisson(averaging.gossip.mean_local_steps) (seed 000), it picks a random
 peer and the two swap parameters in one exchange over hivemind's P2P. Each side then merges from its own view:
-theta <- (1 - a) * theta + a * theta_peer, a from averaging.gossip.interpolation (collab.gossip_rules). The chosen
+theta <- (1 - a) * theta + a * theta_peer, a from averaging.gossip.interpolation (collab.modes.gossip_rules). The chosen
 peer never stops training: the parameters it received are merged at its next step (dpwa's Rx/Tx threads).
 
 The exchange is a bidirectional stream: the asking peer sends a `Hello` (its clock, recent loss, the exchange's
 random split u) and its parameters; the answering peer replies with its own. Both sides check what they got
-(collab.gossip_rules.check_peer_model: shapes, finite, not far off) and the claims (clock, loss) before merging;
+(collab.modes.gossip_rules.check_peer_model: shapes, finite, not far off) and the claims (clock, loss) before merging;
 what they refuse is counted and attributed like a bad averaging part (collab.rejections), and a peer caught with
 hard evidence is never picked again. In a private run only members may ask or be asked (MembersOnly). Client-mode
 (NAT'd) peers ask but are never asked: nobody can dial them.
@@ -26,6 +26,7 @@ import random
 import time
 import uuid
 from collections import deque
+from functools import partial
 from typing import AsyncIterator, Optional
 
 import torch
@@ -37,8 +38,8 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import BaseModel, ConfigDict, Field
 
-from collab.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
-from collab.optim import CollabOptimizer
+from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
+from collab.modes.sync import CollabOptimizer
 from collab.run.gate import MembersOnly
 
 CHUNK_BYTES = 2**20
@@ -356,3 +357,30 @@ class GossipOptimizer(CollabOptimizer):
                     bytes_sent=self.gossip.bytes_sent.value, bytes_received=self.gossip.bytes_received.value,
                     param_norm=math.sqrt(sum(float(p.double().pow(2).sum()) for p in params)),
                     sketch=sketch(params, self.seed), recent=list(self.merges))
+
+
+def optimizer_options(context) -> dict:
+    """What averaging.mode gossip changes (collab.make_optimizer): hivemind's local updates (an AdamW step per
+    micro-batch, no gradient averager), no state rounds, and the pairwise exchanges beside them."""
+    from collab.compression import wire_codec
+    from collab.modes.diloco import adamw_with_warmup
+
+    config = context.config
+    settings, training = config.averaging.gossip, config.training
+    lr = settings.lr if settings.lr is not None else training.learning_rate
+    return dict(
+        optimizer_class=GossipOptimizer,
+        settings=settings,
+        compression=wire_codec(config.averaging.compression),
+        seed=training.seed,
+        max_grad_norm=training.max_grad_norm,
+        use_local_updates=True,
+        optimizer=partial(adamw_with_warmup, lr=lr, warmup_steps=settings.warmup_steps),
+        scheduler=None,
+        offload_optimizer=False,
+        reuse_grad_buffers=False,
+        delay_optimizer_step=False,
+        delay_grad_averaging=False,
+        grad_averager_factory=None,
+        average_state_every=10**9,  # the merges are the averaging
+    )

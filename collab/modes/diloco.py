@@ -21,6 +21,7 @@ What this borrows from the sync mode, and why it makes DiLoCo elastic where Open
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -29,7 +30,7 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from collab.aggregation import Aggregation
 from collab.grad_averager import OwnGradients
-from collab.optim import CollabOptimizer
+from collab.modes.sync import CollabOptimizer
 from collab.robust_rounds import CheckedRounds
 from collab.run.gate import MemberGate, MembersOnly
 
@@ -213,3 +214,30 @@ def outer_optimizer(config) -> Callable[[list], torch.optim.Optimizer]:
     settings = config.averaging.diloco
     return lambda groups: torch.optim.SGD(groups, lr=settings.outer_lr, momentum=settings.outer_momentum,
                                           nesterov=True)
+
+
+def optimizer_options(context) -> dict:
+    """What averaging.mode diloco changes (collab.make_optimizer): the optimizer hivemind wraps is the outer one (no
+    schedule, no weight decay: those are the inner optimizer's), rounds carry pseudo-gradients, and nothing
+    overlaps (the outer step replaces the parameters the inner steps work on)."""
+    config, task = context.config, context.task
+    return dict(
+        optimizer_class=DiLoCoOptimizer,
+        inner=inner_optimizer(config, task),
+        max_grad_norm=config.training.max_grad_norm,
+        seed=config.training.seed,
+        params=[{"params": [p for p in task.model.parameters() if p.requires_grad]}],
+        optimizer=outer_optimizer(config),
+        scheduler=None,
+        reuse_grad_buffers=True,  # no accumulators: a round's tensors are made from the parameters
+        delay_optimizer_step=False,
+        delay_grad_averaging=False,
+        # hivemind applies a background state round's result at a later step, copying the averaged outer
+        # parameters over the replica: the inner steps taken since were lost (a CI run's peer sent a zero
+        # pseudo-gradient with 296 samples' weight). The state round runs inside the outer step instead
+        delay_state_averaging=False,
+        grad_averager_factory=partial(PseudoGradientAverager, gate=context.gate, rule=context.rule,
+                                      findings=context.rejections.queue,
+                                      target_batch_size=config.training.target_batch_size,
+                                      traffic=context.traffic.queue, **context.averager_opts),
+    )

@@ -1,0 +1,72 @@
+"""averaging.mode: how one peer's training meets the swarm's. One module per mode, one interface for all, so the
+trainer's loop (collab.trainer) is the same whichever the run's manifest fixes.
+
+| mode   | module              | what is averaged, and when                                                   |
+|--------|---------------------|------------------------------------------------------------------------------|
+| sync   | collab.modes.sync   | gradients, once per target batch; every peer takes the same optimizer step  |
+| diloco | collab.modes.diloco | pseudo-gradients (outer minus local parameters) after a target batch of     |
+|        |                     | local AdamW steps; every replica takes the same Nesterov outer step         |
+| gossip | collab.modes.gossip | parameters, pairwise with a random peer after a Poisson-drawn number of     |
+|        |                     | local steps (its merge rules: collab.modes.gossip_rules); no global step    |
+
+Each mode is a hivemind.Optimizer (diloco and gossip subclass sync's CollabOptimizer: the swarm's epoch, state
+downloads, members-only rules and the round log are shared) and each module says what it changes in the optimizer
+collab.make_optimizer builds: `optimizer_options(ModeContext) -> dict` of hivemind.Optimizer keywords.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+MODES = ("sync", "diloco", "gossip")
+
+
+@dataclass(frozen=True)
+class ModeContext:
+    """What a mode's options are built from: the run's config and task, and the robust-averaging pieces the
+    optimizer shares with its averagers (rejections and traffic are logged per peer, whatever the mode)."""
+    config: Any  # collab.config.RunConfig
+    task: Any  # collab.tasks.Task
+    rule: Any  # collab.aggregation.Aggregation: the gradient rounds' reduction
+    gate: Any = None  # collab.run.gate.MemberGate in a private run
+    rejections: Any = None  # collab.rejections.RejectionLog
+    traffic: Any = None  # collab.traffic.TrafficLog
+    averager_opts: dict = field(default_factory=dict)  # bandwidth, request timeout, group size
+    plan: Any = None  # collab.plan_keeper's plan (sync only: target and lr gain per epoch)
+
+
+class AveragingMode(Protocol):
+    """What the trainer's loop uses of a mode's optimizer, every mode alike."""
+    local_epoch: int  # this replica's epoch (the swarm's, once in sync)
+    tracker: Any  # hivemind's progress tracker: the swarm's epoch and samples
+    state_averager: Any  # parameters and optimizer state, served to peers behind
+    rejections: Any  # contributions refused, and why (collab.rejections)
+    traffic: Any  # bytes sent and received per round (collab.traffic)
+    load_state_timeout: float
+    own_step: Any  # the last step taken on this peer's own gradients, if any (collab.replica.OwnStep)
+    leave_at_epoch: Optional[int]
+
+    def step(self, *args, **kwargs) -> Any: ...  # after each micro-batch's backward
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+    def observe_loss(self, loss: float) -> None: ...  # gossip's loss rule, the noise guard
+    def drop_micro_batch(self) -> None: ...  # a non-finite micro-batch: never accumulated
+    def in_sync(self) -> bool: ...
+    def load_state_from_peers(self, deadline: Optional[float] = None, **kwargs) -> bool: ...
+    def has_pending_updates(self) -> bool: ...
+    def apply_revocations(self, revocations) -> None: ...
+    def settle_before_leaving(self, timeout: float) -> str: ...
+    def abort_rounds(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def optimizer_options(mode: str, context: ModeContext) -> dict:
+    """The hivemind.Optimizer keywords averaging.mode `mode` sets (its module's optimizer_options), with
+    `optimizer_class` the mode's optimizer."""
+    if mode not in MODES:  # config validation names the field first; this guards direct callers
+        raise ValueError(f"averaging.mode {mode!r} is not one of {', '.join(MODES)}")
+    return importlib.import_module(f"collab.modes.{mode}").optimizer_options(context)
+
+
+__all__ = ["MODES", "ModeContext", "AveragingMode", "optimizer_options"]
