@@ -16,7 +16,8 @@ loss within 1.1x its samples; auto reaches it in less wall time than the best fi
 
     python3 benchmarks/batch_scaling.py [--rows fixed-128,fixed-256,fixed-512,fixed-256+adascale,fixed-512+adascale,auto]
                                         [--base 128] [--reference-steps 40] [--seed 0] [--seq-length 64]
-    python3 benchmarks/batch_scaling.py --task linreg --base 10240 --rows fixed-40960,fixed-40960+adascale,auto
+    python3 benchmarks/batch_scaling.py --task linreg --base 256 --reference-steps 180 \
+        --rows fixed-512,fixed-1024,fixed-512+adascale,fixed-1024+adascale,auto
 
 --task linreg runs the same rows on linear regression (collab.tasks.linreg, SGD) where B_noise is known and far
 above the base batch; ALBERT-tiny's B_noise, early in training, is below it (measured: ~42 samples).
@@ -47,9 +48,11 @@ def fidelity_args(args) -> SimpleNamespace:
                            overlap="optimizer", local_codec="fp16", timeout=args.timeout)
 
 
-# --task linreg: B_noise = dim (e^2 + 1) / e^2 + 1 = 340001 at the start (e = 0.25) and growing, 33x the base
-# batch of 10240: the regime where a 4x target should cost little more than 1x the samples, with AdaScale
-LINREG = {"name": "linreg", "dim": 20000, "noise_sd": 1.0, "distance": 0.25}
+# --task linreg: noiseless labels, so B_noise = tr(Sigma) / |G|^2 = dim + 1 = 20001 wherever w is, 78x the base batch
+# of 256: the regime where a 4x target should cost little more than 1x the samples with AdaScale (at its gain for
+# S = 4, 3.86, SGD's progress per sample at 4x is 0.98 of the base's). Without label noise the loss falls
+# geometrically and each epoch's mean is exact to ~0.71 / sqrt(samples) of itself: rows resolve to a few percent.
+LINREG = {"name": "linreg", "dim": 20000, "noise_sd": 0.0, "distance": 1.0}
 
 
 def row_config(args, row: str) -> tuple[dict, int]:
@@ -57,8 +60,14 @@ def row_config(args, row: str) -> tuple[dict, int]:
     config = run_config(fidelity_args(args), "fp16", args.seed)
     if args.task == "linreg":  # plain SGD at a rate that makes progress at the base batch; every part exact
         config["task"] = dict(LINREG)
-        config["training"].update(micro_batch_size=256, learning_rate=args.lr or 0.03, warmup_steps=0)
-        config["averaging"].update(compression="none", aggregation="mean")
+        config["training"].update(micro_batch_size=16, learning_rate=args.lr or 0.01, warmup_steps=0)
+        # no overlap: a micro-batch here takes ~2 ms, so with the step in the background a peer computed ~1000
+        # samples during each round and every round held ~4.6x the base target (measured: 1176 per epoch at 256)
+        # state rounds at the product's default (fidelity.py turns them off): at ~3000 samples/s a peer ran 15
+        # epochs alone before its progress reached the others, and without a state round its replica stayed
+        # apart for the whole run (its loss 2.3x the others'; the noise scale, measured on gradients taken at
+        # different parameters, came out negative)
+        config["averaging"].update(compression="none", aggregation="mean", overlap="none", average_state_every=5)
     elif args.lr:
         config["training"]["learning_rate"] = args.lr
     training = config["training"]
@@ -77,7 +86,9 @@ def row_config(args, row: str) -> tuple[dict, int]:
 
 
 def curve(result: dict, default_target: int) -> list[tuple[int, float]]:
-    """(samples seen at the end of the epoch, the peers' mean loss over it) per epoch."""
+    """(samples the swarm had trained when the epoch closed, the peers' mean loss over it) per epoch. The samples
+    are the peers' own counts (a target is a floor: the micro-batches in flight when it is reached count too, a
+    larger share of a small target); from the targets where a summary has none."""
     by_epoch: dict[int, list[float]] = {}
     targets: dict[int, int] = {}
     for s in result["summaries"]:
@@ -85,17 +96,29 @@ def curve(result: dict, default_target: int) -> list[tuple[int, float]]:
             by_epoch.setdefault(int(epoch), []).append(loss)
         for epoch, plan in s.get("plan_by_epoch", {}).items():
             targets[int(epoch)] = plan[0]
+    counts = [{int(e): n for e, n in s.get("samples_by_epoch", {}).items()} for s in result["summaries"]]
+
+    def counted(epoch: int) -> int:  # each peer's count at its last closed epoch up to this one
+        return sum(max((n for e, n in c.items() if e <= epoch), default=0) for c in counts)
+
     points, seen = [], 0
     for epoch in sorted(by_epoch):
         seen += targets.get(epoch, default_target)
-        points.append((seen, statistics.mean(by_epoch[epoch])))
+        points.append((counted(epoch) if all(counts) else seen, statistics.mean(by_epoch[epoch])))
     return points
 
 
-def reached(points: list[tuple[int, float]], level: float) -> Optional[int]:
-    """The index of the first epoch whose trailing mean is at or below `level`."""
-    for i in range(TRAIL - 1, len(points)):
-        if statistics.mean(loss for _, loss in points[i - TRAIL + 1:i + 1]) <= level:
+def reached(points: list[tuple[int, float]], level: float, window: int) -> Optional[int]:
+    """The index of the first epoch whose trailing mean, over the last epochs that hold at least `window` samples,
+    is at or below `level`. A window of equal samples, not epochs: five epochs of a 4x target reach four times
+    further back than five of the base, and would lag by as much on a falling curve."""
+    for i in range(len(points)):
+        j = i
+        while j > 0 and points[i][0] - points[j - 1][0] < window:
+            j -= 1
+        if j == 0 and points[i][0] < window:
+            continue
+        if statistics.mean(loss for _, loss in points[j:i + 1]) <= level:
             return i
     return None
 
@@ -109,7 +132,7 @@ def main() -> int:
     parser.add_argument("--seq-length", type=int, default=64)
     parser.add_argument("--task", default="albert", choices=("albert", "linreg"))
     parser.add_argument("--lr", type=float, default=None, help="the learning rate at the base batch (default: the "
-                        "config's; linreg 0.03)")
+                        "config's; linreg 0.01)")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
     from hivemind.p2p import P2P
@@ -132,14 +155,15 @@ def main() -> int:
     ref_result, ref_points, _ = results[rows[0]]
     ref_steps = min(args.reference_steps, len(ref_points))
     level = statistics.mean(loss for _, loss in ref_points[ref_steps - TRAIL:ref_steps])
-    ref_at = reached(ref_points, level)
+    window = ref_points[ref_steps - 1][0] - ref_points[ref_steps - TRAIL - 1][0]  # the samples of the ref.'s last 5
+    ref_at = reached(ref_points, level, window)
     ref_samples = ref_points[ref_at][0]
     ref_wall = ref_result["wall"] * (ref_at + 1) / len(ref_points)
     table = [("row", f"loss (last {TRAIL})", "samples to ref. loss", "vs ref.", "wall to ref. loss", "vs ref.",
               "last target", "last gain", "epochs")]
     for row in rows:
         result, points, _ = results[row]
-        at = reached(points, level)
+        at = reached(points, level, window)
         plans = result["summaries"][0].get("plan_by_epoch", {})
         last_plan = plans[max(plans, key=int)] if plans else None
         wall = result["wall"] * (at + 1) / len(points) if at is not None else None

@@ -53,6 +53,9 @@ class Summary:
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
+    # samples_contributed when each epoch closed: the swarm's samples through epoch e are the peers' sum (a target
+    # is a floor; the micro-batches in flight when it is reached count too)
+    samples_by_epoch: dict[int, int] = field(default_factory=dict)
     # training.target_batch_size auto / lr_scaling adascale (collab.batch_plan): per epoch [target, gain,
     # scale-invariant progress, learning rate] as this peer used them, and the plans it issued (the organizer)
     plan_by_epoch: dict[int, list] = field(default_factory=dict)
@@ -241,6 +244,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     mean = epoch_loss.close()
                     if mean is not None:
                         summary.loss_by_epoch[last_epoch] = mean
+                    summary.samples_by_epoch[last_epoch] = summary.samples_contributed
                     last_epoch = opt.local_epoch
                     checkpoint_due = checkpoint_due or bool(ckpt_dir and opt.local_epoch % config.checkpoint.every_epochs == 0)
                 # a replica one update off the swarm waits for its re-sync, and is saved as soon as that comes (with
