@@ -61,6 +61,27 @@ def test_the_swarms_noise_scale_is_within_20_percent_of_a_known_truth():
     assert not wrong.b_noise or abs(wrong.b_noise - truth) > 0.2 * truth, wrong.b_noise
 
 
+def test_a_peer_that_sometimes_brings_a_few_samples_does_not_throw_the_estimate_off():
+    """Noiseless linear regression in 2000 dims (B_noise = 2001): per-sample gradients' squared norms are heavy-
+    tailed, so a round in which a peer brought 2 samples of 202 gives a wild |G|^2 from it. Weighted as an equal
+    share (or more, by (1 - B_i/B)^2 alone) one such round in 20 left that peer's |G|^2 at 1.35 and the pooled
+    B_noise 15% off here (seeds 1, 2: 1.17 and 5%, 0.84 and 5%); weighted by the estimates' variance, 0.90 and
+    0.1% (seeds 1, 2: 0.92 and 5%, 0.92 and 2%)."""
+    generator = torch.Generator().manual_seed(0)
+    d = 2000
+    error = torch.randn(d, generator=generator, dtype=torch.float64)
+    error /= error.norm()
+    peers = [NoiseScale() for _ in range(3)]
+    for k in range(200):
+        sizes = [100, 100, 100] if k % 20 else [2, 100, 100]
+        grads, average = _linear_regression_round(generator, error, 0.0, sizes)
+        for peer, g, size in zip(peers, grads, sizes):
+            peer.update(float(g @ g), size, float(average @ average), sum(sizes))
+    pooled, _ = pooled_noise_scale([SimpleNamespace(noise_signal=p.signal, noise_trace=p.noise) for p in peers])
+    assert abs(peers[0].signal - 1.0) < 0.3, peers[0].signal  # |G|^2 = |e|^2 = 1
+    assert abs(pooled - (d + 1)) < 0.1 * (d + 1), pooled
+
+
 def test_adascale_gain_follows_its_formula():
     assert adascale_gain(noise=3.0, signal=1.0, scale=1.0) == 1.0
     assert adascale_gain(noise=3.0, signal=1.0, scale=4.0) == pytest.approx((3 + 1) / (3 / 4 + 1))
