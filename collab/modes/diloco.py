@@ -30,6 +30,7 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from collab.aggregation import Aggregation
 from collab.grad_averager import OwnGradients
+from collab.modes import ModeContext
 from collab.modes.sync import CollabOptimizer
 from collab.robust_rounds import CheckedRounds
 from collab.run.gate import MemberGate, MembersOnly
@@ -216,7 +217,7 @@ def outer_optimizer(config) -> Callable[[list], torch.optim.Optimizer]:
                                           nesterov=True)
 
 
-def optimizer_options(context) -> dict:
+def optimizer_options(context: ModeContext) -> dict:
     """What averaging.mode diloco changes (collab.make_optimizer): the optimizer hivemind wraps is the outer one (no
     schedule, no weight decay: those are the inner optimizer's), rounds carry pseudo-gradients, and nothing
     overlaps (the outer step replaces the parameters the inner steps work on)."""

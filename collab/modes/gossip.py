@@ -39,6 +39,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import BaseModel, ConfigDict, Field
 
 from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
+from collab.modes import ModeContext
 from collab.modes.sync import CollabOptimizer
 from collab.run.gate import MembersOnly
 
@@ -359,7 +360,7 @@ class GossipOptimizer(CollabOptimizer):
                     sketch=sketch(params, self.seed), recent=list(self.merges))
 
 
-def optimizer_options(context) -> dict:
+def optimizer_options(context: ModeContext) -> dict:
     """What averaging.mode gossip changes (collab.make_optimizer): hivemind's local updates (an AdamW step per
     micro-batch, no gradient averager), no state rounds, and the pairwise exchanges beside them."""
     from collab.compression import wire_codec

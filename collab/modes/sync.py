@@ -21,6 +21,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from collab.metrics import AveragingLog
+from collab.modes import ModeContext
 from collab.aggregation import Aggregation
 from collab.noise_scale import NoiseScale
 from collab.rejections import RejectionLog
@@ -471,7 +472,7 @@ class CollabOptimizer(Optimizer):
             return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def optimizer_options(context) -> dict:
+def optimizer_options(context: ModeContext) -> dict:
     """What averaging.mode sync sets beyond collab.make_optimizer's defaults: only the batch plan, when the run's
     target or learning rate follows the noise scale (collab.plan_keeper)."""
     return dict(optimizer_class=CollabOptimizer, plan_keeper=context.plan)
