@@ -7,6 +7,10 @@ run on one machine. collab runs as a real `collab join` process (DHT, averagers 
 and reports samples/s over its training loop; the plain loop runs in this process afterwards.
 
     python3 benchmarks/overhead.py [--config albert-tiny] [--epochs 6] [--threads 2]
+    python3 benchmarks/overhead.py --config albert-base --device cuda --precision fp16 --micro-batch-size 16
+
+On a GPU both sides compute in the same autocast precision; the plain loop uses torch's GradScaler for fp16
+(what a user would write), collab its own per-micro-batch loss scaling (collab.precision).
 
 Goal: ratio >= 0.95.
 """
@@ -26,40 +30,55 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def collab_alone(config: str, epochs: int, env: dict) -> float:
+def collab_alone(args, env: dict) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
         subprocess.run([sys.executable, "-m", "collab", "join", "--run-id", f"bench-{os.getpid()}",
-                        "--config", config, "--max-epochs", str(epochs), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                        "--summary-json", str(summary), "--no-live"],
+                        "--config", args.config, "--max-epochs", str(args.epochs),
+                        "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--device", args.device, "--precision", args.precision,
+                        "--micro-batch-size", str(args.micro_batch_size), "--summary-json", str(summary), "--no-live"],
                        check=True, env=env, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, timeout=3600)
         s = json.loads(summary.read_text())
     return s["samples_contributed"] / s["train_seconds"]
 
 
-def plain_loop(config_name: str, samples: int) -> float:
+def plain_loop(args, config, samples: int) -> float:
+    import contextlib
+
     import torch
 
-    from collab.config import load_config
     from collab.tasks import build_task
 
-    config = load_config(config_name)
     task = build_task(config)
-    micro, target = config.training.micro_batch_size, config.training.target_batch_size
+    device = torch.device(args.device)
+    task.model.to(device)
+    micro, target = args.micro_batch_size, config.training.target_batch_size
     optimizer = task.optimizer_factory()(task.parameter_groups())
     scheduler = task.scheduler_factory()(optimizer)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.precision)
+
+    def loss_of(batch):
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+            return task.loss(batch)
+
     batches = task.batches(micro, seed=0)
-    task.loss(next(batches)).backward()  # the same warm-up step collab takes before it starts counting
+    scaler.scale(loss_of(next(batches))).backward()  # the same warm-up step collab takes before it starts counting
     optimizer.zero_grad()
     accumulation = target // micro
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     done, started = 0, time.monotonic()
     while done < samples:
         for _ in range(accumulation):
-            (task.loss(next(batches)) / accumulation).backward()
+            scaler.scale(loss_of(next(batches)) / accumulation).backward()
             done += micro
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         optimizer.zero_grad()
+    sync()
     return done / (time.monotonic() - started)
 
 
@@ -68,6 +87,9 @@ def main() -> None:
     parser.add_argument("--config", default="albert-tiny")
     parser.add_argument("--epochs", type=int, default=6, help="collaborative steps collab trains for")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"))
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the config's")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HIVEMIND_LOGLEVEL="ERROR")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -78,12 +100,13 @@ def main() -> None:
     from collab.config import load_config
 
     config = load_config(args.config)
-    collab_sps = collab_alone(args.config, args.epochs, env)
-    plain_sps = plain_loop(args.config, args.epochs * config.training.target_batch_size)
+    args.micro_batch_size = args.micro_batch_size or config.training.micro_batch_size
+    collab_sps = collab_alone(args, env)
+    plain_sps = plain_loop(args, config, args.epochs * config.training.target_batch_size)
     rows = [("plain PyTorch loop (grad accumulation + LAMB)", f"{plain_sps:.2f}", "1.00"),
             ("collab join, alone (hivemind.Optimizer, DHT, p2pd)", f"{collab_sps:.2f}", f"{collab_sps / plain_sps:.2f}")]
-    print(f"config {args.config}: micro-batch {config.training.micro_batch_size}, target "
-          f"{config.training.target_batch_size}, {args.epochs} steps, {args.threads} threads")
+    print(f"config {args.config}: micro-batch {args.micro_batch_size}, target {config.training.target_batch_size}, "
+          f"{args.epochs} steps, {args.precision} on {args.device}, {args.threads} threads")
     print(f"{'':52} {'samples/s':>10} {'ratio':>6}")
     for name, sps, ratio in rows:
         print(f"{name:52} {sps:>10} {ratio:>6}")
