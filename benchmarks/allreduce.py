@@ -10,18 +10,20 @@ wire in fp32 and fp16, and what dgc (0.1% of the values, exactly) and powersgd (
 ALBERT-base's matrices, fp32) send. Each process holds index+1, so the exact mean is known; the averaged values
 are checked, not hivemind's success flag (it reports partial rounds as success).
 
-    sudo python3 benchmarks/allreduce.py [--size 12000000] [--peers 4] [--rounds 1]
+    sudo python3 benchmarks/allreduce.py [--size 12000000] [--peers 4] [--rounds 1] [--repeats 1]
 
-Prints, per scenario and method: best round time, the bandwidth bound 2(k-1)/k * S / B (S the
+Prints, per scenario and method: best round time (and the median of its exact rounds), the bandwidth bound 2(k-1)/k * S / B (S the
 vector's bytes on the wire, B the slowest uplink), time/bound, and time relative to gloo fp32 and to gloo at the same wire precision.
 Goals: symmetric <= 1.0x gloo at equal wire precision; asymmetric <= 0.6x gloo; a private run's round
-(auth on: DHT authorizer and members-only averaging RPCs) <= 1.02x the same round with auth off.
+(auth on: DHT authorizer and members-only averaging RPCs) <= 1.02x the same round with auth off: settle
+it with --repeats 8 --rounds 5 (the methods interleaved; medians and per-swarm ratios printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from statistics import mean, median, stdev
 import tempfile
 from pathlib import Path
 
@@ -72,11 +74,65 @@ def scenarios(peers: int) -> dict[str, list[LinkSpec]]:
             "asymmetric": [fast] * (peers - 1) + [LinkSpec(upload_mbit=10, download_mbit=100)]}
 
 
+def method_key(backend, wire, private, aggregation) -> str:
+    return f"{backend}-{wire}{'-private' if private else ''}{'-' + aggregation if aggregation else ''}"
+
+
+def method_label(backend, wire, private, aggregation) -> str:
+    label = f"{'collab (hivemind)' if backend == 'hivemind' else 'gloo'} {wire}{' private' if private else ''}"
+    return label + (f" checked {aggregation}" if aggregation else "")
+
+
+def scenario_rows(name, links, args, chosen, pooled, failed) -> list[tuple]:
+    """One row per method: its best round (and, over several repeats, the median of its exact rounds); a private
+    or checked row also against hivemind's own open round at the same wire (best/best, and median/median with
+    the range of the per-repeat ratios)."""
+    slowest = min(link.upload_mbit for link in links)
+    gloo = {}  # wire -> seconds
+    open_run = {}  # wire -> (best seconds, median seconds, {repeat: median seconds})
+    rows = []
+    for method in chosen:
+        backend, wire, private, aggregation = method
+        label = method_label(*method)
+        if method in failed:
+            rows.append((name, label, "failed", "-", "-", "-", "-", failed[method]))
+            continue
+        size = powersgd_values() if wire == "powersgd" else args.size
+        wire_bytes = {"fp16": 2 * size, "dgc": 8 * DGC_DENSITY * size}.get(wire, 4 * size)
+        bound = lower_bound_seconds(wire_bytes, args.peers, slowest)
+        tolerance = 1e-2 if wire == "fp16" else 1e-5
+        outcomes = [o for _, o in pooled[method]]
+        exact = [(r, o) for r, o in pooled[method]
+                 if o.group_sizes == [args.peers] * args.peers and o.max_error < tolerance]
+        best = best_of([o for _, o in exact]) or best_of(outcomes)
+        typical = median([o.seconds for _, o in exact]) if exact else None
+        by_repeat = {r: median([o.seconds for q, o in exact if q == r]) for r in {q for q, _ in exact}}
+        values = f"exact mean in {len(exact)} of {len(outcomes)} rounds" if exact else "WRONG VALUES"
+        if backend == "gloo":
+            gloo[wire] = best.seconds
+        vs_gloo = " / ".join(f"{best.seconds / gloo[w]:.2f}x" if w in gloo else "-" for w in ("fp32", wire))
+        traffic = f"slowest peer sent {best.bytes_sent[-1] / wire_bytes:.2f} S"
+        if backend == "hivemind" and not private and not aggregation:
+            open_run[wire] = (best.seconds, typical, by_repeat)
+        elif (private or aggregation) and wire in open_run:
+            open_best, open_median, open_by_repeat = open_run[wire]
+            traffic += f"; {best.seconds / open_best:.3f}x hivemind's own round"
+            ratios = [by_repeat[r] / open_by_repeat[r] for r in by_repeat if r in open_by_repeat]
+            if typical and open_median and len(ratios) > 1:
+                traffic += (f" (medians: {typical / open_median:.3f}x; per repeat {min(ratios):.3f}-"
+                            f"{max(ratios):.3f}x, median {median(ratios):.3f}x, mean {mean(ratios):.3f}x +- "
+                            f"{stdev(ratios) / len(ratios) ** 0.5:.3f} s.e.)")
+        rows.append((name, label, f"{best.seconds:.2f}", f"{typical:.2f}" if typical else "-", f"{bound:.2f}",
+                     f"{best.seconds / bound:.2f}x", vs_gloo, f"{values}; {traffic}"))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=12_000_000, help="fp32 elements (default 12M: ALBERT-base)")
     p.add_argument("--peers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="rounds per swarm (one start of the processes)")
+    p.add_argument("--repeats", type=int, default=1, help="swarms per method, the methods interleaved")
     p.add_argument("--only", choices=["symmetric", "asymmetric"], default=None)
     p.add_argument("--methods", default=None, metavar="LIST",
                    help="comma-separated subset, e.g. hivemind-fp16,hivemind-fp16-private,hivemind-fp16-centered_clip "
@@ -92,42 +148,30 @@ def main() -> int:
         for name, links in scenarios(args.peers).items():
             if args.only and name != args.only:
                 continue
-            slowest = min(link.upload_mbit for link in links)
-            gloo = {}  # wire -> seconds
-            open_run = {}  # wire -> seconds of hivemind with auth off
-            for backend, wire, private, aggregation in METHODS:
-                key = f"{backend}-{wire}{'-private' if private else ''}{'-' + aggregation if aggregation else ''}"
-                if args.methods and key not in args.methods.split(","):
-                    continue
-                label = f"{'collab (hivemind)' if backend == 'hivemind' else 'gloo'} {wire}{' private' if private else ''}"
-                label += f" checked {aggregation}" if aggregation else ""
-                print(f"{name}: {label} ...", file=sys.stderr, flush=True)
-                # what the probe averages, and each peer's own contribution in bytes on the wire
-                size, probe_wire = (powersgd_values(), "fp32") if wire == "powersgd" else (args.size, wire)
-                wire_bytes = {"fp16": 2 * size, "dgc": 8 * DGC_DENSITY * size}.get(wire, 4 * size)
-                try:
-                    outcomes = measure_rounds(links, backend, size, Path(tmp) / f"{name}-{backend}-{wire}-{private}",
-                                              rounds=args.rounds, wire=probe_wire, timeout=900, private=private,
-                                              aggregation=aggregation)
-                except ProbeFailed as e:
-                    rows.append((name, label, "failed", "-", "-", "-", str(e).splitlines()[0][:60]))
-                    continue
-                bound = lower_bound_seconds(wire_bytes, args.peers, slowest)
-                tolerance = 1e-2 if wire == "fp16" else 1e-5
-                exact = [o for o in outcomes if o.group_sizes == [args.peers] * args.peers and o.max_error < tolerance]
-                best = best_of(exact) or best_of(outcomes)
-                values = f"exact mean in {len(exact)} of {len(outcomes)} rounds" if exact else "WRONG VALUES"
-                if backend == "gloo":
-                    gloo[wire] = best.seconds
-                vs_gloo = " / ".join(f"{best.seconds / gloo[w]:.2f}x" if w in gloo else "-" for w in ("fp32", wire))
-                slow_share = f"slowest peer sent {best.bytes_sent[-1] / wire_bytes:.2f} S"
-                if backend == "hivemind" and not private and not aggregation:
-                    open_run[wire] = best.seconds
-                elif (private or aggregation) and wire in open_run:
-                    slow_share += f"; {best.seconds / open_run[wire]:.3f}x hivemind's own round"
-                rows.append((name, label, f"{best.seconds:.2f}", f"{bound:.2f}", f"{best.seconds / bound:.2f}x",
-                             vs_gloo, f"{values}; {slow_share}"))
-    header = ("scenario", "method", "seconds", "bound s", "vs bound", "vs gloo fp32 / same wire", "values; traffic")
+            chosen = [m for m in METHODS if not args.methods or method_key(*m) in args.methods.split(",")]
+            # repeats interleave the methods (A B A B ...), so a slow spell of the host lands on all of them alike
+            pooled: dict[tuple, list] = {m: [] for m in chosen}  # method -> [(repeat, outcome)]
+            failed: dict[tuple, str] = {}
+            for repeat in range(args.repeats):
+                for method in chosen:
+                    if method in failed:
+                        continue
+                    backend, wire, private, aggregation = method
+                    print(f"{name}: {method_label(*method)} (repeat {repeat + 1}/{args.repeats}) ...", file=sys.stderr,
+                          flush=True)
+                    # what the probe averages, and each peer's own contribution in bytes on the wire
+                    size, probe_wire = (powersgd_values(), "fp32") if wire == "powersgd" else (args.size, wire)
+                    try:
+                        outcomes = measure_rounds(links, backend, size,
+                                                  Path(tmp) / f"{name}-{method_key(*method)}-{repeat}",
+                                                  rounds=args.rounds, wire=probe_wire, timeout=900, private=private,
+                                                  aggregation=aggregation)
+                    except ProbeFailed as e:
+                        failed[method] = str(e).splitlines()[0][:60]
+                        continue
+                    pooled[method] += [(repeat, o) for o in outcomes]
+            rows += scenario_rows(name, links, args, chosen, pooled, failed)
+    header = ("scenario", "method", "best s", "median s", "bound s", "vs bound", "vs gloo fp32 / same wire", "values; traffic")
     print(f"{args.peers} peers, {args.size / 1e6:.0f}M fp32 values ({args.size * 4 / 1e6:.0f} MB); "
           f"bound = 2(k-1)/k * S_wire / slowest uplink")
     print("\n".join(aligned([header, *rows])))
