@@ -16,8 +16,8 @@ loss within 1.1x its samples; auto reaches it in less wall time than the best fi
 
     python3 benchmarks/batch_scaling.py [--rows fixed-128,fixed-256,fixed-512,fixed-256+adascale,fixed-512+adascale,auto]
                                         [--base 128] [--reference-steps 40] [--seed 0] [--seq-length 64]
-    python3 benchmarks/batch_scaling.py --task linreg --base 256 --reference-steps 180 \
-        --rows fixed-512,fixed-1024,fixed-512+adascale,fixed-1024+adascale,auto
+    python3 benchmarks/batch_scaling.py --task linreg --base 256 --reference-steps 180 --lr 0.01 \
+        --rows fixed-512,fixed-1024,fixed-512+adascale,fixed-1024+adascale,auto [--dim 20000]
 
 --task linreg runs the same rows on linear regression (collab.tasks.linreg, SGD) where B_noise is known and far
 above the base batch; ALBERT-tiny's B_noise, early in training, is below it (measured: ~42 samples).
@@ -55,12 +55,18 @@ def fidelity_args(args) -> SimpleNamespace:
 LINREG = {"name": "linreg", "dim": 20000, "noise_sd": 0.0, "distance": 1.0}
 
 
+def linreg_lr(args) -> float:
+    """Half of SGD's fastest per-step rate on noiseless linreg at the base batch, 1 / (1 + B_noise / base): a rate
+    tuned at the base batch, with a margin (the loss's expected factor per step is 1 - 2 lr + lr^2 (1 + B_noise / B))."""
+    return 0.5 / (1 + (args.dim + 1) / args.base)
+
+
 def row_config(args, row: str) -> tuple[dict, int]:
     """The row's run config and its --max-epochs (enough epochs for --samples at its smallest target)."""
     config = run_config(fidelity_args(args), "fp16", args.seed)
     if args.task == "linreg":  # plain SGD at a rate that makes progress at the base batch; every part exact
-        config["task"] = dict(LINREG)
-        config["training"].update(micro_batch_size=16, learning_rate=args.lr or 0.01, warmup_steps=0)
+        config["task"] = {**LINREG, "dim": args.dim}
+        config["training"].update(micro_batch_size=16, learning_rate=args.lr or linreg_lr(args), warmup_steps=0)
         # no overlap: a micro-batch here takes ~2 ms, so with the step in the background a peer computed ~1000
         # samples during each round and every round held ~4.6x the base target (measured: 1176 per epoch at 256)
         # state rounds at the product's default (fidelity.py turns them off): at ~3000 samples/s a peer ran 15
@@ -132,12 +138,14 @@ def main() -> int:
     parser.add_argument("--seq-length", type=int, default=64)
     parser.add_argument("--task", default="albert", choices=("albert", "linreg"))
     parser.add_argument("--lr", type=float, default=None, help="the learning rate at the base batch (default: the "
-                        "config's; linreg 0.01)")
+                        "config's; linreg: half of SGD's fastest rate at the base batch)")
+    parser.add_argument("--dim", type=int, default=LINREG["dim"], help="linreg's dimension: its B_noise is dim + 1")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
     from hivemind.p2p import P2P
 
     work = Path(tempfile.mkdtemp(prefix="collab-batch-scaling-"))
+    print(f"peers' logs and summaries (noise_inputs: each round's norms) under {work}", flush=True)
     (work / "ids").mkdir()
     for i in range(PEERS):
         P2P.generate_identity(str(work / "ids" / f"peer{i}.identity"))
@@ -174,7 +182,7 @@ def main() -> int:
                       f"{wall / ref_wall:.2f}x" if wall is not None else "-",
                       str(last_plan[0]) if last_plan else str(row_config(args, row)[0]["training"]["target_batch_size"]),
                       f"{last_plan[1]:.2f}" if last_plan else "1", str(len(points))))
-    what = f"ALBERT-tiny seq {args.seq_length}" if args.task == "albert" else f"linreg {LINREG}"
+    what = f"ALBERT-tiny seq {args.seq_length}" if args.task == "albert" else f"linreg dim {args.dim} (B_noise {args.dim + 1}), lr {args.lr or linreg_lr(args):.3g}"
     print(f"\n3 peers, {what}, seed {args.seed}; reference fixed-{args.base}: loss "
           f"{level:.3f} after {ref_samples} samples ({ref_steps} epochs)")
     print("\n".join(aligned(table)))

@@ -56,8 +56,8 @@ class PeerMetricsRecord(pydantic.BaseModel):
     merge_update_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     param_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     param_sketch: Optional[pydantic.conlist(pydantic.confloat(ge=-1e12, le=1e12, strict=True), max_items=64)] = None
-    # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds (collab.noise_scale): readers
-    # pool the peers' (their ratio is B_noise)
+    # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds, each per unit of its rounds'
+    # averaged |g|^2 (collab.noise_scale): readers pool the peers' (their ratio is B_noise)
     noise_signal: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     noise_trace: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     noise_rounds: Optional[pydantic.conint(ge=0, le=10**12, strict=True)] = None  # rounds behind the two

@@ -11,7 +11,8 @@ covariance), whether or not one batch is part of the other. Two batch sizes give
     tr(Sigma) ~ (|g_i|^2 - |g|^2) / (1 / B_i - 1 / B)
 
 Each estimate is very noisy; their ratio is more so. As in AdaptDL's gradient_noise_scale.py the two are smoothed
-separately with bias-corrected moving averages, and B_noise = tr(Sigma) / |G|^2 is their ratio: the batch size
+separately with bias-corrected moving averages (each round's two divided by its |g|^2 first, so that a round
+counts on its own scale as the gradients shrink), and B_noise = tr(Sigma) / |G|^2 is their ratio: the batch size
 at which the gradient's noise and its signal are equal. Training at targets well below B_noise wastes steps, well
 above it wastes samples.
 
@@ -28,6 +29,7 @@ from typing import Optional
 SMOOTHING = 0.98  # each round's estimate moves the averages by 2%: a window of ~50 rounds (at 0.9, 3 peers' estimates of a
 # known B_noise of 41 ranged 19-92; at 0.98, 32-66, and their pooled one 39-45)
 WINDOW = round(1 / (1 - SMOOTHING))  # rounds the smoothed estimates mostly stand for
+NOISE_INPUTS_KEPT = 400  # rounds whose raw inputs a peer's summary keeps
 
 
 def two_batch_estimate(small_sq: float, small_batch: float, big_sq: float, big_batch: float
@@ -46,7 +48,7 @@ def two_batch_estimate(small_sq: float, small_batch: float, big_sq: float, big_b
 
 @dataclass
 class NoiseScale:
-    """Bias-corrected moving averages of |G|^2 and tr(Sigma), and their ratio."""
+    """Bias-corrected moving averages of |G|^2 and tr(Sigma), per unit of each round's |g|^2, and their ratio."""
 
     smoothing: float = SMOOTHING
     signal_avg: float = 0.0
@@ -61,6 +63,15 @@ class NoiseScale:
         if estimate is None:
             return False
         signal, noise = estimate
+        # Each round counts on its own scale: both estimates divided by its |g|^2 (the averaged gradient's squared
+        # norm, the most precise number a round has; E|g|^2 = |G|^2 (1 + B_noise / B)). A run's gradients shrink as
+        # it trains, and raw, the smoothed averages were its early rounds' larger numbers for many windows after:
+        # on linreg a 4x-target row's loss fell 10x, its first rounds (replicas not yet in sync) were off, and its
+        # pooled B_noise read 1500-5000 to the end against a truth of 20001; replayed from the same recorded
+        # rounds with the division, 17000-19000. signal_avg and noise_avg are therefore per unit of |g|^2.
+        if not average_sq > 0:
+            return False
+        signal, noise = signal / average_sq, noise / average_sq
         # Rounds count by the inverse of their estimates' variance, which both ends of B_i/B blow up:
         # - both estimators divide by 1 - B_i/B: a peer that brought most of the group's samples measures little
         #   (its gradient nearly is the average) and its noise is amplified (a real run's peers brought 25-100%
@@ -87,12 +98,12 @@ class NoiseScale:
 
     @property
     def signal(self) -> Optional[float]:
-        """|G|^2, smoothed (None before the first round that measured it)."""
+        """|G|^2 per unit of the rounds' |g|^2, smoothed (None before the first round that measured it)."""
         return self._corrected(self.signal_avg) if self.updates else None
 
     @property
     def noise(self) -> Optional[float]:
-        """tr(Sigma), smoothed."""
+        """tr(Sigma) per unit of the rounds' |g|^2, smoothed: over `signal`, B_noise."""
         return self._corrected(self.noise_avg) if self.updates else None
 
     @property

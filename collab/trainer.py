@@ -85,6 +85,9 @@ class Summary:
     gossip: dict = field(default_factory=dict)
     # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds (collab.noise_scale)
     noise_scale: dict = field(default_factory=dict)
+    # and each round's inputs to it, the last NOISE_INPUTS_KEPT: [epoch, |g_i|^2, B_i, |g|^2, B] (what to check an
+    # estimate against, round by round, on a task whose B_noise is known)
+    noise_inputs: list = field(default_factory=list)
     device: str = ""  # where and in what precision this peer computed (collab.precision)
     fp16_overflows: int = 0  # micro-batches skipped by fp16 loss scaling (not dropped: collab.guard never saw them)
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
@@ -264,6 +267,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
                     summary.outer_steps = dict(getattr(opt, "outer_steps", {}))
                     summary.gossip = getattr(opt, "report", dict)()
                     summary.noise_scale = _noise_fields(opt)
+                    summary.noise_inputs = list(getattr(opt, "noise_inputs", ()))
                     write_summary(summary, options.summary_path)
                 if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
                     summary.peers_found_back = swarm.rejoin()

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 import torch
@@ -23,7 +24,7 @@ from hivemind.utils.mpfuture import MPFuture
 from collab.metrics import AveragingLog
 from collab.modes import ModeContext
 from collab.aggregation import Aggregation
-from collab.noise_scale import NoiseScale
+from collab.noise_scale import NOISE_INPUTS_KEPT, NoiseScale
 from collab.rejections import RejectionLog
 from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
@@ -92,6 +93,7 @@ class CollabOptimizer(Optimizer):
         # the others had left, and waited 90 s for a group and a donor that never came
         self.leave_at_epoch: Optional[int] = None
         self.noise_scale = NoiseScale()  # the gradient noise scale, from this peer's rounds (collab.noise_scale)
+        self.noise_inputs: deque = deque(maxlen=NOISE_INPUTS_KEPT)  # each measured round's inputs to it
         self.plan_keeper = plan_keeper  # the run's target and lr gain per epoch (collab.plan_keeper), or None
         self._plan_followed = None
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
@@ -352,8 +354,8 @@ class CollabOptimizer(Optimizer):
             own_sq, own_samples, average_sq, group_samples = round_traffic.norms
             # the group's samples are known exactly to a peer that reduced a part (the weights it combined): one
             # that reduced none (a client; or a small model, whose one part another peer reduced) does not guess
-            if group_samples:
-                self.noise_scale.update(own_sq, own_samples, average_sq, group_samples)
+            if group_samples and self.noise_scale.update(own_sq, own_samples, average_sq, group_samples):
+                self.noise_inputs.append((self.local_epoch, own_sq, own_samples, average_sq, group_samples))
         if not averaged:
             if self.stop.is_set():
                 # leaving: no step at all rather than one on local gradients. Loading them would also wait
