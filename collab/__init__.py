@@ -4,4 +4,4 @@ Nothing is started at import time: the DHT, averagers and p2pd only start inside
 `collab join` (collab.trainer.run) or when a caller asks for them explicitly.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
