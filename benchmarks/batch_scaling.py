@@ -57,7 +57,8 @@ LINREG = {"name": "linreg", "dim": 20000, "noise_sd": 0.0, "distance": 1.0}
 
 def linreg_lr(args) -> float:
     """Half of SGD's fastest per-step rate on noiseless linreg at the base batch, 1 / (1 + B_noise / base): a rate
-    tuned at the base batch, with a margin (the loss's expected factor per step is 1 - 2 lr + lr^2 (1 + B_noise / B))."""
+    tuned at the base batch, with a margin (the loss's expected factor per step is
+    1 - 2 lr + lr^2 (1 + B_noise / B))."""
     return 0.5 / (1 + (args.dim + 1) / args.base)
 
 
@@ -182,7 +183,8 @@ def main() -> int:
                       f"{wall / ref_wall:.2f}x" if wall is not None else "-",
                       str(last_plan[0]) if last_plan else str(row_config(args, row)[0]["training"]["target_batch_size"]),
                       f"{last_plan[1]:.2f}" if last_plan else "1", str(len(points))))
-    what = f"ALBERT-tiny seq {args.seq_length}" if args.task == "albert" else f"linreg dim {args.dim} (B_noise {args.dim + 1}), lr {args.lr or linreg_lr(args):.3g}"
+    what = (f"ALBERT-tiny seq {args.seq_length}" if args.task == "albert" else
+            f"linreg dim {args.dim} (B_noise {args.dim + 1}), lr {args.lr or linreg_lr(args):.3g}")
     print(f"\n3 peers, {what}, seed {args.seed}; reference fixed-{args.base}: loss "
           f"{level:.3f} after {ref_samples} samples ({ref_steps} epochs)")
     print("\n".join(aligned(table)))

@@ -104,7 +104,8 @@ def main() -> None:
     collab_sps = collab_alone(args, env)
     plain_sps = plain_loop(args, config, args.epochs * config.training.target_batch_size)
     rows = [("plain PyTorch loop (grad accumulation + LAMB)", f"{plain_sps:.2f}", "1.00"),
-            ("collab join, alone (hivemind.Optimizer, DHT, p2pd)", f"{collab_sps:.2f}", f"{collab_sps / plain_sps:.2f}")]
+            ("collab join, alone (hivemind.Optimizer, DHT, p2pd)", f"{collab_sps:.2f}",
+             f"{collab_sps / plain_sps:.2f}")]
     print(f"config {args.config}: micro-batch {args.micro_batch_size}, target {config.training.target_batch_size}, "
           f"{args.epochs} steps, {args.precision} on {args.device}, {args.threads} threads")
     print(f"{'':52} {'samples/s':>10} {'ratio':>6}")

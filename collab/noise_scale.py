@@ -68,7 +68,7 @@ class NoiseScale:
         # it trains, and raw, the smoothed averages were its early rounds' larger numbers for many windows after:
         # on linreg a 4x-target row's loss fell 10x, its first rounds (replicas not yet in sync) were off, and its
         # pooled B_noise read 1500-5000 to the end against a truth of 20001; replayed from the same recorded
-        # rounds with the division, 17000-19000. signal_avg and noise_avg are therefore per unit of |g|^2.
+        # rounds with the division, 16900-19400. signal_avg and noise_avg are therefore per unit of |g|^2.
         if not average_sq > 0:
             return False
         signal, noise = signal / average_sq, noise / average_sq
