@@ -17,8 +17,8 @@ from typing import Callable, Optional
 from collab.batch_plan import MIN_NOISE_ROUNDS, PLAN_SUFFIX, BatchPlan, first_plan, newest_plan, next_plan
 from collab.records import Rejections, signed_values
 
-READ_SECONDS = 2.0
-PLAN_SECONDS = 5.0
+READ_SECONDS = 1.0  # one small DHT get a second, as hivemind's progress tracker does at its fastest
+PLAN_SECONDS = 2.0
 REPUBLISH_SECONDS = 30.0
 PACE_WINDOW = 60.0  # the run's pace (seconds per epoch) is measured over the last minute
 RECORD_EXPIRATION = 600.0
@@ -34,6 +34,7 @@ class PlanKeeper:
         self.organizer_public_key, self.organizer_key, self.epoch = organizer_public_key, organizer_key, epoch
         self.plan: BatchPlan = first_plan(run_id, training)
         self.issued = 0  # plans this peer issued (the organizer's)
+        self.late = 0  # plans this peer read after their first epoch had begun here: its lr differed for a while
         self.rejected = Rejections()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="plan-keeper", daemon=True)
@@ -43,7 +44,7 @@ class PlanKeeper:
     def start(self) -> "PlanKeeper":
         try:  # a peer joining a run that already moved starts on the run's plan, not on the config's
             self._read()
-        except Exception as e:  # the thread reads again in 2 s
+        except Exception as e:  # the thread reads again in a second
             logger.warning(f"Batch plan: could not read the run's plan yet ({type(e).__name__}: {e})")
         self._thread.start()
         return self
@@ -94,6 +95,10 @@ class PlanKeeper:
     def _adopt(self, plan: BatchPlan) -> None:
         before = self.plan
         self.plan = plan
+        if self.organizer_key is None and self.epoch() >= plan.from_epoch > before.from_epoch:
+            self.late += 1
+            logger.warning(f"Batch plan for epoch {plan.from_epoch} read late, at epoch {self.epoch()}: this peer's "
+                           "learning rate differed from the others' until now (a slow DHT; it is counted)")
         logger.warning(f"Batch plan from epoch {plan.from_epoch}: target {before.target_at(plan.from_epoch)} -> "
                        f"{plan.target}, learning-rate gain {plan.gain:.3g} (B_noise {plan.b_noise or 0:.0f})")
 

@@ -60,6 +60,7 @@ class Summary:
     # scale-invariant progress, learning rate] as this peer used them, and the plans it issued (the organizer)
     plan_by_epoch: dict[int, list] = field(default_factory=dict)
     plans_issued: int = 0
+    plans_read_late: int = 0  # plans read after their first epoch began here (collab.plan_keeper)
     loaded_state_from_peers: bool = False
     swarm_epoch_at_join: int = 0  # the swarm's epoch when this peer came in (0: nothing to catch up on yet)
     checkpoint: Optional[str] = None
@@ -302,7 +303,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             dashboard.stop()
         if keeper is not None:
             keeper.stop()
-            summary.plans_issued = keeper.issued
+            summary.plans_issued, summary.plans_read_late = keeper.issued, keeper.late
         if sharer is not None:
             sharer.stop()
         swarm.shutdown()
