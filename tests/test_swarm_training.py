@@ -40,7 +40,8 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     faulty = [sys.executable, str(Path(__file__).with_name("faulty_peer.py"))]
     programs = {1: [*faulty, "--late-round-at-epoch", "1", "--stall", "30"],
                 2: [*faulty, "--starve-at-epoch", str(max_epochs - 1), "--stall", "15"]}
-    config = swarm_config(tmp_path, 3)
+    # (peer 1's 30-s stall must not outlast its round: averaging_timeout 60)
+    config = swarm_config(tmp_path, 3, {"averaging.averaging_timeout": 60.0})
     summaries = train_swarm_to_epoch(3, run_id, tmp_path, ["--config", str(config)], max_epochs, per_peer,
                                      per_peer_program=programs)
 
