@@ -32,13 +32,13 @@ def test_auto_moves_the_target_toward_b_noise_by_at_most_2x_per_n_epochs_within_
     assert next_plan(plan, 1, None, config, 1.0) is None  # nothing measured: nothing changes
     assert next_plan(plan, 1, 20000.0, config, 1.0) is None  # fewer than every_epochs since the last change
     step = next_plan(plan, 3, 20000.0, config, seconds_per_epoch=1.0)
-    # 2x at most, starting far enough ahead for every peer to read it (10 s at 1 s per epoch)
-    assert (step.target, step.from_epoch, step.before_target) == (512, 13, 256)
-    assert step.target_at(12) == 256 and step.target_at(13) == 512
-    assert next_plan(step, 10, 20000.0, config, 1.0) is None  # one pending plan at a time
-    assert next_plan(step, 15, 20000.0, config, 1.0) is None  # the last change was at 13: not before 16
-    later = next_plan(step, 16, 20000.0, config, 1.0)
-    assert later.target == 1024 and later.from_epoch == 26
+    # 2x at most, starting far enough ahead for every peer to read it (4 s at 1 s per epoch)
+    assert (step.target, step.from_epoch, step.before_target) == (512, 7, 256)
+    assert step.target_at(6) == 256 and step.target_at(7) == 512
+    assert next_plan(step, 5, 20000.0, config, 1.0) is None  # one pending plan at a time
+    assert next_plan(step, 9, 20000.0, config, 1.0) is None  # the last change was at 7: not before 10
+    later = next_plan(step, 10, 20000.0, config, 1.0)
+    assert later.target == 1024 and later.from_epoch == 14
     assert next_plan(later, 30, 1100.0, config, 1.0) is None  # within 25% of B_noise: it stays
     top = later
     for epoch in (30, 45, 60):  # bounded above by auto_target.max
@@ -53,7 +53,7 @@ def test_adascale_gain_is_the_formula_one_at_the_base_batch_and_advances_the_sch
     config = training(target_batch_size=1024, base_batch_size=256, lr_scaling="adascale")
     plan = first_plan("run", config)
     b_noise = 3000.0
-    step = next_plan(plan, 4, b_noise, config, seconds_per_epoch=100.0)  # 10 s is under 2 epochs: 2 ahead
+    step = next_plan(plan, 4, b_noise, config, seconds_per_epoch=100.0)  # 4 s is under 2 epochs: 2 ahead
     var, sqr, scale = b_noise / 256, 1.0, 1024 / 256  # per-base-batch variance over |G|^2 = 1
     assert step.gain == pytest.approx((var + sqr) / (var / scale + sqr)) and step.from_epoch == 6
     assert adascale_gain_for(b_noise, 256, 256) == 1.0
