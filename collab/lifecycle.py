@@ -114,8 +114,14 @@ class StopOnSignal:
             self._watchdog = threading.Timer(self.grace, self._force_exit, args=("graceful shutdown overran",))
             self._watchdog.daemon = True
             self._watchdog.start()
-            for callback in self._on_stop:
-                _quietly(callback)
+            # not here: a handler runs on the main thread between two of its bytecodes, maybe inside a lock a
+            # callback needs (a CI run deadlocked: SIGTERM came while the main thread held hivemind's MPFuture
+            # update lock, and abort_rounds' cancel waited for it inside the handler until the watchdog fired)
+            threading.Thread(target=self._run_on_stop, name="collab-on-stop", daemon=True).start()
+
+    def _run_on_stop(self) -> None:
+        for callback in self._on_stop:
+            _quietly(callback)
 
     def cancel(self) -> None:
         if self._watchdog is not None:
