@@ -159,6 +159,11 @@ class GossipConfig(Section):
                                 "this replica's norm) are refused: a sign flip is 2, a replica 10x scaled 9")
     exchange_timeout: float = Field(30.0, gt=0, le=3600, description="seconds for one exchange of parameters; a "
                                     "peer that times out is picked less often")
+    settle_seconds: float = Field(20.0, ge=0, le=3600, description="at --max-epochs, a peer stops training and keeps "
+                                  "merging with the peers still there for up to this long before it saves and "
+                                  "leaves, so that the replicas end close (0: leave at once)")
+    settle_distance: float = Field(0.002, gt=0, le=1, description="settling ends early after two merges in a row "
+                                   "that found the other replica this close (relative to this one's norm)")
 
 
 class AveragingConfig(Section):

@@ -124,6 +124,12 @@ def test_three_gossip_peers_merge_pairwise_stay_together_and_survive_a_kill(tmp_
     travelled = min(_relative_distance({k: start[k] for k in final}, final) for final in (first, second))
     print(f"replicas {apart:.4f} apart, each travelled at least {travelled:.4f} (relative to the norm)")
     assert apart < 0.4 * travelled, (apart, travelled)
+    # and at --max-epochs each survivor stopped training and merged until the replicas were close (the issue's
+    # goal: within 1% of the norm at the end; before settling, such runs ended 0.3-2% apart)
+    settled = [gossip[i]["settled"] for i in finishing]
+    print("settling:", settled)
+    assert all(s is not None and s["merges"] >= 1 for s in settled), settled
+    assert apart < 0.01, (apart, settled)
     for i in finishing:
         losses = [v for _, v in sorted((int(k), v) for k, v in summaries[i]["loss_by_epoch"].items())]
         assert losses[-1] < losses[0], (i, losses)

@@ -123,3 +123,33 @@ def _running(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+SIGNAL_WHILE_LOCKED = """
+import os, signal, sys, threading
+from collab.lifecycle import StopOnSignal
+
+lock, done, stop = threading.Lock(), threading.Event(), threading.Event()
+def abort_rounds():  # as hivemind's cancel: it needs a lock the interrupted main thread may hold
+    with lock:
+        done.set()
+StopOnSignal(stop, grace=3.0).install()
+StopOnSignal.on_stop(abort_rounds)
+with lock:
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, on this thread, with the lock held
+    for _ in range(1000):
+        pass
+print("stop set" if stop.is_set() else "no stop", "callback ran" if done.wait(2.0) else "callback stuck", flush=True)
+"""
+
+
+def test_a_signal_that_comes_while_the_main_thread_holds_a_lock_does_not_deadlock_the_leave(tmp_path):
+    """A CI run's peer got SIGTERM while its main thread held hivemind's MPFuture lock; the handler itself called
+    abort_rounds, whose cancel waited for that lock: the leave hung until the watchdog forced the exit."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_LOCKED], capture_output=True, text=True, timeout=30,
+                            env=peer_env())
+    assert result.returncode == 0 and result.stdout.strip() == "stop set callback ran", (result.returncode,
+                                                                                         result.stdout, result.stderr)

@@ -48,6 +48,7 @@ MAX_WAITING = 4  # received parameters not yet merged: a peer asked by everyone 
 SNAPSHOT_EVERY = 1.0  # seconds: how stale the parameters this peer serves may get
 PARTNERS_EVERY = 10.0  # seconds between re-reads of who is online
 RECENT = 64  # merges kept in the summary
+SETTLE_QUIET = 5.0  # seconds without a merge that end a leaving peer's settling
 BUSY, REFUSED = b"busy", b"refused"  # an answer's first message instead of a Hello
 
 
@@ -60,6 +61,7 @@ class Hello(BaseModel):
     loss: Optional[float] = Field(None, ge=0, le=1e6)
     u: float = Field(ge=0, le=1)
     tensors: int = Field(ge=0, le=100_000)
+    settling: bool = False  # it has stopped training (collab.modes.gossip's settle_before_leaving)
 
 
 class Incomplete(Exception):
@@ -81,13 +83,14 @@ class GossipAverager(MembersOnly, DecentralizedAverager):
         self.max_bytes = 8 * sum(t.numel() for t in snapshot) + 2**20  # fp32 plus framing, with room
         self.clock, self.loss = mp.Value(ctypes.c_longlong, 0), mp.Value(ctypes.c_double, math.nan)
         self.waiting = mp.Value(ctypes.c_int, 0)
+        self.settling = mp.Value(ctypes.c_bool, False)
         self.bytes_sent, self.bytes_received = mp.Value(ctypes.c_double, 0.0), mp.Value(ctypes.c_double, 0.0)
         super().__init__(snapshot, allow_state_sharing=False, **kwargs)
 
     def _hello(self, exchange: str, u: float) -> Hello:
         loss = self.loss.value
         return Hello(exchange=exchange, clock=self.clock.value, loss=None if math.isnan(loss) else loss, u=u,
-                     tensors=len(self.expected))
+                     tensors=len(self.expected), settling=self.settling.value)
 
     def _messages(self, hello: Hello) -> list[averaging_pb2.DownloadData]:
         with self.get_tensors() as tensors:  # the trainer refreshes it under the same lock
@@ -200,6 +203,7 @@ class GossipOptimizer(CollabOptimizer):
         self._snapshot_at = self._partners_at = float("-inf")
         self._partners: list[str] = []
         self.last_update_norm: Optional[float] = None
+        self.settled: Optional[dict] = None  # at --max-epochs: how long it merged without training, and why it ended
 
     # -- the trainer's interface
     def step(self, *args, **kwargs):
@@ -235,6 +239,39 @@ class GossipOptimizer(CollabOptimizer):
 
     def _serve_peers_behind(self) -> None:
         return  # nobody downloads a state to catch up with: a replica behind merges its way back
+
+    def settle_before_leaving(self, timeout: float) -> str:
+        """At --max-epochs: no more training, but merges with the peers still here for up to
+        averaging.gossip.settle_seconds, so that the replicas saved at the end are close. (Without it the peers
+        that stopped first left the last ones nobody to merge with, and those trained on apart from them: a
+        benchmark ended 1.4-1.9% apart.) Both sides of an exchange land on the same point under every rule but
+        constant != 0.5, so a few exchanges of idle replicas bring them together; it ends after two merges in a
+        row found the other replica, settling too, within settle_distance, or after SETTLE_QUIET s without a
+        merge."""
+        started = time.monotonic()
+        deadline = started + self.settings.settle_seconds
+        first = merges = self.counts["merges"]
+        close, last_merge = 0, started
+        self.gossip.settling.value = True
+        self._refresh_snapshot()
+        while time.monotonic() < deadline and not self.stop.is_set() and close < 2:
+            self._merge_arrivals()
+            self._finish_asking()
+            if self.asking is None:
+                self._start_asking()  # at once: no local steps in between
+            if self.counts["merges"] != merges:
+                for merge in list(self.merges)[-(self.counts["merges"] - merges):]:
+                    # close to a replica that still trains is no end: it moves on (a test ended 0.67% apart)
+                    near = merge["distance"] < self.settings.settle_distance and merge["settling"]
+                    close = close + 1 if near else 0
+                merges, last_merge = self.counts["merges"], time.monotonic()
+                self._refresh_snapshot()  # what this peer answers with: the merged replica
+            if time.monotonic() - last_merge > SETTLE_QUIET:
+                break  # nobody merged with us for a while: the others left (their records outlive them)
+            self.stop.wait(0.02)
+        self.settled = dict(seconds=round(time.monotonic() - started, 2), merges=self.counts["merges"] - first,
+                            ended="close" if close >= 2 else "quiet" if time.monotonic() < deadline else "time")
+        return "swarm"
 
     def apply_revocations(self, revocations) -> None:
         super().apply_revocations(revocations)
@@ -333,6 +370,7 @@ class GossipOptimizer(CollabOptimizer):
         self._merge_times.append(time.monotonic())
         self.counts["merges"] += 1
         self.merges.append(dict(exchange=hello["exchange"], peer=peer, asked=asked, a=a, u=u, distance=distance,
+                                settling=bool(hello.get("settling")),
                                 update_norm=self.last_update_norm, epoch=self.local_epoch))
         return True
 
@@ -357,7 +395,7 @@ class GossipOptimizer(CollabOptimizer):
                     last_update_norm=self.last_update_norm, clock=self.clock,
                     bytes_sent=self.gossip.bytes_sent.value, bytes_received=self.gossip.bytes_received.value,
                     param_norm=math.sqrt(sum(float(p.double().pow(2).sum()) for p in params)),
-                    sketch=sketch(params, self.seed), recent=list(self.merges))
+                    sketch=sketch(params, self.seed), recent=list(self.merges), settled=self.settled)
 
 
 def optimizer_options(context: ModeContext) -> dict:
