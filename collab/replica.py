@@ -15,6 +15,7 @@ state-averaging round and download, and a peer leaving or checkpointing asks `Ow
 from __future__ import annotations
 
 import time
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from typing import Optional
 
@@ -123,7 +124,7 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, Train
                 break
             for control in matching:
                 if get_dht_time() > control.scheduled_time + patience:
-                    control.cancel()
+                    cancel_round(control)
                     cancelled += 1
             stop.wait(0.1)
         return cancelled
@@ -152,3 +153,18 @@ def peers_behind(dht, run_id: str, epoch: int, fresh_seconds: float = 75.0, igno
     now = time.time()
     return sum(1 for peer, p in progress_records(dht, run_id).items()
                if p.epoch == epoch - 1 and now - p.time < fresh_seconds and peer not in ignore)
+
+
+def cancel_round(control) -> None:
+    """Cancel an averaging round's control unless it is over. Two threads may race to it (on a signal, the
+    on-stop thread's abort_rounds and the main thread's shutdown): hivemind's cancel then raises for the second
+    (a CI run's peer crashed leaving: "Can't set_result to a future that is FINISHED")."""
+    if control is None or control.done():
+        return
+    try:
+        control.cancel()
+    except InvalidStateError:  # the other thread set the round's cancel signal first: cancel the control itself
+        from hivemind.utils.mpfuture import MPFuture
+
+        if not control.done():
+            MPFuture.cancel(control)

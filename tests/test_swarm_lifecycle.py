@@ -153,3 +153,21 @@ def test_a_signal_that_comes_while_the_main_thread_holds_a_lock_does_not_deadloc
                             env=peer_env())
     assert result.returncode == 0 and result.stdout.strip() == "stop set callback ran", (result.returncode,
                                                                                          result.stdout, result.stderr)
+
+
+def test_a_round_cancelled_by_two_threads_at_once_is_cancelled_once_without_an_error():
+    """On a signal the on-stop thread's abort_rounds and the main thread's shutdown may cancel the same round
+    together; hivemind's cancel raises for the one that comes second (a CI run's peer crashed on Ctrl-C)."""
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils.mpfuture import MPFuture
+
+    from collab.replica import cancel_round
+
+    trigger, cancel = MPFuture(), MPFuture()  # first: hivemind sets up a process's MPFuture backend on MPFuture
+    control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=False, weight=1.0,
+                          data_for_gather=b"")
+    control.attach(trigger, cancel)
+    control._cancel.set_result(None)  # the other thread is inside control.cancel(): its first half is done
+    cancel_round(control)  # hivemind's own control.cancel() raises InvalidStateError here
+    assert control.cancelled()
+    cancel_round(control)  # and again, once it is over: nothing

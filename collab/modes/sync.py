@@ -28,7 +28,7 @@ from collab.noise_scale import NOISE_INPUTS_KEPT, NoiseScale
 from collab.rejections import RejectionLog
 from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
-from collab.replica import OwnStep, RecordingStateAverager, peers_behind, repaired
+from collab.replica import OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired
 from collab.tracker import HonestProgressTracker
 
 LEAVE_LINGER_SECONDS = 3.0
@@ -249,15 +249,14 @@ class CollabOptimizer(Optimizer):
         """On a signal: cancel averaging rounds in flight, so the training thread is not held inside
         opt.step() for up to averaging_timeout by a round that the peers who stay will finish anyway."""
         for control in (self.scheduled_grads, self.scheduled_state, *self.state_averager.round_controls()):
-            if control is not None and not control.done():
-                control.cancel()
+            cancel_round(control)
         # hivemind's background optimizer step also makes rounds of its own (when none was pre-scheduled)
         # and keeps them nowhere we can reach; the main thread then waits on that step. Every round is a
         # StepControl future registered by the process that made it, so cancel those too.
         for future_ref in list((MPFuture._active_futures or {}).values()):
             control = future_ref()
-            if isinstance(control, StepControl) and not control.done():
-                control.cancel()
+            if isinstance(control, StepControl):
+                cancel_round(control)
 
     def _should_load_state_from_peers(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
@@ -394,8 +393,7 @@ class CollabOptimizer(Optimizer):
         # on the way out, hivemind would sit through a running round (up to averaging_timeout) with zero
         # weight; a leaving peer cancels instead, and the group finishes without it
         if self.stop.is_set():
-            if not control.done():
-                control.cancel()
+            cancel_round(control)
             return
         super()._tag_along_with_zero_weight(control)
 
@@ -416,8 +414,7 @@ class CollabOptimizer(Optimizer):
         # background state-averaging round (the peers that stay finish it without us)
         self.tracker.shutdown(self.shutdown_timeout)
         for control in (self.scheduled_grads, self.scheduled_state):
-            if control is not None and not control.done():
-                control.cancel()
+            cancel_round(control)
         self.state_averager.shutdown()
         if self.use_gradient_averaging:
             self.grad_averager.shutdown()
