@@ -143,16 +143,31 @@ def repaired(own: OwnStep, averager: RecordingStateAverager) -> bool:
     return averager.gathered_since(own.epoch) >= own.peers
 
 
-def peers_behind(dht, run_id: str, epoch: int, fresh_seconds: float = 75.0, ignore: frozenset = frozenset()) -> int:
+FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see peers_behind)
+
+
+def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:
+    from collab.state import progress_records
+
+    now = time.time()
+    return [p.epoch for peer, p in progress_records(dht, run_id).items()
+            if now - p.time < FRESH_SECONDS and peer not in ignore]
+
+
+def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) -> int:
     """Peers whose signed progress (hivemind's tracker) says they are exactly one epoch behind `epoch`: after an
     own step a peer reports the epoch before it, and needs a state donor at `epoch` to leave in sync. A peer
     waiting inside a gradient round reports nothing new (hivemind re-stores the same record every 30 s), so a
     record is fresh for a whole averaging round: in CI, donors left 30 s into such a wait."""
-    from collab.state import progress_records
+    return sum(1 for other in _fresh_epochs(dht, run_id, ignore) if other == epoch - 1)
 
-    now = time.time()
-    return sum(1 for peer, p in progress_records(dht, run_id).items()
-               if p.epoch == epoch - 1 and now - p.time < fresh_seconds and peer not in ignore)
+
+def swarm_finished_without(dht, run_id: str, epoch: int, me: str) -> Optional[int]:
+    """The swarm's epoch when every other peer has already made `epoch`'s step (each reports a later epoch), so a
+    round for `epoch` has nobody left to find; None when some peer is still at `epoch` or behind it (it may yet
+    join), or when this peer is alone."""
+    others = _fresh_epochs(dht, run_id, frozenset({me}))
+    return max(others) if others and min(others) > epoch else None
 
 
 def cancel_round(control) -> None:

@@ -79,6 +79,40 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
 
 
+def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_path, run_id,
+                                                                               no_leftover_processes):
+    """Peer 2 starts its last gradient round only after the others have made that epoch's step (it was slow):
+    nobody will ever join it. It used to look for a group for the whole averaging_timeout (60 s here) while the
+    others lingered as its state donors - the slow end of many CI tests. Now it sees that every other peer has
+    finished the epoch, gives the round up within seconds, and downloads their state before it leaves."""
+    max_epochs, timeout = 3, 60.0
+    faulty = [sys.executable, str(Path(__file__).with_name("faulty_peer.py"))]
+    config = swarm_config(tmp_path, 3, {"averaging.averaging_timeout": timeout})
+    per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}-checkpoints")] for i in range(3)}
+    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(max_epochs)],
+                    per_peer_args=per_peer, env=peer_env(),
+                    per_peer_program={2: [*faulty, "--late-round-at-epoch", str(max_epochs - 1),
+                                          "--stall", "120"]}) as swarm:
+        swarm.start()
+        late = swarm.peers[2]
+        assert late.wait(timeout=240) == 0, late.log_text()[-3000:]
+        log = late.log_text()
+        # the others wait (as donors) for the late peer only: they leave soon after it
+        assert swarm.wait(timeout=30), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
+        summaries = [read_summary(p) for p in swarm.peers]
+    assert "the others to leave it" in log, log[-3000:]  # the fault fired
+    # the round ended by this check (before it, after averaging_timeout: a TimeoutError)
+    after = log[log.index("the others to leave it"):]
+    assert "NobodyLeftToJoin" in after and "TimeoutError" not in after, after[-3000:]
+    assert summaries[2]["final_replica"] == "downloaded" and summaries[2]["rounds_failed"] == 1, summaries[2]
+    assert [s["final_epoch"] for s in summaries] == [max_epochs] * 3, summaries
+    models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}-checkpoints")[-1])
+              for i in (0, 2)]
+    reference = dict(models[0].named_parameters())
+    worst = max((reference[n] - p).abs().max().item() for n, p in models[1].named_parameters())
+    assert worst < PARAM_TOLERANCE, f"the late peer left with a replica {worst:.2e} away from the swarm's"
+
+
 # x fewer bytes than fp32 on the micro model, measured (each peer, 4 rounds; 3 now): fp16 1.989, powersgd 6.53 (its factors in
 # fp32; the micro model's matrices are small), dgc 54.5 (0.1% of each matrix; its vectors, in fp16, dominate; 31.9
 # when they went in fp32)

@@ -28,16 +28,22 @@ from collab.noise_scale import NOISE_INPUTS_KEPT, NoiseScale
 from collab.rejections import RejectionLog
 from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
-from collab.replica import OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired
+from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
+                            swarm_finished_without)
 from collab.tracker import HonestProgressTracker
 
 LEAVE_LINGER_SECONDS = 3.0
 DONOR_LINGER_SECONDS = 60.0  # the least a leaving peer waits for a peer one epoch behind to download its state
+NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 logger = get_logger(__name__)
 
 
 class LeavingMidStep(Exception):
     """Raised inside opt.step() when the peer was asked to leave while its epoch's round ran."""
+
+
+class NobodyLeftToJoin(Exception):
+    """A peer's last gradient round, ended because every other peer had finished that epoch without it."""
 
 
 class _QuietLeave(logging.Filter):
@@ -319,14 +325,39 @@ class CollabOptimizer(Optimizer):
 
     def _wait_for_round(self, control):
         """The round's result, waiting in short slices: a peer asked to leave must not sit out a whole
-        averaging_timeout (up to minutes) inside an all-reduce before it can say goodbye."""
-        deadline = time.monotonic() + self.averaging_timeout
+        averaging_timeout (up to minutes) inside an all-reduce before it can say goodbye; nor a peer whose last
+        round has nobody left to find (_nobody_left_to_join)."""
+        started = time.monotonic()
+        deadline, next_check = started + self.averaging_timeout, started + self.matchmaking_time + NOBODY_LEFT_CHECK
         while True:
             try:
                 return control.result(timeout=0.25)
             except FutureTimeout:
                 if self.stop.is_set() or time.monotonic() > deadline:
                     raise
+                if time.monotonic() > next_check:
+                    next_check = time.monotonic() + NOBODY_LEFT_CHECK
+                    self._nobody_left_to_join(control)
+
+    def _nobody_left_to_join(self, control) -> None:
+        """Ends this peer's last round (before --max-epochs) when it is still looking for a group and every other
+        peer has made that epoch's step and left it: they are done, and would never join. It failed at once, so
+        the peer downloads their state before it leaves (settle_before_leaving), rather than wait out
+        averaging_timeout alone first while they linger as its donors (CI: 30-60 s at the end of many tests)."""
+        from hivemind.averaging.control import AveragingStage
+
+        epoch = self.local_epoch - (1 if self.delay_grad_averaging else 0)  # overlap=full: the epoch moved on
+        if (self.leave_at_epoch is None or epoch + 1 < self.leave_at_epoch
+                or control.stage != AveragingStage.LOOKING_FOR_GROUP):
+            return  # mid-run a peer ahead may still join this round (a lineage split, healed by state rounds)
+        try:
+            swarm = swarm_finished_without(self.dht, self.run_id, epoch, self.dht.peer_id.to_base58())
+        except Exception:  # a DHT that does not answer: wait on, as without this check
+            return
+        if swarm is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+            cancel_round(control)
+            raise NobodyLeftToJoin(f"every other peer made epoch {epoch}'s step without this one (the swarm is at "
+                                   f"epoch {swarm}); nobody is left to average with")
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         averaged = False
@@ -422,8 +453,8 @@ class CollabOptimizer(Optimizer):
     def _serve_peers_behind(self) -> None:
         """A peer one epoch behind ours (it missed the last step, or has not noticed it yet) will want our state
         to leave in sync with the swarm: stay its donor for a while rather than leave it with nobody to ask."""
-        # a peer behind may first sit out a gradient round that finds nobody (up to averaging_timeout), then give
-        # up its state round: only then does it ask for our state
+        # a peer behind first gives up its last gradient round (at once when it sees that everyone else finished
+        # that epoch: _nobody_left_to_join; else up to averaging_timeout) and its state round: then it asks us
         deadline = time.monotonic() + max(DONOR_LINGER_SECONDS, self.averaging_timeout + 3 * self.matchmaking_time)
         # not for a peer caught sending or returning bad parts (hard evidence): in CI the honest peers stayed on
         # a whole minute as donors for a NaN sender one epoch behind them
