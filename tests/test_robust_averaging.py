@@ -67,8 +67,12 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
     # caught up at the end by downloading their state (1 round joined). Everything else is strict; this outcome
     # is an expected failure until the cause is found, not a pass
     if not last < first - 0.05:
-        pytest.xfail(f"known defect (issue 11): the honest peers did not learn: {first:.3f} -> {last:.3f}; rounds "
-                     f"joined {[s['rounds_joined'] for s in summaries]}")
+        # what the next occurrence needs to be understood: each honest peer's losses, groups and refusals
+        evidence = [{k: s.get(k) for k in ("loss_by_epoch", "group_sizes", "rounds_joined", "rounds_failed",
+                                           "rejected", "final_replica")} for s in summaries]
+        # (pytest shows no output of an expected failure: this goes past its capture, into the run's own log)
+        print(f"\n[issue 11 evidence] {first:.3f} -> {last:.3f}: {evidence}\n{logs}", file=sys.__stderr__, flush=True)
+        pytest.xfail(f"known defect (issue 11): the honest peers did not learn: {first:.3f} -> {last:.3f}")
     for s in summaries:
         assert s["rounds_joined"] >= 2, s
     # a round may fail: hivemind can match an honest peer with the sign-flipper alone, and of two parts no rule
