@@ -103,7 +103,7 @@ def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_
     assert "the others to leave it" in log, log[-3000:]  # the fault fired
     # the round ended by this check (before it, after averaging_timeout: a TimeoutError)
     after = log[log.index("the others to leave it"):]
-    assert "NobodyLeftToJoin" in after and "TimeoutError" not in after, after[-3000:]
+    assert "failed (NobodyLeftToJoin" in after and "failed (TimeoutError" not in after, after[-3000:]
     assert summaries[2]["final_replica"] == "downloaded" and summaries[2]["rounds_failed"] == 1, summaries[2]
     assert [s["final_epoch"] for s in summaries] == [max_epochs] * 3, summaries
     models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}-checkpoints")[-1])
