@@ -159,7 +159,7 @@ def main() -> int:
         target = config["training"]["target_batch_size"]
         results[row] = (result, curve(result, target if isinstance(target, int) else args.base), epochs)
         points = results[row][1]
-        print(f"{row}: {len(points)} epochs, loss {points[0][1]:.3f} -> {points[-1][1]:.3f}, "
+        print(f"{row}: {len(points)} epochs, loss {points[0][1]:.4g} -> {points[-1][1]:.4g}, "
               f"{result['wall']:.0f} s", flush=True)
     ref_result, ref_points, _ = results[rows[0]]
     ref_steps = min(args.reference_steps, len(ref_points))
@@ -176,7 +176,7 @@ def main() -> int:
         plans = result["summaries"][0].get("plan_by_epoch", {})
         last_plan = plans[max(plans, key=int)] if plans else None
         wall = result["wall"] * (at + 1) / len(points) if at is not None else None
-        table.append((row, f"{statistics.mean(loss for _, loss in points[-TRAIL:]):.3f}",
+        table.append((row, f"{statistics.mean(loss for _, loss in points[-TRAIL:]):.4g}",
                       str(points[at][0]) if at is not None else "not reached",
                       f"{points[at][0] / ref_samples:.2f}x" if at is not None else "-",
                       f"{wall:.0f} s" if wall is not None else "-",
@@ -186,7 +186,7 @@ def main() -> int:
     what = (f"ALBERT-tiny seq {args.seq_length}" if args.task == "albert" else
             f"linreg dim {args.dim} (B_noise {args.dim + 1}), lr {args.lr or linreg_lr(args):.3g}")
     print(f"\n3 peers, {what}, seed {args.seed}; reference fixed-{args.base}: loss "
-          f"{level:.3f} after {ref_samples} samples ({ref_steps} epochs)")
+          f"{level:.4g} after {ref_samples} samples ({ref_steps} epochs)")
     print("\n".join(aligned(table)))
     return 0
 
