@@ -440,6 +440,16 @@ class CollabOptimizer(Optimizer):
                 self.state_averager.step(wait_for_delayed_updates=True)
                 self.stop.wait(LEAVE_LINGER_SECONDS)
                 self._serve_peers_behind()
+            from hivemind.averaging.control import AveragingStage
+
+            for name in ("scheduled_grads", "scheduled_state"):
+                control = getattr(self, name)
+                if control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+                    # hivemind's shutdown cancels such a round again, and its cancel raises for one that collab
+                    # already cancelled (_nobody_left_to_join; a CI peer exited 1: "Can't set_result to a future
+                    # that is FINISHED")
+                    cancel_round(control)
+                    setattr(self, name, None)
             return super().shutdown()
         # leaving on a signal: say goodbye and go, without waiting up to averaging_timeout for a
         # background state-averaging round (the peers that stay finish it without us)
