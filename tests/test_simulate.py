@@ -40,7 +40,9 @@ def test_simulate_runs_peers_that_average_and_reports(tmp_path, mode, no_leftove
             assert peer["rounds_joined"] >= 2 and peer["mean_group_size"] == 2.0, peer
         for summary in tmp_path.glob("peer*.summary.json"):  # the outer steps as each peer recorded them (a peer
             steps = json.loads(summary.read_text())["outer_steps"]  # still starting may download the first)
-            assert len(steps) >= 3 and all(s["norm"] > 0 and s["weight"] > 0 for s in steps.values()), steps
+            applied = [s for s in steps.values() if not s.get("downloaded")]  # (a catch-up download is no step)
+            assert len(steps) >= 3 and len(applied) >= 2, steps
+            assert all(s["norm"] > 0 and s["weight"] > 0 for s in applied), steps
     else:  # no rounds: merges, and the replicas' spread at the end (two replicas trained apart end ~0.5-0.8)
         assert all(peer["merges"] >= 5 and peer["rounds_joined"] == 0 for peer in report["peers"]), report["peers"]
         assert report["replica_spread"] is not None and report["replica_spread"] < 0.1, report["replica_spread"]

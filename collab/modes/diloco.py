@@ -122,9 +122,13 @@ class DiLoCoOptimizer(CollabOptimizer):
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.inner_steps += 1
-        epoch = self.local_epoch
+        epoch, downloads = self.local_epoch, self.downloads
         result = super().step(*args, **kwargs)
-        if self.local_epoch != epoch:
+        if self.local_epoch != epoch and self.downloads != downloads:
+            # no outer step of this peer's: hivemind's catch-up replaced the replica with a donor's
+            self.outer_steps[self.local_epoch - 1] = dict(downloaded=True)
+            self.inner_steps, self._applied = 0, None
+        elif self.local_epoch != epoch:
             averager = self.grad_averager
             # alone, hivemind loads the pseudo-gradient without a round: the outer gradient is this peer's own
             applied = self._applied if self._applied is not None else averager.last_probe

@@ -104,6 +104,7 @@ class CollabOptimizer(Optimizer):
         self._plan_followed = None
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
+        self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         _QuietLeave.install(self.stop)
         super().__init__(**kwargs)
@@ -320,6 +321,11 @@ class CollabOptimizer(Optimizer):
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
+        self.downloads += 1
+        if self.own_step is None and deadline is None:
+            # hivemind's own catch-up (this replica fell behind the swarm's epoch: e.g. its groupmates made a step
+            # whose average it did not get): said, as every other re-sync is
+            logger.warning(f"Epoch {self.local_epoch}: behind the swarm; downloaded its state")
         self._now_in_sync(f"downloaded the swarm's state at epoch {self.local_epoch}")
         return True
 
