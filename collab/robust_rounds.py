@@ -42,6 +42,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from collab.aggregation import Aggregation, RobustPartReducer
+from collab.reply_streams import WholeReplies
 from collab.traffic import CountingRunner, TrafficLog
 
 GRADIENT_BOUND = 10.0
@@ -63,9 +64,9 @@ class RejectedRound(MatchmakingException):
     """This peer refused the average its group computed: nothing was applied."""
 
 
-class _CheckedRunner(CountingRunner):
-    """hivemind's all-reduce runner with collab's reducer, every part other reducers return checked, and its
-    bytes counted (collab.traffic)."""
+class _CheckedRunner(CountingRunner, WholeReplies):
+    """hivemind's all-reduce runner with collab's reducer, every part other reducers return checked, its
+    bytes counted (collab.traffic) and its reply streams closed by the side that is done (collab.reply_streams)."""
 
     def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, report_clipping: bool,
                  weight_caps: dict, **kwargs):

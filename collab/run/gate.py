@@ -25,11 +25,13 @@ from hivemind.proto import averaging_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 
+from collab.reply_streams import replies_in_flight
 from collab.run.access import AccessList, Invite, expired, invite_payload, newest_revocations, signed_by
 
 MEMBERS_SUFFIX = "_members"
 REVOKED_SUFFIX = "_revoked"
 REFRESH_SECONDS = 10.0  # how stale a peer's view of the members may get: a revocation applies within this (+ DHT)
+REPLY_DRAIN = 3.0  # seconds a leaving averager waits for groupmates to read the averaged parts it holds
 UNKNOWN_RETRY_SECONDS = 1.0  # a peer id not yet known triggers a re-read, at most this often
 logger = logging.getLogger(__name__)
 
@@ -258,7 +260,9 @@ class MembersOnly:
     async def _shutdown(self, timeout) -> None:
         # hivemind's shutdown iterates over the running groups with `.finalize(cancel=True)`, but each is an
         # asyncio.Future holding the AllReduceRunner, and finalize returns None: a shutdown mid-round raised
-        # AttributeError (then TypeError) in its thread. End them here, and hand it none.
+        # AttributeError (then TypeError) in its thread. End them here, and hand it none. First, briefly, let
+        # the groupmates read the averaged parts this peer still holds for them (p2pd goes with this peer)
+        await replies_in_flight(min(REPLY_DRAIN, timeout / 2) if timeout else REPLY_DRAIN)
         for runner in self._runners():
             runner.finalize(cancel=True)
         self._running_groups.clear()

@@ -1,0 +1,84 @@
+"""Averaged parts that reach every sender whole: who closes an all-reduce reply stream, and when.
+
+In hivemind's all-reduce each sender streams its parts of a span to that span's reducer and reads the
+averaged parts back on the same stream; the sender reads until the reducer closes it. The reducer closed
+it as soon as it had written its last reply, and p2pd then races: its two pipe goroutines close the libp2p
+stream and, on the read side's error, reset it - and a reset discards what the other side's daemon had
+received but not yet handed over. The sender saw the stream end cleanly a few parts short ("sent 14 parts,
+but we expected 15"): a lost reducer for it alone, while its groupmates had the whole average. In tests
+this was 2 of 24 DiLoCo runs (always the late joiner's young connection reducing) and a healthy peer's last
+round in a sync run (94.7% of its results); each then re-ran the round with the swarm's next one and
+caught up by a download.
+
+Here the side that knows it is done closes: the sender, once it has every part it expects (it no longer
+waits for the reducer's end of stream), and the reducer holds its end open until the sender has closed
+(at most the sender's own patience, reducer_timeout). A peer that is leaving waits, briefly, for the
+replies it is still holding (`replies_in_flight`) before its daemon goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+
+HOLD_FALLBACK = 10.0  # seconds a reducer keeps a finished reply stream open when no reducer_timeout is set
+_in_flight = 0  # reply streams this process is serving now (one averager per process)
+
+
+class WholeReplies(AllReduceRunner):
+    """An AllReduceRunner whose reply streams end when the sender has read them (see the module)."""
+
+    def _get_peer_stub(self, peer: PeerID):
+        stub = super()._get_peer_stub(peer)
+        expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
+
+        class ClosingStub:
+            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
+                return _first(await stub.rpc_aggregate_part(inputs, *args, **kwargs), expected)
+
+        return ClosingStub()
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        global _in_flight
+        _in_flight += 1
+        try:
+            replies = 0
+            async for message in super().rpc_aggregate_part(stream, context):
+                replies += message.code == averaging_pb2.AVERAGED_PART
+                yield message
+            if replies and replies == self.tensor_part_reducer.num_parts:
+                # every reply written: the sender closes the stream once it has read them all, which ends this
+                # wait (hivemind cancels a handler whose caller has closed). Closing first lost replies
+                await asyncio.sleep(self.reducer_timeout or HOLD_FALLBACK)
+        finally:
+            _in_flight -= 1
+
+
+async def _first(stream, count: int) -> AsyncIterator:
+    """The first `count` messages of a reply stream, which is then closed from this side."""
+    try:
+        if count > 0:
+            async for message in stream:
+                yield message
+                count -= 1
+                if count == 0:
+                    break
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def replies_in_flight(timeout: float) -> int:
+    """Wait up to `timeout` seconds for the reply streams this process is serving to be read; how many were
+    still open at the end."""
+    deadline = time.monotonic() + timeout
+    while _in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return _in_flight
