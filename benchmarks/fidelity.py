@@ -20,7 +20,7 @@ Goals: issue 12: fp16 >= 0.98; 8-bit >= 0.97 at >= 4x; powersgd (rank 4) >= 0.95
 >= 100x after warm-up. Issue 13: diloco-h50 >= 40x fewer bytes per sample than fp16 at >= 0.9 of its progress;
 gossip: replicas within 1% of the norm at the end, >= 0.85 of sync's progress.
 
-    python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,dgc,diloco-h10,diloco-h50,gossip-loss]
+    python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,powersgd-r8,dgc,diloco-h10,gossip-loss]
                                    [--seeds 0,1,2] [--steps 60] [--batch 48] [--seq-length 128]
                                    [--overlap optimizer] [--inner-lr 1e-3] [--inner-warmup 10] [--gossip-k 10]
 """
@@ -72,6 +72,9 @@ def run_config(args, row: str, seed: int) -> dict:
     config["training"].update(target_batch_size=args.batch, seed=seed, total_steps=max(args.steps * 2, 100))
     # a round as soon as all 3 are in it; parameters averaged rarely: the gradients' codec is what is measured
     codec, _, aggregation = row.partition("+")  # fp16+adasum: a sync codec with another aggregation
+    codec, _, rank = codec.partition("-r")  # powersgd-r8: PowerSGD at rank 8 (the config's rank otherwise)
+    if rank:
+        config["averaging"]["powersgd_rank"] = int(rank)
     config["averaging"].update(compression=codec, group_size=PEERS, average_state_every=10**6,
                                dgc_warmup_epochs=args.dgc_warmup, overlap=args.overlap)
     if aggregation:
