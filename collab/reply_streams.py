@@ -2,9 +2,10 @@
 
 In hivemind's all-reduce each sender streams its parts of a span to that span's reducer and reads the
 averaged parts back on the same stream; the sender reads until the reducer closes it. The reducer closed
-it as soon as it had written its last reply, and p2pd then races: its two pipe goroutines close the libp2p
-stream and, on the read side's error, reset it - and a reset discards what the other side's daemon had
-received but not yet handed over. The sender saw the stream end cleanly a few parts short ("sent 14 parts,
+it as soon as it had written its last reply. The likely loss (read in p2pd's doStreamPipe, not reproduced
+outside the swarm tests): its two pipe goroutines close the libp2p stream and, on the read side's error,
+reset it, and a reset can discard what the other side's daemon had received but not yet handed over. What
+was observed: the sender saw the stream end cleanly a few parts short ("sent 14 parts,
 but we expected 15"): a lost reducer for it alone, while its groupmates had the whole average. In tests
 this was 2 of 24 DiLoCo runs (always the late joiner's young connection reducing) and a healthy peer's last
 round in a sync run (94.7% of its results); each then re-ran the round with the swarm's next one and
