@@ -9,6 +9,7 @@ counted and said once per signer.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
@@ -28,6 +29,8 @@ class HonestProgressTracker(ProgressTracker):
 
     held_epoch: Optional[int] = None
     members: Optional[Callable[[str], bool]] = None  # a private run's member check: others' records are ignored
+    reads = 0  # how many times the swarm's progress was read (hivemind's schedule and refresh() alike)
+    read_at = float("-inf")  # time.monotonic() of the last read
 
     def __init__(self, *args, **kwargs):
         self.rejected = Rejections()
@@ -42,7 +45,24 @@ class HonestProgressTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
             metadata = trusted_progress(metadata, self.rejected, self._said, self.members)
-        return super()._parse_swarm_progress_data(metadata)
+        progress = super()._parse_swarm_progress_data(metadata)
+        self.reads, self.read_at = self.reads + 1, time.monotonic()
+        return progress
+
+    def refresh(self, timeout: float) -> bool:
+        """Read the swarm's progress now, not at hivemind's next scheduled read; whether it was read within
+        `timeout` seconds. hivemind schedules the next read by this peer's own ETA: a peer that saw nobody at its
+        start (the others had not trained a micro-batch yet, so had no record) can read again only after it has
+        made the whole target alone."""
+        before = self.reads
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()  # wakes the reader, which then finds the read due
+        deadline = time.monotonic() + timeout
+        while self.reads == before:
+            if time.monotonic() > deadline or self.shutdown_triggered.is_set():
+                return False
+            time.sleep(0.02)
+        return True
 
 
 def trusted_progress(metadata: dict, rejected: Rejections, said: set,

@@ -23,9 +23,13 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
     # compression none and the plain mean: the average is then exact to fp32 rounding, and the check below is
     # tight. No state averaging: replicas can only end equal if every outer step was the same everywhere (or a peer
     # that missed one downloaded the swarm's state, below).
+    # next_chunk_timeout 10 s (the default; the suite's 30 s is for CPU-starved peers): a round that the victim
+    # dies in as it starts waits that long for the dead sender's parts, then goes on without them. At 30 s it
+    # waited until averaging_timeout gave the whole round up, on every peer (3 of 9 runs here, each then failing)
     config = swarm_config(tmp_path, 3, {"averaging.mode": "diloco", "averaging.compression": "none",
                                         "averaging.aggregation": "mean", "averaging.average_state_every": 1000,
                                         "averaging.diloco": {"inner_lr": 0.003},
+                                        "averaging.next_chunk_timeout": 10.0, "averaging.averaging_timeout": 30.0,
                                         "training.target_batch_size": 480})
     finishing = (0, 1, 3)
     args = {i: ["--max-epochs", str(MAX_EPOCHS), "--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in finishing}
@@ -115,12 +119,14 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
     worst = max((w[name] - weights[0][name]).abs().max().item() for w in weights[1:] for name in w)
     assert worst < 1e-5, worst
 
-    for i in (0, 1):  # the loss fell on the peers that trained from the start
-        losses = [v for _, v in sorted((int(k), v) for k, v in summaries[i]["loss_by_epoch"].items())]
-        # the median of the later epochs: an epoch's mean can be one or two micro-batches right after an outer
-        # step, when DiLoCo's loss spikes (Nesterov at lr 0.7; a CI run's last epoch read 7.53 after 6.43, from 7.05)
-        later = sorted(losses[2:])
-        assert later[len(later) // 2] < losses[0] - 0.05, (i, losses)
+    # the loss fell: the finishing peers' later epochs (3-5) against the first epoch of the three that started
+    # together. Across peers and by the median: an epoch's mean can be a few micro-batches right after an outer
+    # step, when DiLoCo's loss spikes (Nesterov at lr 0.7: one peer's epoch read 7.66 between 6.6s). Here the
+    # fall was 0.18-0.58 in 9 runs; an outer step that wrecked the replicas leaves the loss at ln(1000) = 6.9 or above
+    first = [summaries[i]["loss_by_epoch"]["0"] for i in (0, 1, 2) if "0" in summaries[i]["loss_by_epoch"]]
+    later = sorted(v for i in finishing for k, v in summaries[i]["loss_by_epoch"].items() if int(k) >= 3)
+    assert len(first) >= 2 and len(later) >= 6, summaries
+    assert later[len(later) // 2] < sum(first) / len(first) - 0.1, (first, later)
 
 
 def _lost_a_part_then_downloaded(log: str) -> bool:

@@ -35,6 +35,8 @@ from collab.tracker import HonestProgressTracker
 LEAVE_LINGER_SECONDS = 3.0
 DONOR_LINGER_SECONDS = 60.0  # the least a leaving peer waits for a peer one epoch behind to download its state
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
+ALONE_READ_AGE = 1.0  # a peer about to step alone reads the swarm's progress again if its view is older than this
+ALONE_READ_TIMEOUT = 2.0
 logger = get_logger(__name__)
 
 
@@ -172,6 +174,13 @@ class CollabOptimizer(Optimizer):
         if self.stop.is_set() or self._at_the_end():
             # leaving: this epoch's step is left to the peers who stay. Starting it would wait for the gradient
             # buffers, which a background round (overlap=full) holds until it gives up: past the leave's grace
+            return
+        if (self.tracker.global_progress.num_peers <= 1
+                and time.monotonic() - self.tracker.read_at > ALONE_READ_AGE
+                and self.tracker.refresh(ALONE_READ_TIMEOUT) and not self.tracker.ready_to_update_epoch):
+            # about to step alone on a view of the swarm that may be stale: a peer of three that started together
+            # (the diloco test, 2 of 9 runs here) read the swarm before the others had a record, made the whole
+            # first target by itself and stepped alone while the two others averaged: two lineages from step one
             return
         # hivemind first waits for the last epoch's background step and state round: not for one that finds no group
         if self.delay_optimizer_step and self.state_averager.give_up_matchmaking(
