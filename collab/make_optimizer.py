@@ -10,10 +10,11 @@ from functools import partial
 from typing import Optional
 
 from hivemind.compression import NoCompression
+from hivemind.utils.logging import get_logger
 
 from collab.aggregation import Aggregation
 from collab.compression import wire_codec
-from collab.config import RunConfig
+from collab.config import RunConfig, round_timeout_caution
 from collab.dgc import DGCSettings, sparsified
 from collab.grad_averager import CollabDGCAverager, CollabGradientAverager, CollabPowerSGDAverager
 from collab.metrics import AveragingLog
@@ -41,6 +42,9 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     state_rule = replace(rule, method="centered_clip") if method == "adasum" else rule
     rejections, traffic = RejectionLog(), TrafficLog()
     quiet_rejections()  # a refused round is reported once by collab, not with hivemind's traceback
+    caution = round_timeout_caution(avg)
+    if caution is not None:
+        get_logger(__name__).warning(caution)
     # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
     averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2),
                          target_group_size=avg.group_size)

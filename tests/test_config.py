@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from collab.config import RunConfig, load_config
+from collab.config import RunConfig, load_config, shipped_config, shipped_config_names
 from collab.errors import UserError
 from tests.conftest import run_cli, write_config
 
@@ -159,3 +159,14 @@ def test_help_and_config_errors_do_not_wait_for_torch(tmp_path):
         "or hf:NAME",
         "UserError tokenizer file /no/t.json does not exist; pass an existing tokenizer.json with --tokenizer",
         "[]"], result.stdout + result.stderr
+
+
+def test_timeouts_that_give_up_a_round_before_a_silent_peer_is_left_out_are_said():
+    from collab.config import AveragingConfig, round_timeout_caution
+
+    assert round_timeout_caution(AveragingConfig()) is None  # the defaults: 60 s against 10 s
+    said = round_timeout_caution(AveragingConfig(averaging_timeout=30, next_chunk_timeout=30))
+    assert said is not None and "averaging.averaging_timeout (30 s)" in said and "next_chunk_timeout" in said
+    assert round_timeout_caution(AveragingConfig(averaging_timeout=30, next_chunk_timeout=10)) is None
+    for name in shipped_config_names():
+        assert round_timeout_caution(load_config(shipped_config(name)).averaging) is None, name

@@ -25,7 +25,7 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
     # that missed one downloaded the swarm's state, below).
     # next_chunk_timeout 10 s (the default; the suite's 30 s is for CPU-starved peers): a round that the victim
     # dies in as it starts waits that long for the dead sender's parts, then goes on without them. At 30 s it
-    # waited until averaging_timeout gave the whole round up, on every peer (3 of 9 runs here, each then failing)
+    # waited until averaging_timeout gave the whole round up, on every peer (1 of 9 runs here, then failing)
     config = swarm_config(tmp_path, 3, {"averaging.mode": "diloco", "averaging.compression": "none",
                                         "averaging.aggregation": "mean", "averaging.average_state_every": 1000,
                                         "averaging.diloco": {"inner_lr": 0.003},
