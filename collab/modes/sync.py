@@ -17,7 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 import torch
 from hivemind import Optimizer
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
@@ -359,8 +359,6 @@ class CollabOptimizer(Optimizer):
         peer has made that epoch's step and left it: they are done, and would never join. It failed at once, so
         the peer downloads their state before it leaves (settle_before_leaving), rather than wait out
         averaging_timeout alone first while they linger as its donors (CI: 30-60 s at the end of many tests)."""
-        from hivemind.averaging.control import AveragingStage
-
         epoch = self.local_epoch - (1 if self.delay_grad_averaging else 0)  # overlap=full: the epoch moved on
         if (self.leave_at_epoch is None or epoch + 1 < self.leave_at_epoch
                 or control.stage != AveragingStage.LOOKING_FOR_GROUP):
@@ -455,8 +453,6 @@ class CollabOptimizer(Optimizer):
                 self.state_averager.step(wait_for_delayed_updates=True)
                 self.stop.wait(LEAVE_LINGER_SECONDS)
                 self._serve_peers_behind()
-            from hivemind.averaging.control import AveragingStage
-
             for name in ("scheduled_grads", "scheduled_state"):
                 control = getattr(self, name)
                 if control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP:
