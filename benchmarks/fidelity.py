@@ -4,7 +4,8 @@ For each row and each seed: 3 `collab join` peers (peers.launcher, 127.0.0.1) tr
 embedded corpus; one process trains the same model (same seed, so the same initial weights), optimizer and
 schedule with plain gradient accumulation to the same batch. The swarm's peers keep their identities (so their
 data order) across rows: rows differ only in the codec or mode. Rows: sync codecs (fp16, uniform8bit, powersgd,
-dgc, ...; CODEC+AGGREGATION for another aggregation, e.g. fp16+adasum against fp16+mean), --steps collaborative
+dgc, ...; CODEC+AGGREGATION for another aggregation, e.g. fp16+adasum against fp16+mean; ROW@OVERLAP for another
+averaging.overlap than --overlap, e.g. fp16@none against fp16 with the same peers and seeds), --steps collaborative
 steps of --batch samples; diloco-h<H> (averaging.mode diloco, pseudo-gradients
 in --local-codec, fp16 by default, an outer step every H micro-batches per peer), and gossip-<rule>
 (averaging.mode gossip with that interpolation, parameters exchanged in --local-codec every --gossip-k local
@@ -71,12 +72,13 @@ def run_config(args, row: str, seed: int) -> dict:
     config["task"]["data"]["seq_length"] = args.seq_length
     config["training"].update(target_batch_size=args.batch, seed=seed, total_steps=max(args.steps * 2, 100))
     # a round as soon as all 3 are in it; parameters averaged rarely: the gradients' codec is what is measured
+    row, _, overlap = row.partition("@")  # fp16@none: a sync row with another averaging.overlap than --overlap
     codec, _, aggregation = row.partition("+")  # fp16+adasum: a sync codec with another aggregation
     codec, _, rank = codec.partition("-r")  # powersgd-r8: PowerSGD at rank 8 (the config's rank otherwise)
     if rank:
         config["averaging"]["powersgd_rank"] = int(rank)
     config["averaging"].update(compression=codec, group_size=PEERS, average_state_every=10**6,
-                               dgc_warmup_epochs=args.dgc_warmup, overlap=args.overlap)
+                               dgc_warmup_epochs=args.dgc_warmup, overlap=overlap or args.overlap)
     if aggregation:
         config["averaging"]["aggregation"] = aggregation
     h = diloco_h(row)
