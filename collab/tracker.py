@@ -51,9 +51,9 @@ class HonestProgressTracker(ProgressTracker):
 
     def refresh(self, timeout: float) -> bool:
         """Read the swarm's progress now, not at hivemind's next scheduled read; whether it was read within
-        `timeout` seconds. hivemind schedules the next read by this peer's own ETA: a peer that saw nobody at its
-        start (the others had not trained a micro-batch yet, so had no record) can read again only after it has
-        made the whole target alone."""
+        `timeout` seconds. hivemind schedules the next read by this peer's own ETA (up to max_refresh_period
+        ahead): a peer that saw nobody at its start (the others had not trained a micro-batch yet, so had no
+        record) may not read again before it has made the whole target alone."""
         before = self.reads
         self.global_progress.next_fetch_time = get_dht_time()
         self.global_state_updated.set()  # wakes the reader, which then finds the read due
