@@ -5,6 +5,17 @@ swarm's: one forged record (another peer's id, an epoch of a million, a time far
 would make every honest peer think it is behind and reload state, or stop it from ever stepping.
 Here each record passes collab.records' checks before hivemind sees it, and what is dropped is
 counted and said once per signer.
+
+hivemind also ends an epoch on a forecast: when its ETA passes, whatever the swarm has counted. The forecast
+extrapolates every peer's last record at that peer's rate, and the ETA runs on the wall clock: both count seconds
+in which nobody computed (a state round, a checkpoint, a state download after a step) as training. A linreg run
+checkpointing every 10 epochs and averaging state every 5 stepped at exactly those epochs on rounds of 48-1100
+samples for a target of 3072 (10-16% of its rounds under 3/4 of the target), each at the full learning rate;
+with AdaScale's gain of 3.9 such a step raised the loss by up to 1.5x, and those rounds alone explained why a 4x
+target's samples were worth 0.79-0.97 of the base batch's (every round's own batch put into SGD's loss factor
+matched what was measured within 4%). Here a forecast extrapolates no record that has accumulated nothing yet
+(its peer may not be computing) and none for longer than EXTRAPOLATE_AT_MOST (a dead or frozen peer), and it ends
+an epoch only if it was made after this peer began computing toward it.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ from collab.records import Rejections, accept, drop_implausible_epochs
 
 logger = get_logger(__name__)
 
+EXTRAPOLATE_AT_MOST = 5.0  # seconds: a computing peer stores a record after every micro-batch
+
 
 class HonestProgressTracker(ProgressTracker):
     """Never publishes an epoch this replica has not made with the swarm (after an own step it says the epoch
@@ -31,6 +44,8 @@ class HonestProgressTracker(ProgressTracker):
     members: Optional[Callable[[str], bool]] = None  # a private run's member check: others' records are ignored
     reads = 0  # how many times the swarm's progress was read (hivemind's schedule and refresh() alike)
     read_at = float("-inf")  # time.monotonic() of the last read
+    forecast_at = float("-inf")  # dht time of the read that made the current ETA
+    computing_since: Optional[float] = None  # dht time of this epoch's first micro-batch; None before it
 
     def __init__(self, *args, **kwargs):
         self.rejected = Rejections()
@@ -38,16 +53,34 @@ class HonestProgressTracker(ProgressTracker):
         super().__init__(*args, **kwargs)
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
+        if samples_accumulated <= 0:
+            self.computing_since = None
+        elif self.computing_since is None:
+            # a forecast read before now counted this peer's pause since its last step as training: read again
+            self.computing_since = get_dht_time()
+            self.global_progress.next_fetch_time = self.computing_since
+            self.global_state_updated.set()
         if self.held_epoch is not None and local_epoch > self.held_epoch:
             local_epoch, samples_accumulated = self.held_epoch, 0
         return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
-            metadata = trusted_progress(metadata, self.rejected, self._said, self.members)
+            metadata = forecastable(trusted_progress(metadata, self.rejected, self._said, self.members),
+                                    get_dht_time())
         progress = super()._parse_swarm_progress_data(metadata)
-        self.reads, self.read_at = self.reads + 1, time.monotonic()
+        self.reads, self.read_at, self.forecast_at = self.reads + 1, time.monotonic(), get_dht_time()
         return progress
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """hivemind's rule, with the forecast trusted only when it was made after this peer began computing toward
+        this epoch (a forecast made during its own pause after the last step passes too early)."""
+        if (self.global_epoch > self.local_progress.epoch
+                or self.global_progress.samples_accumulated >= self.target_batch_size):
+            return True
+        return (self.computing_since is not None and self.forecast_at >= self.computing_since
+                and get_dht_time() >= self.global_progress.eta_next_epoch)
 
     def refresh(self, timeout: float) -> bool:
         """Read the swarm's progress now, not at hivemind's next scheduled read; whether it was read within
@@ -63,6 +96,21 @@ class HonestProgressTracker(ProgressTracker):
                 return False
             time.sleep(0.02)
         return True
+
+
+def forecastable(metadata: dict, now: float, at_most: float = EXTRAPOLATE_AT_MOST) -> dict:
+    """Progress records as hivemind's forecast should extrapolate them: a record with no samples accumulated is
+    taken as of now (its peer may be in a state round, a checkpoint or a download, not computing), and no record
+    is older than `at_most` seconds. Counted samples are untouched; only the extrapolation shrinks."""
+    view = {}
+    for subkey, entry in metadata.items():
+        value = entry.value
+        if isinstance(value, dict) and isinstance(value.get("time"), (int, float)):
+            floor = now if not value.get("samples_accumulated") else now - at_most
+            if value["time"] < floor:
+                entry = ValueWithExpiration({**value, "time": floor}, entry.expiration_time)
+        view[subkey] = entry
+    return view
 
 
 def trusted_progress(metadata: dict, rejected: Rejections, said: set,

@@ -1,19 +1,21 @@
-"""A peer about to step alone reads the swarm's progress again (collab.tracker.HonestProgressTracker.refresh): on a
-real DHT, two trackers with their own signing identities."""
+"""How a peer reads the swarm's progress (collab.tracker.HonestProgressTracker): a peer about to step alone reads it
+again (refresh), and hivemind's forecast of the epoch's end does not count a pause as training. On a real DHT, two
+trackers with their own signing identities."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from hivemind import DHT
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from collab.identity import load_or_create_identity
-from collab.tracker import HonestProgressTracker
+from collab.tracker import HonestProgressTracker, forecastable
 
 
-def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_would_see_later(tmp_path,
-                                                                                             no_leftover_processes):
+@contextlib.contextmanager
+def two_trackers(tmp_path, target_batch_size: int):
     identities = [load_or_create_identity(tmp_path / f"peer{i}.identity") for i in (0, 1)]
     dhts, trackers = [], []
     try:
@@ -21,12 +23,30 @@ def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_wou
             initial = dhts[0].get_visible_maddrs() if dhts else None
             dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial,
                             identity_path=str(identity.path)))
-        ours, theirs = [HonestProgressTracker(dht=dht, prefix="refresh-test", target_batch_size=100, start=True,
-                                              private_key=identity.key, min_refresh_period=0.5,
-                                              max_refresh_period=600)
-                        for dht, identity in zip(dhts, identities)]
-        trackers = [ours, theirs]
+        for dht, identity in zip(dhts, identities):
+            trackers.append(HonestProgressTracker(dht=dht, prefix="refresh-test", target_batch_size=target_batch_size,
+                                                  start=True, private_key=identity.key, min_refresh_period=0.5,
+                                                  max_refresh_period=600))
+        yield trackers
+    finally:
+        for tracker in trackers:
+            tracker.shutdown(timeout=5)
+        for dht in dhts:
+            dht.shutdown()
+
+
+def wait_for_read(tracker: HonestProgressTracker, reads: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while tracker.reads == reads:
+        assert time.monotonic() < deadline, "no read of the swarm's progress"
+        time.sleep(0.02)
+
+
+def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_would_see_later(tmp_path,
+                                                                                             no_leftover_processes):
+    with two_trackers(tmp_path, target_batch_size=100) as (ours, theirs):
         ours.report_local_progress(0, 40)
+        wait_for_read(ours, 0)  # the read that the first micro-batch asks for
         # what hivemind does when this peer's own ETA is far: the next read is scheduled that far ahead
         ours.global_progress.next_fetch_time = get_dht_time() + 600
         ours.global_state_updated.set()
@@ -39,8 +59,44 @@ def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_wou
         assert ours.global_progress.num_peers == 2, ours.global_progress
         assert ours.global_progress.samples_accumulated == 110, ours.global_progress
         assert ours.ready_to_update_epoch  # the target is the swarm's now, with the other peer in it
-    finally:
-        for tracker in trackers:
-            tracker.shutdown(timeout=5)
-        for dht in dhts:
-            dht.shutdown()
+
+
+def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no_leftover_processes):
+    with two_trackers(tmp_path, target_batch_size=2000) as (ours, theirs):
+        ours.report_local_progress(1, 16)  # this peer's first micro-batch of epoch 1: it asks for a read of its own
+        wait_for_read(ours, 0)
+        # the other peer stepped to epoch 1 and sits in a state round or a checkpoint: a record of no samples at
+        # 1000/s. hivemind extrapolates it through the pause: 3 s later it counts 3000 and calls the epoch done
+        theirs.report_local_progress(0, 32)
+        time.sleep(0.5)  # hivemind stores a peer's records only once it has reported samples
+        theirs.performance_ema.samples_per_second = 1000.0
+        theirs.report_local_progress(1, 0)
+        time.sleep(3.0)
+        assert ours.refresh(timeout=5.0)
+        assert ours.global_progress.num_peers == 2, ours.global_progress
+        assert ours.global_progress.samples_accumulated == 16, ours.global_progress
+        assert ours.global_progress.eta_next_epoch > get_dht_time() + 1.0, "the pause was extrapolated as training"
+        assert not ours.ready_to_update_epoch
+
+        # a forecast that passes while this peer is not computing (its step, then a pause) does not end its epoch
+        ours.report_local_progress(1, 0)
+        ours.global_progress.eta_next_epoch = get_dht_time() - 1.0
+        assert not ours.ready_to_update_epoch
+        ours.global_progress.samples_accumulated = 2000  # what was counted still does
+        assert ours.ready_to_update_epoch
+
+
+def test_forecastable_extrapolates_no_idle_record_and_no_old_one():
+    now = 1000.0
+    record = dict(peer_id=b"x", epoch=3, samples_per_second=50.0, client_mode=False)
+    metadata = {
+        "idle": ValueWithExpiration({**record, "samples_accumulated": 0, "time": now - 30}, now + 60),
+        "stale": ValueWithExpiration({**record, "samples_accumulated": 64, "time": now - 30}, now + 60),
+        "fresh": ValueWithExpiration({**record, "samples_accumulated": 64, "time": now - 0.5}, now + 60),
+        "goodbye": ValueWithExpiration(None, now + 60),
+    }
+    view = forecastable(metadata, now, at_most=5.0)
+    assert view["idle"].value["time"] == now
+    assert view["stale"].value["time"] == now - 5.0 and view["stale"].value["samples_accumulated"] == 64
+    assert view["fresh"] is metadata["fresh"] and view["goodbye"] is metadata["goodbye"]
+    assert metadata["idle"].value["time"] == now - 30  # the records read are not changed
