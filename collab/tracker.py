@@ -13,9 +13,9 @@ checkpointing every 10 epochs and averaging state every 5 stepped at exactly tho
 samples for a target of 3072 (10-16% of its rounds under 3/4 of the target), each at the full learning rate;
 with AdaScale's gain of 3.9 such a step raised the loss by up to 1.5x, and those rounds alone explained why a 4x
 target's samples were worth 0.79-0.97 of the base batch's (every round's own batch put into SGD's loss factor
-matched what was measured within 4%). Here a forecast extrapolates no record that has accumulated nothing yet
-(its peer may not be computing) and none for longer than EXTRAPOLATE_AT_MOST (a dead or frozen peer), and it ends
-an epoch only if it was made after this peer began computing toward it.
+matched what was measured within 4%). Here a record extrapolates by at most one micro-batch (a peer that has
+computed one reports it, so a record older than that is a peer in a pause, or gone) and never for longer than
+EXTRAPOLATE_AT_MOST, and a forecast ends an epoch only if it was made after this peer began computing toward it.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class HonestProgressTracker(ProgressTracker):
 
     held_epoch: Optional[int] = None
     members: Optional[Callable[[str], bool]] = None  # a private run's member check: others' records are ignored
+    micro_batch_size: Optional[int] = None  # this run's: how far a record may be extrapolated
     reads = 0  # how many times the swarm's progress was read (hivemind's schedule and refresh() alike)
     read_at = float("-inf")  # time.monotonic() of the last read
     forecast_at = float("-inf")  # dht time of the read that made the current ETA
@@ -67,7 +68,7 @@ class HonestProgressTracker(ProgressTracker):
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
             metadata = forecastable(trusted_progress(metadata, self.rejected, self._said, self.members),
-                                    get_dht_time())
+                                    get_dht_time(), self.micro_batch_size)
         progress = super()._parse_swarm_progress_data(metadata)
         self.reads, self.read_at, self.forecast_at = self.reads + 1, time.monotonic(), get_dht_time()
         return progress
@@ -98,17 +99,21 @@ class HonestProgressTracker(ProgressTracker):
         return True
 
 
-def forecastable(metadata: dict, now: float, at_most: float = EXTRAPOLATE_AT_MOST) -> dict:
-    """Progress records as hivemind's forecast should extrapolate them: a record with no samples accumulated is
-    taken as of now (its peer may be in a state round, a checkpoint or a download, not computing), and no record
-    is older than `at_most` seconds. Counted samples are untouched; only the extrapolation shrinks."""
+def forecastable(metadata: dict, now: float, micro_batch_size: Optional[int],
+                 at_most: float = EXTRAPOLATE_AT_MOST) -> dict:
+    """Progress records as hivemind's forecast should extrapolate them: by at most one micro-batch at the record's
+    rate (this run's micro-batch size stands for every peer's: a larger one is under-counted, so its epoch ends a
+    little later, never early) and at most `at_most` seconds. Counted samples are untouched."""
     view = {}
     for subkey, entry in metadata.items():
         value = entry.value
         if isinstance(value, dict) and isinstance(value.get("time"), (int, float)):
-            floor = now if not value.get("samples_accumulated") else now - at_most
-            if value["time"] < floor:
-                entry = ValueWithExpiration({**value, "time": floor}, entry.expiration_time)
+            age = at_most
+            rate = value.get("samples_per_second")
+            if micro_batch_size and isinstance(rate, (int, float)) and rate > 0:
+                age = min(age, micro_batch_size / rate)
+            if value["time"] < now - age:
+                entry = ValueWithExpiration({**value, "time": now - age}, entry.expiration_time)
         view[subkey] = entry
     return view
 

@@ -63,6 +63,7 @@ def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_wou
 
 def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no_leftover_processes):
     with two_trackers(tmp_path, target_batch_size=2000) as (ours, theirs):
+        ours.micro_batch_size = 16
         ours.report_local_progress(1, 16)  # this peer's first micro-batch of epoch 1: it asks for a read of its own
         wait_for_read(ours, 0)
         # the other peer stepped to epoch 1 and sits in a state round or a checkpoint: a record of no samples at
@@ -86,17 +87,19 @@ def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no
         assert ours.ready_to_update_epoch
 
 
-def test_forecastable_extrapolates_no_idle_record_and_no_old_one():
+def test_forecastable_extrapolates_a_record_by_one_micro_batch_at_most():
     now = 1000.0
-    record = dict(peer_id=b"x", epoch=3, samples_per_second=50.0, client_mode=False)
+    record = dict(peer_id=b"x", epoch=3, samples_accumulated=64, client_mode=False)
     metadata = {
-        "idle": ValueWithExpiration({**record, "samples_accumulated": 0, "time": now - 30}, now + 60),
-        "stale": ValueWithExpiration({**record, "samples_accumulated": 64, "time": now - 30}, now + 60),
-        "fresh": ValueWithExpiration({**record, "samples_accumulated": 64, "time": now - 0.5}, now + 60),
+        "paused": ValueWithExpiration({**record, "samples_per_second": 50.0, "time": now - 30}, now + 60),
+        "computing": ValueWithExpiration({**record, "samples_per_second": 50.0, "time": now - 0.1}, now + 60),
+        "slow": ValueWithExpiration({**record, "samples_per_second": 0.5, "time": now - 30}, now + 60),
         "goodbye": ValueWithExpiration(None, now + 60),
     }
-    view = forecastable(metadata, now, at_most=5.0)
-    assert view["idle"].value["time"] == now
-    assert view["stale"].value["time"] == now - 5.0 and view["stale"].value["samples_accumulated"] == 64
-    assert view["fresh"] is metadata["fresh"] and view["goodbye"] is metadata["goodbye"]
-    assert metadata["idle"].value["time"] == now - 30  # the records read are not changed
+    view = forecastable(metadata, now, micro_batch_size=8, at_most=5.0)
+    assert view["paused"].value["time"] == now - 8 / 50.0  # one micro-batch of 8 at 50/s: 0.16 s
+    assert view["paused"].value["samples_accumulated"] == 64  # what was counted stays
+    assert view["computing"] is metadata["computing"] and view["goodbye"] is metadata["goodbye"]
+    assert view["slow"].value["time"] == now - 5.0  # 16 s a micro-batch, but never past at_most
+    assert metadata["paused"].value["time"] == now - 30  # the records read are not changed
+    assert forecastable(metadata, now, micro_batch_size=None, at_most=5.0)["paused"].value["time"] == now - 5.0

@@ -112,9 +112,11 @@ class CollabOptimizer(Optimizer):
         super().__init__(**kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
-        return HonestProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                     client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                                     **kwargs)
+        tracker = HonestProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                        client_mode=self.client_mode, status_loglevel=self.status_loglevel,
+                                        start=True, **kwargs)
+        tracker.micro_batch_size = self.batch_size_per_step
+        return tracker
 
     def _make_state_averager(self, **kwargs) -> RecordingStateAverager:
         # hivemind's own construction, with an averager that reports what its rounds and downloads achieved
