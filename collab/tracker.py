@@ -11,8 +11,8 @@ extrapolates every peer's last record at that peer's rate, and the ETA runs on t
 in which nobody computed (a state round, a checkpoint, a state download after a step) as training. A linreg run
 checkpointing every 10 epochs and averaging state every 5 stepped at exactly those epochs on rounds of 48-1100
 samples for a target of 3072 (10-16% of its rounds under 3/4 of the target), each at the full learning rate;
-with AdaScale's gain of 3.9 such a step raised the loss by up to 1.5x, and those rounds alone explained why a 4x
-target's samples were worth 0.79-0.97 of the base batch's (every round's own batch put into SGD's loss factor
+with AdaScale's gain of 3.9 one such step raised the loss 1.26x, and those rounds alone explained why a 4x
+target's samples were worth 0.82-0.88 of what SGD's loss factor predicts (every round's own batch put into SGD's loss factor
 matched what was measured within 4%). Here a record extrapolates by at most one micro-batch (a peer that has
 computed one reports it, so a record older than that is a peer in a pause, or gone) and never for longer than
 EXTRAPOLATE_AT_MOST, and a forecast ends an epoch only if it was made after this peer began computing toward it.
@@ -59,8 +59,7 @@ class HonestProgressTracker(ProgressTracker):
         elif self.computing_since is None:
             # a forecast read before now counted this peer's pause since its last step as training: read again
             self.computing_since = get_dht_time()
-            self.global_progress.next_fetch_time = self.computing_since
-            self.global_state_updated.set()
+            self._read_soon()
         if self.held_epoch is not None and local_epoch > self.held_epoch:
             local_epoch, samples_accumulated = self.held_epoch, 0
         return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
@@ -83,14 +82,17 @@ class HonestProgressTracker(ProgressTracker):
         return (self.computing_since is not None and self.forecast_at >= self.computing_since
                 and get_dht_time() >= self.global_progress.eta_next_epoch)
 
+    def _read_soon(self) -> None:
+        self.global_progress.next_fetch_time = get_dht_time()
+        self.global_state_updated.set()  # wakes the reader, which then finds the read due
+
     def refresh(self, timeout: float) -> bool:
         """Read the swarm's progress now, not at hivemind's next scheduled read; whether it was read within
         `timeout` seconds. hivemind schedules the next read by this peer's own ETA (up to max_refresh_period
         ahead): a peer that saw nobody at its start (the others had not trained a micro-batch yet, so had no
         record) may not read again before it has made the whole target alone."""
         before = self.reads
-        self.global_progress.next_fetch_time = get_dht_time()
-        self.global_state_updated.set()  # wakes the reader, which then finds the read due
+        self._read_soon()
         deadline = time.monotonic() + timeout
         while self.reads == before:
             if time.monotonic() > deadline or self.shutdown_triggered.is_set():
