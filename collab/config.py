@@ -39,9 +39,9 @@ def configs_dir() -> Path:
     clone = Path(__file__).resolve().parent.parent / "configs"
     if clone.is_dir():
         return clone
-    from importlib.resources import files
-
-    return Path(str(files("collab.configs")))
+    # collab.configs holds only YAML files, so it is a namespace package: importlib.resources.files() returns a
+    # MultiplexedPath there, whose str() is its repr, not a folder (every wheel install found no shipped config)
+    return Path(__file__).resolve().parent / "configs"
 
 
 def shipped_config(name: str) -> Optional[Path]:
@@ -337,7 +337,11 @@ def _inapplicable_flag(error: ValidationError, overrides: dict[str, Any]) -> Opt
 
 def resolve_config_path(path: Optional[Path]) -> Path:
     if path is None:
-        return shipped_config(DEFAULT_CONFIG_NAME)
+        default = shipped_config(DEFAULT_CONFIG_NAME)
+        if default is None:
+            raise UserError(f"collab's shipped configs are missing from this install (looked in {configs_dir()}); "
+                            "reinstall collab, or pass a YAML file with --config")
+        return default
     path = Path(path)
     if path.is_file():
         return path

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -78,3 +80,32 @@ def test_dockerfile_lints_clean_and_runs_collab():
     assert re.search(r"pip install --no-cache-dir \.\s*$", dockerfile, re.M)
     for path in ("collab", "peers", "dashboard", "configs", "pyproject.toml"):
         assert path in dockerfile, path
+
+
+def test_a_non_editable_install_finds_its_shipped_configs_and_profiles(tmp_path):
+    """What the Docker image and a wheel user get: `pip install .` (not -e). There configs/ is not beside the
+    package, and collab.configs (YAML only) is a namespace package; every wheel install once found no shipped
+    config, and `collab join` without --config died on a traceback."""
+    site = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              "--no-compile", "--target", str(site), str(ROOT)],
+                             capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stdout + install.stderr
+    probe = (
+        "import collab, dashboard\n"
+        "from pathlib import Path\n"
+        "from collab.config import load_config, shipped_config_names\n"
+        "from peers.profiles import load_profile, profile_names\n"
+        f"assert Path(collab.__file__).is_relative_to({str(site)!r}), collab.__file__\n"
+        "print(sorted(shipped_config_names()), load_config().task.name, load_config(Path('albert-base')).task.name)\n"
+        "print(profile_names(), len(load_profile('mixed').links(4)))\n"
+        "print(sorted(p.name for p in (Path(dashboard.__file__).parent / 'static').iterdir()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+    configs, profiles, static = result.stdout.splitlines()
+    shipped = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    assert configs == f"{shipped} albert albert", configs
+    assert profiles.startswith(str(sorted(p.stem for p in (ROOT / "configs" / "networks").glob("*.yaml")))), profiles
+    assert static == str(sorted(p.name for p in (ROOT / "dashboard" / "static").iterdir())), static
