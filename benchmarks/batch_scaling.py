@@ -45,7 +45,7 @@ TRAIL = 5
 def fidelity_args(args) -> SimpleNamespace:
     """What benchmarks/fidelity.py's runner reads: the reference row's batch and steps."""
     return SimpleNamespace(seq_length=args.seq_length, batch=args.base, steps=args.reference_steps, dgc_warmup=4,
-                           overlap="optimizer", local_codec="fp16", timeout=args.timeout)
+                           overlap="none", local_codec="fp16", timeout=args.timeout)
 
 
 # --task linreg: noiseless labels, so B_noise = tr(Sigma) / |G|^2 = dim + 1 = 20001 wherever w is, 78x the base batch

@@ -5,7 +5,7 @@ embedded corpus; one process trains the same model (same seed, so the same initi
 schedule with plain gradient accumulation to the same batch. The swarm's peers keep their identities (so their
 data order) across rows: rows differ only in the codec or mode. Rows: sync codecs (fp16, uniform8bit, powersgd,
 dgc, ...; CODEC+AGGREGATION for another aggregation, e.g. fp16+adasum against fp16+mean; ROW@OVERLAP for another
-averaging.overlap than --overlap, e.g. fp16@none against fp16 with the same peers and seeds), --steps collaborative
+averaging.overlap than --overlap, e.g. fp16@optimizer against fp16 with the same peers and seeds), --steps collaborative
 steps of --batch samples; diloco-h<H> (averaging.mode diloco, pseudo-gradients
 in --local-codec, fp16 by default, an outer step every H micro-batches per peer), and gossip-<rule>
 (averaging.mode gossip with that interpolation, parameters exchanged in --local-codec every --gossip-k local
@@ -23,7 +23,7 @@ gossip: replicas within 1% of the norm at the end, >= 0.85 of sync's progress.
 
     python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,powersgd-r8,dgc,diloco-h10,gossip-loss]
                                    [--seeds 0,1,2] [--steps 60] [--batch 48] [--seq-length 128]
-                                   [--overlap optimizer] [--inner-lr 1e-3] [--inner-warmup 10] [--gossip-k 10]
+                                   [--overlap none] [--inner-lr 1e-3] [--inner-warmup 10] [--gossip-k 10]
 """
 
 from __future__ import annotations
@@ -228,8 +228,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=48, help="samples per collaborative step (all 3 peers)")
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--dgc-warmup", type=int, default=4, help="dgc's warm-up, in steps")
-    parser.add_argument("--overlap", default="optimizer", choices=["none", "optimizer", "full"],
-                        help="averaging.overlap of the swarm's peers (optimizer: the default, one step in the background)")
+    parser.add_argument("--overlap", default="none", choices=["none", "optimizer", "full"],
+                        help="averaging.overlap of the swarm's peers (none: the default; optimizer: the LAMB step in "
+                             "the background, which makes one micro-batch per peer per step stale)")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
     codecs, seeds = args.codecs.split(","), [int(s) for s in args.seeds.split(",")]

@@ -191,9 +191,11 @@ class AveragingConfig(Section):
     dgc_momentum: float = Field(0.9, ge=0, lt=1, description="dgc's momentum (the optimizer's is off for the "
                                 "matrices dgc sends)")
     overlap: Literal["none", "optimizer", "full"] = Field(
-        "optimizer", description="what runs in the background while the next micro-batches compute: nothing; "
-        "the optimizer step; or the gradient all-reduce too (one step of staleness). diloco ignores it: its outer "
-        "step replaces the parameters the inner steps work on, so nothing overlaps")
+        "none", description="what runs in the background while the next micro-batches compute: nothing (state "
+        "rounds always do); the optimizer step; or the gradient all-reduce too (one step of staleness). The "
+        "optimizer step alone takes milliseconds (LAMB on ALBERT-tiny 6 ms, ALBERT-base 38 ms on one CPU core) and "
+        "the micro-batch computed meanwhile is one step stale, so 'optimizer' is rarely worth it. diloco ignores "
+        "it: its outer step replaces the parameters the inner steps work on, so nothing overlaps")
     average_state_every: int = Field(5, gt=0, description="also average parameters every N epochs (repairs drift)")
     bandwidth: Optional[float] = Field(None, gt=0, le=1e6, description="announced upload bandwidth, Mbit/s")
     aggregation: Literal["auto", "mean", "centered_clip", "adasum"] = Field(

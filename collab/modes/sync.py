@@ -1,9 +1,10 @@
 """Building the collaborative optimizer: hivemind.Optimizer with collab's defaults and guards.
 
 DeDLOC's recipe: gradients accumulate locally toward the swarm's target batch, are averaged in
-one all-reduce per epoch, and every peer applies the same LAMB step. With `overlap`, the
-all-reduce and the optimizer step run in a background thread while the next micro-batches are
-computed (hivemind's delayed gradient averaging / delayed optimizer step, one step of staleness).
+one all-reduce per epoch, and every peer applies the same LAMB step. With `overlap` (off by default), the
+optimizer step, and with `full` the all-reduce too, run in a background thread while the next micro-batches are
+computed (hivemind's delayed optimizer step / delayed gradient averaging, one step of staleness). State rounds
+run in the background either way.
 """
 
 from __future__ import annotations
@@ -184,11 +185,14 @@ class CollabOptimizer(Optimizer):
             # (the diloco test, 2 of 9 runs here) read the swarm before the others had a record, made the whole
             # first target by itself and stepped alone while the two others averaged: two lineages from step one
             return
-        # hivemind first waits for the last epoch's background step and state round: not for one that finds no group
-        if self.delay_optimizer_step and self.state_averager.give_up_matchmaking(
+        # hivemind first waits for the last epoch's background step and state round: not for one that finds no group.
+        # (A state round runs in the background whatever averaging.overlap says - hivemind's delay_state_averaging -
+        # and with overlap none the next optimizer step would queue behind it in the same executor)
+        background = self.delay_optimizer_step or (self.delay_state_averaging and self.use_gradient_averaging)
+        if background and self.state_averager.give_up_matchmaking(
                 self.local_epoch, self.matchmaking_time, self.stop, limit=self.averaging_timeout):
             logger.warning(f"Epoch {self.local_epoch}: the state-averaging round found no group in time; given up")
-        if self.delay_optimizer_step:
+        if background:
             # (hivemind's own first step here) the last epoch's state round may show this peer one epoch behind.
             # A peer that is behind is "ready" at once, at every step: without this check here it would go
             # straight into the next gradient round and stay behind for good (CI, the NAT test: two of four
