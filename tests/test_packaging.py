@@ -86,9 +86,13 @@ def test_a_non_editable_install_finds_its_shipped_configs_and_profiles(tmp_path)
     """What the Docker image and a wheel user get: `pip install .` (not -e). There configs/ is not beside the
     package, and collab.configs (YAML only) is a namespace package; every wheel install once found no shipped
     config, and `collab join` without --config died on a traceback."""
-    site = tmp_path / "site"
+    # built from a clean copy: setuptools builds in the source tree, and a stale build/lib from an earlier build
+    # there would be packaged too (it could hold a file the package data no longer ships)
+    source, site = tmp_path / "source", tmp_path / "site"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "artifacts", ".whl",
+                                                                "__pycache__", ".pytest_cache"))
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                              "--no-compile", "--target", str(site), str(ROOT)],
+                              "--no-compile", "--target", str(site), str(source)],
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stdout + install.stderr
     probe = (
