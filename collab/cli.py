@@ -6,6 +6,7 @@ Every user error ends as one line on stderr and exit code 2; nothing prints a tr
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -52,8 +53,23 @@ def set_process_defaults() -> None:
     os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 
+def timestamp_own_logs() -> None:
+    """collab's own log lines (a re-sync, a round given up, a donor staying on) carry the time, as hivemind's do:
+    a peer's log is read beside its groupmates' to tell what happened when (without it, a CI failure in which a
+    peer left with its own step could not be explained from the logs)."""
+    logger = logging.getLogger("collab")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("{asctime}.{msecs:03.0f} {message}", datefmt="%b %d %H:%M:%S",
+                                               style="{"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     set_process_defaults()
+    timestamp_own_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     # `join` installs its handlers only once its command is parsed; a SIGTERM before that (a simulation
     # ending, `docker stop`) is still a request to leave, not a reason to die

@@ -143,7 +143,7 @@ def repaired(own: OwnStep, averager: RecordingStateAverager) -> bool:
     return averager.gathered_since(own.epoch) >= own.peers
 
 
-FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see peers_behind)
+FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see epochs_behind)
 
 
 def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:
@@ -154,12 +154,13 @@ def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:
             if now - p.time < FRESH_SECONDS and peer not in ignore]
 
 
-def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) -> int:
-    """Peers whose signed progress (hivemind's tracker) says they are exactly one epoch behind `epoch`: after an
-    own step a peer reports the epoch before it, and needs a state donor at `epoch` to leave in sync. A peer
-    waiting inside a gradient round reports nothing new (hivemind re-stores the same record every 30 s), so a
-    record is fresh for a whole averaging round: in CI, donors left 30 s into such a wait."""
-    return sum(1 for other in _fresh_epochs(dht, run_id, ignore) if other == epoch - 1)
+def epochs_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) -> list[int]:
+    """The epochs of peers whose signed progress (hivemind's tracker) is behind `epoch`: each will want a state
+    donor at `epoch` to leave in sync. After an own step a peer reports the epoch before it; a peer whose lineage
+    split (it made its groupmates' steps under a lower number) reports two or more behind until a state round
+    shows it, and both needed a donor in CI. A peer waiting inside a gradient round reports nothing new (hivemind
+    re-stores the same record every 30 s), so a record is fresh for a whole averaging round."""
+    return sorted(other for other in _fresh_epochs(dht, run_id, ignore) if other < epoch)
 
 
 def swarm_finished_without(dht, run_id: str, epoch: int, me: str) -> Optional[int]:

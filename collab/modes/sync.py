@@ -29,12 +29,12 @@ from collab.noise_scale import NOISE_INPUTS_KEPT, NoiseScale
 from collab.rejections import RejectionLog
 from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
-from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
+from collab.donor_patience import EpochPace, donor_patience
+from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, epochs_behind, repaired,
                             swarm_finished_without)
 from collab.tracker import HonestProgressTracker
 
 LEAVE_LINGER_SECONDS = 3.0
-DONOR_LINGER_SECONDS = 60.0  # the least a leaving peer waits for a peer one epoch behind to download its state
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 ALONE_READ_AGE = 1.0  # a peer about to step alone reads the swarm's progress again if its view is older than this
 ALONE_READ_TIMEOUT = 2.0
@@ -109,6 +109,7 @@ class CollabOptimizer(Optimizer):
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
         self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
+        self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
         _QuietLeave.install(self.stop)
         super().__init__(**kwargs)
 
@@ -133,7 +134,10 @@ class CollabOptimizer(Optimizer):
         self._most_peers = max(self._most_peers, self.tracker.global_progress.num_peers)
         self._adopt_the_swarms_epoch()
         self._follow_the_plan()
-        return super().step(*args, **kwargs)
+        try:
+            return super().step(*args, **kwargs)
+        finally:
+            self.pace.observe(self.local_epoch)
 
     def _follow_the_plan(self) -> None:
         """The run's target for this epoch (collab.batch_plan); and, for a plan read after the schedule stepped
@@ -458,7 +462,8 @@ class CollabOptimizer(Optimizer):
                 # the linger counts from the end of our last round, not from its start
                 self.state_averager.step(wait_for_delayed_updates=True)
                 self.stop.wait(LEAVE_LINGER_SECONDS)
-                self._serve_peers_behind()
+            # whatever this peer's view of the swarm says (it may be a minute old): the records say who is behind
+            self._serve_peers_behind()
             for name in ("scheduled_grads", "scheduled_state"):
                 control = getattr(self, name)
                 if control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP:
@@ -478,21 +483,36 @@ class CollabOptimizer(Optimizer):
             self.grad_averager.shutdown()
 
     def _serve_peers_behind(self) -> None:
-        """A peer one epoch behind ours (it missed the last step, or has not noticed it yet) will want our state
-        to leave in sync with the swarm: stay its donor for a while rather than leave it with nobody to ask."""
-        # a peer behind first gives up its last gradient round (at once when it sees that everyone else finished
-        # that epoch: _nobody_left_to_join; else up to averaging_timeout) and its state round: then it asks us
-        deadline = time.monotonic() + max(DONOR_LINGER_SECONDS, self.averaging_timeout + 3 * self.matchmaking_time)
+        """A peer behind ours (it missed the last step, its lineage split, or it has not noticed our step yet) will
+        want our state to leave in sync with the swarm: stay its donor while it is behind, for as long as it
+        needs at the swarm's measured pace (collab.donor_patience), rather than leave it with nobody to ask."""
         # not for a peer caught sending or returning bad parts (hard evidence): in CI the honest peers stayed on
         # a whole minute as donors for a NaN sender one epoch behind them
         caught = frozenset(self.rejections.caught_ever())
-        while time.monotonic() < deadline and not self.stop.is_set():
+        started, patience, said = time.monotonic(), 0.0, False
+        while not self.stop.is_set():
             try:
-                behind = peers_behind(self.dht, self.run_id, self.local_epoch, ignore=caught)
+                behind = epochs_behind(self.dht, self.run_id, self.local_epoch, ignore=caught)
             except Exception:  # a DHT that fails to answer here must not turn a clean leave into a traceback
                 return
+            waited = time.monotonic() - started
             if not behind:
+                if said:
+                    logger.warning(f"Epoch {self.local_epoch}: no peer is behind any more; leaving after {waited:.0f} s")
                 return
+            patience = max(patience, donor_patience(
+                self.local_epoch - behind[0], self.pace.seconds(), self.averaging_timeout, self.matchmaking_time,
+                self.load_state_timeout))
+            if waited > patience:
+                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) still behind (epochs {behind}) after "
+                               f"{waited:.0f} s as their state donor; leaving")
+                return
+            if not said:
+                said = True
+                pace = self.pace.seconds()
+                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) behind (epochs {behind}): staying on as "
+                               f"their state donor for up to {patience:.0f} s (epochs take "
+                               f"{'?' if pace is None else f'{pace:.1f}'} s here)")
             self.stop.wait(0.5)
 
     def apply_revocations(self, revocations) -> None:
