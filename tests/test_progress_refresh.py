@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
+
 from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
@@ -42,6 +44,7 @@ def wait_for_read(tracker: HonestProgressTracker, reads: int, timeout: float = 5
         time.sleep(0.02)
 
 
+@pytest.mark.swarm  # real DHT nodes, and reads timed in seconds
 def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_would_see_later(tmp_path,
                                                                                              no_leftover_processes):
     with two_trackers(tmp_path, target_batch_size=100) as (ours, theirs):
@@ -61,6 +64,7 @@ def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_wou
         assert ours.ready_to_update_epoch  # the target is the swarm's now, with the other peer in it
 
 
+@pytest.mark.swarm  # real DHT nodes, and reads timed in seconds
 def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no_leftover_processes):
     with two_trackers(tmp_path, target_batch_size=2000) as (ours, theirs):
         ours.micro_batch_size = 16
