@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +38,48 @@ MICRO_CONFIG = {
                   "load_state_timeout": 30.0, "average_state_every": 1},
     "checkpoint": {"every_epochs": 100, "keep": 1},
 }
+
+
+# One thread's time for a fixed torch workload (1000 small forward/backward passes) on the developers' machine,
+# idle: 0.22 s. A test's bounds are scaled by how much slower this machine is when the suite starts (scaled()), so
+# a slower or busier machine gets proportionally longer waits, never shorter ones.
+REFERENCE_WORK_SECONDS = 0.22
+MOST_PACE = 4.0  # past 4x slower, a swarm test's timings no longer mean what they were written for
+
+
+def _work_seconds() -> float:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each peer runs (peer_env)
+    try:
+        w, x = torch.randn(128, 128, requires_grad=True), torch.randn(64, 128)
+        started = time.perf_counter()
+        for _ in range(1000):
+            (x @ w).tanh().sum().backward()
+        return time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)
+
+
+_pace: list[float] = []
+
+
+def machine_pace() -> float:
+    """How many times slower than the developers' idle machine this one is (at least 1), measured once."""
+    if not _pace:
+        measured = statistics.median(_work_seconds() for _ in range(3))
+        _pace.append(min(MOST_PACE, max(1.0, measured / REFERENCE_WORK_SECONDS)))
+    return _pace[0]
+
+
+def scaled(seconds: float) -> float:
+    """A bound written for the developers' machine, on this one."""
+    return seconds * machine_pace()
+
+
+def pytest_report_header(config) -> str:
+    return f"machine pace: {machine_pace():.2f}x the developers' idle machine (swarm tests' bounds are scaled by it)"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -130,6 +173,7 @@ def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str
     """Run `peers` local peers with `args` until each reaches `max_epochs` and exits 0; their summaries."""
     from peers.launcher import LocalSwarm
 
+    timeout = scaled(timeout)
     with LocalSwarm(peers, run_id, tmp_path, [*args, "--max-epochs", str(max_epochs)],
                     per_peer_args=per_peer_args or {}, env=peer_env(), per_peer_program=per_peer_program) as swarm:
         swarm.start()
@@ -142,6 +186,12 @@ def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str
     return summaries
 
 
+def swarm_logs(workdir: Path, tail: int = 4000) -> str:
+    """The tails of the peers' logs a LocalSwarm left in `workdir`, for a failure message."""
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-tail:]}"
+                     for log in sorted(workdir.glob("peer*.log")))
+
+
 def status_json(run_id: str, initial_peer: str) -> dict:
     result = run_cli("status", "--run-id", run_id, "--initial-peers", initial_peer, "--json", "--wait", "10")
     assert result.returncode == 0, result.stderr
@@ -149,6 +199,8 @@ def status_json(run_id: str, initial_peer: str) -> dict:
 
 
 def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "condition"):
+    """Polls `predicate` until it is true, for `timeout` seconds on the developers' machine (scaled here)."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -15,7 +15,7 @@ from collab.records import Rejections
 from collab.state import pooled_noise_scale
 from collab.tasks.linreg_config import LinregTaskConfig
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, swarm_config
+from tests.conftest import peer_env, read_summary, scaled, swarm_config
 
 
 def training(**changes):
@@ -112,10 +112,10 @@ def test_three_peers_measure_b_noise_follow_one_plan_toward_it_and_adascale_scal
         "training.target_batch_size": "auto", "training.base_batch_size": base, "training.lr_scaling": "adascale",
         "training.auto_target": {"min": 7680, "max": 122880, "start": 15360, "every_epochs": 2},
         "averaging.aggregation": "mean", "averaging.compression": "none", "averaging.average_state_every": 1000})
-    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "15"], env=peer_env(),
+    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "10"], env=peer_env(),
                     per_peer_args={i: ["--wait-peers", "3"] for i in range(3)}) as swarm:
         swarm.start()
-        codes = [peer.wait(timeout=240) for peer in swarm.peers]
+        codes = [peer.wait(timeout=scaled(240)) for peer in swarm.peers]
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
         assert codes == [0, 0, 0], f"exit codes {codes}\n{logs}"
         summaries = [read_summary(peer) for peer in swarm.peers]
@@ -133,7 +133,7 @@ def test_three_peers_measure_b_noise_follow_one_plan_toward_it_and_adascale_scal
         [(s["plans_issued"], s["plan_by_epoch"]) for s in summaries]
     assert not any(s["plans_read_late"] for s in summaries), [s["plans_read_late"] for s in summaries]
     shared = sorted(set(plans[0]) & set(plans[1]) & set(plans[2]))
-    assert len(shared) >= 10, [sorted(p) for p in plans]
+    assert len(shared) >= 6, [sorted(p) for p in plans]
     for epoch in shared:  # one plan: the same target, gain, progress and learning rate on every peer
         first = plans[0][epoch]
         assert all(p[epoch][:3] == pytest.approx(first[:3], rel=1e-9) for p in plans), (epoch, [p[epoch] for p in plans])

@@ -7,7 +7,7 @@ from transformers import AlbertForPreTraining
 
 from collab.checkpoint import list_checkpoints
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary
+from tests.conftest import peer_env, read_summary, scaled
 
 pytestmark = pytest.mark.swarm
 
@@ -17,7 +17,7 @@ def run_alone(tmp_path, config, run_id, checkpoints, max_epochs: int) -> tuple[d
                                           "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"],
                     env=peer_env()) as swarm:
         swarm.start()
-        assert swarm.wait(timeout=180), swarm.peers[0].log_text()[-3000:]
+        assert swarm.wait(timeout=scaled(180)), swarm.peers[0].log_text()[-3000:]
         peer = swarm.peers[0]
         assert peer.popen.returncode == 0, peer.log_text()[-3000:]
         return read_summary(peer), peer.log_text()

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, status_json, swarm_config, wait_for
+from tests.conftest import peer_env, read_summary, scaled, status_json, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -52,7 +52,7 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
         assert state["mode"] == "diloco", state
         shown = [p for p in state["peers"] if p["pseudo_gradient_norm"] is not None]
         assert shown and all(p["pseudo_gradient_norm"] > 0 and p["inner_steps"] >= 0 for p in shown), state["peers"]
-        codes = {i: swarm.peers[i].wait(timeout=300) for i in finishing}
+        codes = {i: swarm.peers[i].wait(timeout=scaled(300)) for i in finishing}
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
         assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{logs}"
         summaries = {i: read_summary(swarm.peers[i]) for i in (*finishing, 2)}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from collab.config import load_config
 from collab.tasks import build_task
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, status_json, swarm_config, wait_for
+from tests.conftest import peer_env, read_summary, scaled, status_json, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -62,7 +62,7 @@ def test_three_gossip_peers_merge_pairwise_stay_together_and_survive_a_kill(tmp_
         victim.signal(signal.SIGKILL)
         killed_at = time.monotonic()
         state = status_json(run_id, swarm.initial_peer)  # the killed peer's last record is still fresh
-        codes = {i: swarm.peers[i].wait(timeout=300) for i in finishing}
+        codes = {i: swarm.peers[i].wait(timeout=scaled(300)) for i in finishing}
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
         assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{logs}"
         summaries = {i: read_summary(swarm.peers[i]) for i in range(4)}

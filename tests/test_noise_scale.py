@@ -11,7 +11,7 @@ from collab.aggregation import Aggregation, adasum
 from collab.noise_scale import NoiseScale, adascale_gain, two_batch_estimate
 from collab.state import pooled_noise_scale
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, swarm_config
+from tests.conftest import peer_env, read_summary, scaled, swarm_config
 from tests.test_aggregation import reduce
 
 
@@ -171,7 +171,7 @@ def test_three_real_peers_train_with_adasum(tmp_path, run_id, no_leftover_proces
     with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(rounds)], env=peer_env(),
                     per_peer_args={i: ["--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in range(3)}) as swarm:
         swarm.start()
-        codes = [peer.wait(timeout=300) for peer in swarm.peers]
+        codes = [peer.wait(timeout=scaled(300)) for peer in swarm.peers]
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
         assert codes == [0, 0, 0], f"exit codes {codes}\n{logs}"
         summaries = [read_summary(peer) for peer in swarm.peers]

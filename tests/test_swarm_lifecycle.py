@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, status_json, wait_for, write_config
+from tests.conftest import peer_env, read_summary, scaled, status_json, wait_for, write_config
 
 pytestmark = pytest.mark.swarm
 
@@ -73,7 +73,7 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
         print(f"its last process was gone {time.monotonic() - started:.1f} s after SIGTERM")
 
         # the others go on advancing without it, to the end
-        finished = swarm.wait(timeout=300)
+        finished = swarm.wait(timeout=scaled(300))
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
         assert finished, f"the remaining peers did not finish\n{logs}"
         first, late = read_summary(swarm.peers[0]), read_summary(swarm.peers[2])

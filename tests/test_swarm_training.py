@@ -12,7 +12,7 @@ from collab.checkpoint import list_checkpoints
 from collab.config import load_config
 from collab.tasks import build_task
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, swarm_config, train_swarm_to_epoch
+from tests.conftest import peer_env, read_summary, scaled, swarm_config, swarm_logs, train_swarm_to_epoch
 
 pytestmark = pytest.mark.swarm
 
@@ -54,7 +54,8 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
         losses = [v for _, v in sorted((int(k), v) for k, v in s["loss_by_epoch"].items())]
         assert losses[-1] < losses[0], f"loss did not fall on peer {s['peer_id']}: {losses}"
     # the starved peer knew its last step was its own and fetched the swarm's state; the others were the swarm
-    assert summaries[2]["rounds_failed"] >= 1 and summaries[2]["final_replica"] == "downloaded", summaries[2]
+    assert summaries[2]["rounds_failed"] >= 1 and summaries[2]["final_replica"] == "downloaded", \
+        f"{summaries[2]}\n{swarm_logs(tmp_path)}"
     # the others end as the swarm, or by downloading it: in a fresh-clone run under load, peer 0 received 94.7% of
     # its results in its last round with peer 1, which had its own and left; peer 0 lost that reducer, stepped
     # alone and downloaded the state before leaving (the checkpoints below agree). Cause of the lost part unknown
@@ -99,10 +100,10 @@ def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_
                                           "--stall", "120"]}) as swarm:
         swarm.start()
         late = swarm.peers[2]
-        assert late.wait(timeout=240) == 0, late.log_text()[-3000:]
+        assert late.wait(timeout=scaled(240)) == 0, late.log_text()[-3000:]
         log = late.log_text()
         # the others wait (as donors) for the late peer only: they leave soon after it
-        assert swarm.wait(timeout=30), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
+        assert swarm.wait(timeout=scaled(30)), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
         summaries = [read_summary(p) for p in swarm.peers]
     assert "the others to leave it" in log, log[-3000:]  # the fault fired
     # the round ended by this check (before it, after averaging_timeout: a TimeoutError)
@@ -152,7 +153,7 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", "3"],
                     per_peer_args=per_peer, env=peer_env()) as swarm:
         swarm.start()
-        assert swarm.wait(timeout=240), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
+        assert swarm.wait(timeout=scaled(240)), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
         server, client = read_summary(swarm.peers[0]), read_summary(swarm.peers[1])
     for s in (server, client):
         assert s["final_epoch"] == 3 and s["rounds_joined"] >= 2 and set(s["group_sizes"]) == {2}, s
