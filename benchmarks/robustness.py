@@ -1,15 +1,22 @@
 """Honest peers' learning under attack, with mean against centered_clip, on this machine.
 
 For each attack (tests/attacker_peer.py) and each aggregation, --honest ALBERT-micro peers and one attacker
-train on 127.0.0.1 to --epochs; a clean run (no attacker, --honest + 1 honest peers) is the reference. For
-each run it prints the honest peers' mean loss at epoch 0 and at the last epoch, the loss decrease against
-the clean run's with the same aggregation (goal with centered_clip: >= 0.95), their gradient rounds ok and
-failed, and the contributions they refused.
+(two for nan+sign-flip) train on 127.0.0.1 to --epochs; a clean run (no attacker, --honest + 1 honest peers) is
+the reference. For each run it prints the honest peers' mean loss at epoch 0 and at the last epoch, the loss
+decrease against the clean run's with the same aggregation (goal with centered_clip: >= 0.95), their gradient
+rounds ok and failed, and the contributions they refused.
 
     python3 benchmarks/robustness.py [--honest 4] [--epochs 6] [--attacks sign-flip,nan,weight,garbage-reducer]
-                                     [--aggregations mean,centered_clip] [--repeats 1]
+                                     [--aggregations mean,centered_clip] [--repeats 1] [--target-batch-size N]
 
 With --repeats N each cell is run N times: the table shows the median and, in brackets, the range of the ratio.
+
+The long version of tests/test_robust_averaging.py::test_nan_and_sign_flip_attackers_are_excluded_and_clipped
+(which runs 3 honest peers for 3 epochs to stay short): 4 honest peers, one NaN sender and one sign-flipper x1000
+together, 5 epochs, the test's target batch of 384, with centered_clip against a clean run:
+
+    python3 benchmarks/robustness.py --attacks nan+sign-flip --aggregations centered_clip --epochs 5 \
+        --target-batch-size 384
 
 The cost side (a centered_clip round's time against mean's) is benchmarks/allreduce.py's symmetric case:
     sudo python3 benchmarks/allreduce.py --only symmetric --methods hivemind-fp16,collab-centered-clip
@@ -30,14 +37,16 @@ sys.path.insert(0, str(ROOT))
 from peers.launcher import LocalSwarm  # noqa: E402
 from tests.conftest import peer_env, read_summary, write_config  # noqa: E402
 
-ATTACKS = {"clean": None, "sign-flip": ["--sign-flip", "1000"], "nan": ["--nan"], "weight": ["--weight", "1e9"],
-           "garbage-reducer": ["--garbage-reducer"]}
+# each attack: the attacker peers' arguments, one list per attacker
+ATTACKS = {"clean": [], "sign-flip": [["--sign-flip", "1000"]], "nan": [["--nan"]], "weight": [["--weight", "1e9"]],
+           "garbage-reducer": [["--garbage-reducer"]], "nan+sign-flip": [["--nan"], ["--sign-flip", "1000"]]}
 ATTACKER = [sys.executable, str(ROOT / "tests" / "attacker_peer.py")]
 
 
-def run(workdir: Path, config: Path, honest: int, epochs: int, attack) -> list[dict]:
-    n = honest + 1
-    programs = {honest: [*ATTACKER, *attack]} if attack else None
+def run(workdir: Path, config: Path, honest: int, epochs: int, attackers: list[list[str]]) -> list[dict]:
+    """The honest peers' summaries; a clean run (no attackers) has one more honest peer in their place."""
+    n = honest + max(1, len(attackers))
+    programs = {honest + i: [*ATTACKER, *attack] for i, attack in enumerate(attackers)} or None
     with LocalSwarm(n, f"bench-{workdir.name}", workdir, ["--config", str(config), "--max-epochs", str(epochs),
                                                           "--wait-peers", str(n)],
                     env=peer_env(), per_peer_program=programs) as swarm:
@@ -59,11 +68,16 @@ def main(argv=None) -> None:
     p.add_argument("--attacks", default="sign-flip,nan,weight,garbage-reducer")
     p.add_argument("--aggregations", default="mean,centered_clip")
     p.add_argument("--repeats", type=int, default=1, help="runs per cell (attack x aggregation)")
+    p.add_argument("--target-batch-size", type=int, default=None,
+                   help="training.target_batch_size (default: the micro config's, 1024)")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="collab-robustness-") as tmp:
         for aggregation in args.aggregations.split(","):
-            config = write_config(Path(tmp), {"averaging.aggregation": aggregation}, name=f"{aggregation}.yaml")
+            changes = {"averaging.aggregation": aggregation}
+            if args.target_batch_size:
+                changes["training.target_batch_size"] = args.target_batch_size
+            config = write_config(Path(tmp), changes, name=f"{aggregation}.yaml")
             clean_drops = []
             for attack in ["clean", *args.attacks.split(",")]:
                 firsts, lasts, drops, ok, failed, reasons = [], [], [], 0, 0, Counter()
@@ -87,8 +101,8 @@ def main(argv=None) -> None:
                              reasons))
                 print(f"  {aggregation:13s} {attack:16s} done", flush=True)
     runs = f", {args.repeats} runs per cell (medians; ratio range in brackets)" if args.repeats > 1 else ""
-    print(f"\n{args.honest} honest peers + 1 attacker, ALBERT-micro, {args.epochs} epochs; loss: the honest peers' "
-          f"mean{runs}")
+    print(f"\n{args.honest} honest peers + the attackers (nan+sign-flip: 2, others: 1), ALBERT-micro, "
+          f"{args.epochs} epochs; loss: the honest peers' mean{runs}")
     print(f"{'attack':16s} {'aggregation':13s} {'loss e0':>8s} {'loss eN':>8s} {'drop/clean':>18s} "
           f"{'rounds ok':>9s} {'failed':>6s} {'refused':>7s}")
     for attack, aggregation, first, last, ratio, low, high, ok, failed, refused, _ in rows:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from transformers import AutoTokenizer
@@ -22,9 +23,14 @@ def _volunteers_own_tokenizer(cache, monkeypatch):
     from collab.data.corpus import embedded_corpus_path
     from collab.data.tokenizer import embedded_tokenizer_file
 
-    ours = embedded_corpus_path().read_text().split("\n\n")
+    session_corpus = embedded_corpus_path()  # the session's cache: built once, before any test
+    ours = session_corpus.read_text().split("\n\n")
     monkeypatch.setenv("COLLAB_CACHE_DIR", str(cache))
-    embedded_corpus_path().write_text("\n\n".join(ours[len(ours) // 3:]))  # a third of the docstrings differ
+    # written where embedded_corpus_path() finds it, so that it does not build the full corpus in this cache first
+    # (11 s of walking the standard library, only to be overwritten)
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / session_corpus.name).write_text("\n\n".join(ours[len(ours) // 3:]))  # a third of the docstrings differ
+    assert embedded_corpus_path() == cache / session_corpus.name
     path = embedded_tokenizer_file(MICRO_CONFIG["task"]["data"]["vocab_size"])
     monkeypatch.undo()
     return path
@@ -33,7 +39,9 @@ def _volunteers_own_tokenizer(cache, monkeypatch):
 def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, micro_config, run_id, monkeypatch,
                                                                    no_leftover_processes):
     folder = tmp_path / "run"
-    init = run_cli("init", run_id, "--config", str(swarm_config(tmp_path, 2)), "--dir", str(folder), timeout=120)
+    # half the micro config's target batch: nothing here measures learning, and each epoch is half as long
+    init = run_cli("init", run_id, "--config", str(swarm_config(tmp_path, 2, {"training.target_batch_size": 512})),
+                   "--dir", str(folder), timeout=120)
     assert init.returncode == 0, init.stderr
     key = load_run_folder(folder).fingerprint
     other_cache = tmp_path / "volunteer-cache"
@@ -57,11 +65,13 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
         bad = write_config(tmp_path, {"training.target_batch_size": 4096}, "bad.yaml")
         joining = ["join", "--run-id", run_id, "--initial-peers", swarm.initial_peer,
                    "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-        refused = run_cli(*joining, "--run-key", key, "--config", str(bad), timeout=120)
+        with ThreadPoolExecutor(2) as pool:  # at once: each is a few s of imports
+            refused = pool.submit(run_cli, *joining, "--run-key", key, "--config", str(bad), timeout=120)
+            impostor = pool.submit(run_cli, *joining, "--run-key", "0" * 32, timeout=120)
+            refused, impostor = refused.result(), impostor.result()
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
         assert (f"training.target_batch_size is 4096 in --config {bad} or --target-batch-size, but the run's "
-                "manifest says 1024") in refused.stderr.strip().splitlines()[-1]
-        impostor = run_cli(*joining, "--run-key", "0" * 32, timeout=120)
+                "manifest says 512") in refused.stderr.strip().splitlines()[-1]
         assert impostor.returncode == 2, impostor.stderr
         assert f"signed by key {key}, not --run-key {'0' * 32}" in impostor.stderr.strip().splitlines()[-1]
         swarm.start_peer(1, ["--wait-peers", "2"])
