@@ -8,6 +8,10 @@ swarm computed, epochs, MB per round and x fewer bytes than fp32. Goal (issue 12
 peer >= 90% of its rounds and >= 80% computing.
 
     sudo python3 benchmarks/home_links.py [--configs albert-tiny,albert-tiny-home] [--duration 150] [--repeats 2]
+
+The long version of tests/test_simulate_network.py's NAT scenario (there: 4 micro peers, one NAT'd with 20 Mbit/s
+up, for 3 epochs, with `collab status` and the final replicas checked): here a NAT'd peer trains for the whole
+--duration among slower and faster links.
 """
 
 from __future__ import annotations

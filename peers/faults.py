@@ -56,14 +56,16 @@ class FreezeResult:
     after: dict = field(default_factory=dict)  # ... and once it had caught up
 
 
-def freeze_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None
-                    ) -> FreezeResult:
-    """3 peers; peer 2's whole session gets SIGSTOP for `seconds` while it is matching or averaging (its epochs
-    start their matchmaking before the last one ends, so a peer is in a round most of the time), then SIGCONT."""
+def freeze_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None,
+                    warmup_epochs: int = 2) -> FreezeResult:
+    """3 peers; once every peer reached `warmup_epochs`, peer 2's whole session gets SIGSTOP for `seconds` while it
+    is matching or averaging (its epochs start their matchmaking before the last one ends, so a peer is in a round
+    most of the time), then SIGCONT."""
     with LocalSwarm(3, run_id, workdir, ["--config", str(config)], env=env) as swarm:
         swarm.start()
         frozen, others = swarm.peers[2], swarm.peers[:2]
-        wait_until(lambda: min(epochs(swarm.peers)) >= 2, 240, "epoch 2 on every peer", swarm)
+        wait_until(lambda: min(epochs(swarm.peers)) >= warmup_epochs, 240, f"epoch {warmup_epochs} on every peer",
+                   swarm)
         before = progress(frozen)["final_epoch"]
         wait_until(lambda: progress(frozen)["final_epoch"] > before, 60, "the next epoch on the peer to freeze", swarm)
         time.sleep(3)  # into the next round's matchmaking
@@ -90,16 +92,20 @@ class SplitResult:
     found_back: list[int] = field(default_factory=list)  # peers each one reached again (collab.rejoin)
 
 
-def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None
-                   ) -> SplitResult:
-    """4 peers in network namespaces (root); peers 0, 1 and peers 2, 3 lose each other for `seconds` (their
-    switch ports on two bridges), then the network heals. `config` must checkpoint every epoch."""
+def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None,
+                   warmup_epochs: int = 2, stop_at_first_common: bool = False) -> SplitResult:
+    """4 peers in network namespaces (root); once every peer reached `warmup_epochs`, peers 0, 1 and peers 2, 3
+    lose each other for `seconds` (their switch ports on two bridges), then the network heals. `config` must
+    checkpoint every epoch. The swarm runs until every peer is 5 epochs past the heal; `stop_at_first_common`: or
+    until all four have checkpointed one epoch of the 3 that are judged, whichever comes first (the same epoch is
+    judged: a peer checkpoints its epochs in order, so no earlier one of the 3 becomes common later)."""
     per_peer = {i: ["--checkpoint-dir", str(workdir / f"peer{i}")] for i in range(4)}
     links = [LinkSpec()] * 4
     with NetworkLab(links) as lab, LocalSwarm(4, run_id, workdir, ["--config", str(config)], per_peer_args=per_peer,
                                               env=env, network=lab, links=links) as swarm:
         swarm.start()
-        wait_until(lambda: min(epochs(swarm.peers)) >= 2, 240, "epoch 2 on every peer", swarm)
+        wait_until(lambda: min(epochs(swarm.peers)) >= warmup_epochs, 240, f"epoch {warmup_epochs} on every peer",
+                   swarm)
         split_at = epochs(swarm.peers)
         lab.partition([2, 3])
         try:
@@ -108,7 +114,12 @@ def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env
         finally:
             lab.heal()
         target = max(healed_at) + 3
-        wait_until(lambda: min(epochs(swarm.peers)) >= target + 2, 180, f"epoch {target + 2} on every peer", swarm)
+
+        def done() -> bool:
+            if stop_at_first_common and _common_epochs(workdir, target):
+                return True
+            return min(epochs(swarm.peers)) >= target + 2
+        wait_until(done, 180, f"epoch {target + 2} on every peer", swarm)
         found_back = [progress(p).get("peers_found_back", 0) for p in swarm.peers]
     checkpoints = [_checkpoints(workdir / f"peer{i}") for i in range(4)]
     # any peer of one half against any of the other, at an epoch both checkpointed while split (each peer's own
@@ -118,9 +129,15 @@ def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env
         return set(checkpoints[i]) & set(range(split_at[i] + 1, healed_at[i] + 1))
     apart = max((_max_difference([checkpoints[a][epoch], checkpoints[b][epoch]])
                  for a in (0, 1) for b in (2, 3) for epoch in while_split(a) & while_split(b)), default=0.0)
-    common = sorted(set.intersection(*(set(c) for c in checkpoints)) & set(range(target, target + 3)))
+    common = _common_epochs(workdir, target)
     after = _max_difference([c[common[0]] for c in checkpoints]) if common else float("inf")
     return SplitResult(split_at, healed_at, apart, common[0] if common else None, after, found_back)
+
+
+def _common_epochs(workdir: Path, target: int) -> list[int]:
+    """The epochs target..target+2 that all four peers checkpointed."""
+    checkpoints = [_checkpoints(workdir / f"peer{i}") for i in range(4)]
+    return sorted(set.intersection(*(set(c) for c in checkpoints)) & set(range(target, target + 3)))
 
 
 def _checkpoints(directory: Path) -> dict[int, Path]:
