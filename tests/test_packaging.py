@@ -34,7 +34,10 @@ def test_ci_installs_torch_first_then_runs_the_suite():
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     torch = lines.index("python3 -m pip install torch==2.13.0")
     project = lines.index('python3 -m pip install -e ".[test]"')
-    assert torch < project < lines.index("python3 -m pytest -q")
+    runs = [i for i, line in enumerate(lines) if "python3 -m pytest -q" in line]
+    # the tests that start no swarm (in two workers), then the swarm tests: together, the whole suite
+    assert [lines[i].split("pytest -q ", 1)[1] for i in runs] == ['-m "not swarm" -n 2', "-m swarm"], runs
+    assert torch < project < runs[0]
 
 
 def test_pyproject_packages_and_dependencies():
