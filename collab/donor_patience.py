@@ -2,9 +2,10 @@
 
 A peer that stepped alone at its last epoch (its gradient round failed) ends in sync only by downloading the
 swarm's state, and at the end of a run the only donors are peers that are leaving too. They stay while a peer
-is behind them, for as long as that peer needs at the swarm's own pace: finish the epochs it is behind (twice
-the measured epoch time each, as it may be the slowest peer), give up its last gradient and state rounds, and
-download. A fixed wait is too short on a slow or busy machine and far too long on a fast one.
+is behind them, for as long as that peer needs: finish the epochs it is behind - alone, since the others are
+done: the samples it still lacks at its own published rate, and at least twice the swarm's measured epoch time
+per epoch - then give up its last gradient and state rounds, and download. A fixed wait is too short on a slow
+or busy machine and far too long on a fast one.
 """
 
 from __future__ import annotations
@@ -12,11 +13,23 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 EPOCHS_KEPT = 8  # the pace is the median of this many recent epochs: one stalled epoch does not set it
 MOST_EPOCHS_SERVED = 2  # a peer further behind catches up by downloading at its next step: it needs no more time
 SLOWEST_PEER_FACTOR = 2.0  # the peer behind may be the slowest: each of its epochs gets twice the median
+MOST_SLOWER = 8.0  # a rate is the peer's own word: its epochs are taken to last at most this many of ours
+MOST_COMPUTE_SECONDS = 600.0  # ... and, before this peer timed an epoch of its own, at most this long in all
+
+
+@dataclass(frozen=True)
+class Behind:
+    """A peer behind this one, from its signed progress record."""
+
+    epochs: int  # how many epochs behind
+    samples: int  # accumulated toward its current epoch
+    samples_per_second: float
 
 
 class EpochPace:
@@ -42,10 +55,20 @@ class EpochPace:
         return statistics.median(self._durations) if self._durations else None
 
 
-def donor_patience(gap: int, epoch_seconds: Optional[float], averaging_timeout: float, matchmaking_time: float,
-                   load_state_timeout: float) -> float:
-    """Seconds a leaving donor waits for a peer `gap` epochs behind it to come and download its state."""
-    epochs = min(max(gap, 0), MOST_EPOCHS_SERVED) * SLOWEST_PEER_FACTOR * (epoch_seconds or 0.0)
-    # its last gradient round (given up at averaging_timeout at the latest), its state round's matchmaking, and
-    # a download that may first try a peer that already left
-    return epochs + averaging_timeout + 3 * matchmaking_time + load_state_timeout
+def donor_patience(behind: Iterable[Behind], target_batch_size: int, epoch_seconds: Optional[float],
+                   averaging_timeout: float, matchmaking_time: float, load_state_timeout: float) -> float:
+    """Seconds a leaving donor waits for the peers `behind` it to come and download its state."""
+    compute = max((_compute_seconds(b, target_batch_size, epoch_seconds) for b in behind), default=0.0)
+    # then its last gradient round (given up at averaging_timeout at the latest), its state round's matchmaking,
+    # and a download that may first try a peer that already left
+    return compute + averaging_timeout + 3 * matchmaking_time + load_state_timeout
+
+
+def _compute_seconds(behind: Behind, target_batch_size: int, epoch_seconds: Optional[float]) -> float:
+    epochs = min(max(behind.epochs, 0), MOST_EPOCHS_SERVED)
+    by_pace = epochs * SLOWEST_PEER_FACTOR * (epoch_seconds or 0.0)
+    left = max(0.0, epochs * target_batch_size - max(behind.samples, 0))
+    if not behind.samples_per_second > 0 or not left:
+        return by_pace
+    most = epochs * MOST_SLOWER * epoch_seconds if epoch_seconds else MOST_COMPUTE_SECONDS
+    return max(by_pace, min(left / behind.samples_per_second, most))

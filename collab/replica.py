@@ -24,6 +24,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from collab.aggregation import Aggregation
+from collab.donor_patience import Behind
 from collab.robust_rounds import CheckedRounds
 from collab.state_download import CheckedDownloads
 from collab.run.gate import MemberGate, MembersOnly
@@ -143,24 +144,28 @@ def repaired(own: OwnStep, averager: RecordingStateAverager) -> bool:
     return averager.gathered_since(own.epoch) >= own.peers
 
 
-FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see epochs_behind)
+FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see peers_behind)
 
 
-def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:
+def _fresh_records(dht, run_id: str, ignore: frozenset) -> list:
     from collab.state import progress_records
 
     now = time.time()
-    return [p.epoch for peer, p in progress_records(dht, run_id).items()
-            if now - p.time < FRESH_SECONDS and peer not in ignore]
+    return [p for peer, p in progress_records(dht, run_id).items() if now - p.time < FRESH_SECONDS and peer not in ignore]
 
 
-def epochs_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) -> list[int]:
-    """The epochs of peers whose signed progress (hivemind's tracker) is behind `epoch`: each will want a state
+def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:
+    return [p.epoch for p in _fresh_records(dht, run_id, ignore)]
+
+
+def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) -> list[Behind]:
+    """Peers whose signed progress (hivemind's tracker) is behind `epoch`, furthest first: each will want a state
     donor at `epoch` to leave in sync. After an own step a peer reports the epoch before it; a peer whose lineage
     split (it made its groupmates' steps under a lower number) reports two or more behind until a state round
     shows it, and both needed a donor in CI. A peer waiting inside a gradient round reports nothing new (hivemind
     re-stores the same record every 30 s), so a record is fresh for a whole averaging round."""
-    return sorted(other for other in _fresh_epochs(dht, run_id, ignore) if other < epoch)
+    return sorted((Behind(epochs=epoch - p.epoch, samples=p.samples_accumulated, samples_per_second=p.samples_per_second)
+                   for p in _fresh_records(dht, run_id, ignore) if p.epoch < epoch), key=lambda b: -b.epochs)
 
 
 def swarm_finished_without(dht, run_id: str, epoch: int, me: str) -> Optional[int]:

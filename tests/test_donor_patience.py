@@ -1,10 +1,14 @@
-"""A leaving donor's patience follows the swarm's measured pace (collab.donor_patience)."""
+"""A leaving donor's patience follows the swarm's measured pace and the peer behind's own rate
+(collab.donor_patience)."""
 
 from __future__ import annotations
 
 import pytest
 
-from collab.donor_patience import EpochPace, donor_patience
+from collab.donor_patience import MOST_COMPUTE_SECONDS, MOST_SLOWER, Behind, EpochPace, donor_patience
+
+TIMEOUTS = dict(averaging_timeout=30.0, matchmaking_time=5.0, load_state_timeout=30.0)
+WAITS = 30.0 + 3 * 5.0 + 30.0  # its last round, its state round's matchmaking, a download
 
 
 def test_the_pace_is_the_median_of_epochs_that_moved_by_one():
@@ -19,13 +23,27 @@ def test_the_pace_is_the_median_of_epochs_that_moved_by_one():
 
 
 def test_a_slower_swarm_gets_a_longer_wait_and_a_peer_further_behind_too():
-    timeouts = dict(averaging_timeout=30.0, matchmaking_time=5.0, load_state_timeout=30.0)
-    fast = donor_patience(1, 5.0, **timeouts)
-    slow = donor_patience(1, 40.0, **timeouts)
-    assert fast == pytest.approx(5.0 * 2 + 30 + 15 + 30)
-    assert slow - fast == pytest.approx(2 * (40.0 - 5.0))
-    assert donor_patience(2, 40.0, **timeouts) - slow == pytest.approx(80.0)
+    done = Behind(epochs=1, samples=1024, samples_per_second=50.0)  # at the end of its epoch: only the waits
+    assert donor_patience([done], 1024, 5.0, **TIMEOUTS) == pytest.approx(2 * 5.0 + WAITS)
+    assert donor_patience([done], 1024, 40.0, **TIMEOUTS) == pytest.approx(2 * 40.0 + WAITS)
+    two = Behind(epochs=2, samples=1024, samples_per_second=50.0)
+    assert donor_patience([done, two], 1024, 40.0, **TIMEOUTS) == pytest.approx(max(4 * 40.0, 1024 / 50) + WAITS)
     # further behind than 2 epochs, the peer catches up by downloading at its next step: no more time
-    assert donor_patience(7, 40.0, **timeouts) == donor_patience(2, 40.0, **timeouts)
-    # no epoch timed yet: the waits the peer behind has left at most
-    assert donor_patience(1, None, **timeouts) == pytest.approx(75.0)
+    seven = Behind(epochs=7, samples=0, samples_per_second=50.0)
+    assert donor_patience([seven], 1024, 40.0, **TIMEOUTS) == donor_patience([Behind(2, 0, 50.0)], 1024, 40.0,
+                                                                             **TIMEOUTS)
+    assert donor_patience([], 1024, 40.0, **TIMEOUTS) == pytest.approx(WAITS)
+
+
+def test_a_peer_that_must_compute_its_epoch_alone_gets_the_time_its_own_rate_needs():
+    """The failing CI run's shape: the others finished the epoch without it, so it computes what it lacks alone -
+    at 20 samples/s, 900 samples take 45 s, more than twice the swarm's 8-s epochs."""
+    alone = Behind(epochs=1, samples=124, samples_per_second=20.0)
+    assert donor_patience([alone], 1024, 8.0, **TIMEOUTS) == pytest.approx(900 / 20.0 + WAITS)
+    # its rate is its own word: a peer claiming to crawl holds the donor MOST_SLOWER of its epochs at most
+    crawling = Behind(epochs=1, samples=0, samples_per_second=1e-6)
+    assert donor_patience([crawling], 1024, 8.0, **TIMEOUTS) == pytest.approx(MOST_SLOWER * 8.0 + WAITS)
+    assert donor_patience([crawling], 1024, None, **TIMEOUTS) == pytest.approx(MOST_COMPUTE_SECONDS + WAITS)
+    # a rate of zero, negative or not a number says nothing: the swarm's pace alone
+    for rate in (0.0, -5.0, float("nan")):
+        assert donor_patience([Behind(1, 0, rate)], 1024, 8.0, **TIMEOUTS) == pytest.approx(16.0 + WAITS)

@@ -30,7 +30,7 @@ from collab.rejections import RejectionLog
 from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
 from collab.donor_patience import EpochPace, donor_patience
-from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, epochs_behind, repaired,
+from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
                             swarm_finished_without)
 from collab.tracker import HonestProgressTracker
 
@@ -492,25 +492,26 @@ class CollabOptimizer(Optimizer):
         started, patience, said = time.monotonic(), 0.0, False
         while not self.stop.is_set():
             try:
-                behind = epochs_behind(self.dht, self.run_id, self.local_epoch, ignore=caught)
+                behind = peers_behind(self.dht, self.run_id, self.local_epoch, ignore=caught)
             except Exception:  # a DHT that fails to answer here must not turn a clean leave into a traceback
                 return
             waited = time.monotonic() - started
+            epochs = [self.local_epoch - b.epochs for b in behind]
             if not behind:
                 if said:
                     logger.warning(f"Epoch {self.local_epoch}: no peer is behind any more; leaving after {waited:.0f} s")
                 return
             patience = max(patience, donor_patience(
-                self.local_epoch - behind[0], self.pace.seconds(), self.averaging_timeout, self.matchmaking_time,
-                self.load_state_timeout))
+                behind, self.tracker.target_batch_size, self.pace.seconds(), self.averaging_timeout,
+                self.matchmaking_time, self.load_state_timeout))
             if waited > patience:
-                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) still behind (epochs {behind}) after "
+                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) still behind (epochs {epochs}) after "
                                f"{waited:.0f} s as their state donor; leaving")
                 return
             if not said:
                 said = True
                 pace = self.pace.seconds()
-                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) behind (epochs {behind}): staying on as "
+                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) behind (epochs {epochs}): staying on as "
                                f"their state donor for up to {patience:.0f} s (epochs take "
                                f"{'?' if pace is None else f'{pace:.1f}'} s here)")
             self.stop.wait(0.5)
