@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -40,26 +39,43 @@ MICRO_CONFIG = {
 }
 
 
-# One thread's time for a fixed torch workload (1000 small forward/backward passes) on the developers' machine,
-# idle: 0.22 s. A test's bounds are scaled by how much slower this machine is when the suite starts (scaled()), so
-# a slower or busier machine gets proportionally longer waits, never shorter ones.
+# The time of a fixed torch workload (1000 small forward/backward passes, one thread) run in as many processes
+# at once as the machine has cores, on the developers' idle 2-core machine: 0.22 s. Run side by side, it sees both
+# a slower core and a busy machine (a CPU hog on one of 2 cores leaves a swarm half the machine, and slows this
+# probe as much), where one thread alone would find the other core idle. A test's bounds are scaled by how much
+# slower this machine is when the suite starts (scaled()): longer waits, never shorter ones.
 REFERENCE_WORK_SECONDS = 0.22
 MOST_PACE = 4.0  # past 4x slower, a swarm test's timings no longer mean what they were written for
+_PROBE = """
+import sys, time, torch
+torch.set_num_threads(1)
+w, x = torch.randn(128, 128, requires_grad=True), torch.randn(64, 128)
+sys.stdin.readline()  # every probe imported torch: start together
+times = []
+for _ in range(3):
+    started = time.perf_counter()
+    for _ in range(1000):
+        (x @ w).tanh().sum().backward()
+    times.append(time.perf_counter() - started)
+print(sorted(times)[1], flush=True)
+"""
 
 
 def _work_seconds() -> float:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each peer runs (peer_env)
+    """The slowest probe's median of 3 runs."""
+    probes = [subprocess.Popen([sys.executable, "-c", _PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+              for _ in range(os.cpu_count() or 1)]
     try:
-        w, x = torch.randn(128, 128, requires_grad=True), torch.randn(64, 128)
-        started = time.perf_counter()
-        for _ in range(1000):
-            (x @ w).tanh().sum().backward()
-        return time.perf_counter() - started
+        time.sleep(0.1)
+        for probe in probes:
+            probe.stdin.write("go\n")
+            probe.stdin.flush()
+        return max(float(probe.communicate(timeout=120)[0]) for probe in probes)
     finally:
-        torch.set_num_threads(threads)
+        for probe in probes:
+            if probe.poll() is None:
+                probe.kill()
+                probe.wait()
 
 
 _pace: list[float] = []
@@ -68,7 +84,7 @@ _pace: list[float] = []
 def machine_pace() -> float:
     """How many times slower than the developers' idle machine this one is (at least 1), measured once."""
     if not _pace:
-        measured = statistics.median(_work_seconds() for _ in range(3))
+        measured = _work_seconds()
         _pace.append(min(MOST_PACE, max(1.0, measured / REFERENCE_WORK_SECONDS)))
     return _pace[0]
 

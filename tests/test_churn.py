@@ -11,7 +11,7 @@ import pytest
 
 from peers.churn import ChurnSpec
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import peer_env, swarm_config
+from tests.conftest import machine_pace, peer_env, swarm_config
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -34,7 +34,11 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # a kill every 16 s for 62 s: hits at 16, 32 and 48 s, the first while the peers may still start (as a crash
     # can come), restarts 6 s later; the one at 22 s has most of the run left to catch up and train. (At 80 s
     # and kills every 20 s the swarm reached epoch 8, 5 of them before the first kill)
-    churned = _simulate(tmp_path, "churn", config, duration=62, churn=ChurnSpec("kill", every=16, downtime=6))
+    # On a slower or busier machine every time here stretches by its measured pace, so the swarm still has the
+    # same number of its own epochs between hits (a fixed 62 s made 3 epochs beside a CPU hog, not 5)
+    pace = machine_pace()
+    churned = _simulate(tmp_path, "churn", config, duration=62 * pace,
+                        churn=ChurnSpec("kill", every=16 * pace, downtime=6 * pace))
     # the swarm trained on through the hits; a swarm whose restarted peers stall it (the catch-up bugs this test
     # caught) made 4 epochs in 130 s
     assert churned.epochs_reached >= 5, churned.to_table()
