@@ -66,6 +66,9 @@ def peer_config_from_flags(**flags) -> PeerConfig:
         raise UserError(err["msg"].removeprefix("Value error, ")) from None
 
 
+BOOTSTRAP_ATTEMPTS = 2  # p2pd's own dial of the initial peers, at most this many times
+
+
 class OwnGroupDHT(hivemind.DHT):
     """A DHT whose process (and the p2pd it spawns) leaves the terminal's process group.
 
@@ -110,18 +113,26 @@ class Swarm:
             startup_timeout=peer.startup_timeout,
         )
         try:
-            with self.identity.file_for_p2pd() as identity_path:  # p2pd reads it at start
-                self.dht = OwnGroupDHT(
-                    initial_peers=peer.initial_peers or None,
-                    client_mode=peer.client_mode,
-                    record_validators=validators,
-                    # by the time the DHT is shut down the goodbyes are sent; do not wait 3 s for a busy loop
-                    shutdown_timeout=1.0,
-                    start=True,
-                    authorizer=authorizer,
-                    identity_path=str(identity_path),
-                    **p2p_options,
-                )
+            for attempt in range(BOOTSTRAP_ATTEMPTS):
+                try:
+                    with self.identity.file_for_p2pd() as identity_path:  # p2pd reads it at start
+                        self.dht = OwnGroupDHT(
+                            initial_peers=peer.initial_peers or None,
+                            client_mode=peer.client_mode,
+                            record_validators=validators,
+                            # by the time the DHT is shut down the goodbyes are sent; do not wait 3 s for a busy loop
+                            shutdown_timeout=1.0,
+                            start=True,
+                            authorizer=authorizer,
+                            identity_path=str(identity_path),
+                            **p2p_options,
+                        )
+                    break
+                except Exception as e:
+                    # p2pd dials the initial peers once, with a fixed timeout of its own: on a busy machine (a peer
+                    # beside a CPU hog, in a fresh-clone CI run) a live initial peer can miss it. Once more, then say so
+                    if attempt + 1 == BOOTSTRAP_ATTEMPTS or "failed to connect to bootstrap peers" not in str(e):
+                        raise
         except Exception as e:
             if peer.initial_peers:  # refused because the run is private (and this peer's invite is none, or void)?
                 _refuse_if_private(self.identity, peer)
