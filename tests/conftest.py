@@ -98,6 +98,11 @@ def pytest_report_header(config) -> str:
     return f"machine pace: {machine_pace():.2f}x the developers' idle machine (swarm tests' bounds are scaled by it)"
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _pace:  # (-q hides the header; a run's log should still say how its bounds were scaled)
+        terminalreporter.write_line(f"machine pace: {_pace[0]:.2f}x the developers' idle machine")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def collab_cache(tmp_path_factory) -> Path:
     """One cache per test session: the corpus and tokenizer are built here once, before any peer starts."""
