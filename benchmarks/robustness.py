@@ -11,9 +11,9 @@ rounds ok and failed, and the contributions they refused.
 
 With --repeats N each cell is run N times: the table shows the median and, in brackets, the range of the ratio.
 
-The long version of tests/test_robust_averaging.py::test_nan_and_sign_flip_attackers_are_excluded_and_clipped
-(which runs 3 honest peers for 3 epochs to stay short): 4 honest peers, one NaN sender and one sign-flipper x1000
-together, 5 epochs, the test's target batch of 384, with centered_clip against a clean run:
+Both attackers of tests/test_robust_averaging.py::test_nan_and_sign_flip_attackers_are_excluded_and_clipped
+together (4 honest peers, one NaN sender and one sign-flipper x1000, the test's target batch of 384), with
+centered_clip against a clean run:
 
     python3 benchmarks/robustness.py --attacks nan+sign-flip --aggregations centered_clip --epochs 5 \
         --target-batch-size 384

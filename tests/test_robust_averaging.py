@@ -1,10 +1,9 @@
 """Averaging that survives hostile peers: real collab peers, two of them started through tests/attacker_peer.py.
 
-benchmarks/robustness.py runs each attack alone, with mean against centered_clip, against a clean run, on a larger
-swarm for longer (4 honest + 1 attacker, 6 epochs by default); its `--attacks nan+sign-flip` is the long version
-of this file's first test (4 honest peers + both attackers; its docstring has the command line). Measured there
-(4 honest + 1 attacker, 5 epochs): a clean run's honest loss fell 7.60 -> 7.45 (mean) and 7.60 -> 7.47
-(centered_clip); with a sign-flip x1000 attacker it rose to 7.76 with the mean, and fell to 7.39 with centered_clip.
+benchmarks/robustness.py runs each attack alone, with mean against centered_clip, against a clean run. Measured
+there (4 honest + 1 attacker, 5 epochs): a clean run's honest loss fell 7.60 -> 7.45 (mean) and 7.60 -> 7.47
+(centered_clip); with a sign-flip x1000 attacker it rose to 7.76 with the mean, and fell to 7.39 with
+centered_clip.
 """
 
 from __future__ import annotations
@@ -24,28 +23,24 @@ ATTACKER = [sys.executable, str(Path(__file__).with_name("attacker_peer.py"))]
 
 def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
                                                                no_leftover_processes):
-    """Two of five peers attack in every round: one sends NaN, one its gradient times -1000. With hivemind's
+    """Two of six peers attack in every round: one sends NaN, one its gradient times -1000. With hivemind's
     mean, the NaN failed every round (19 of 19) and one sign-flipped round set the honest peers back by 25
     epochs. With centered_clip (an open run's default) the NaN part is left out, and so is the sign-flipped one
     (over 5 clip radii away): the honest peers' rounds succeed, they learn, and each of them names both
-    attackers. (The long version, 4 honest peers for 5 epochs: benchmarks/robustness.py --attacks nan+sign-flip.)"""
-    # 3 honest peers, 3 epochs: in a full round the honest parts still outnumber the sign-flipper's 3 to 1 once the
-    # NaN part is left out, so the coordinate-wise median CenteredClip starts from lies among honest parts. With 4
-    # honest peers and 5 epochs this test took 178 s, most of it one straggler's tail after the others had left
-    honest, epochs = 3, 3
+    attackers."""
+    honest, epochs = 4, 5
     attacks = {honest: ["--nan"], honest + 1: ["--sign-flip", "1000"]}
     # 3/8 of the micro config's target batch (the same number of steps, 3/8 of the compute: at 1024 this test took
     # 87-187 s in CI, at 512 129 s in one that ran the whole suite in 19:15), and a round stalled by a CPU-starved
-    # peer waits 30 s, not 60. No warm-up: with warmup_steps 1 the first step's learning rate is 0, so of 3 epochs
-    # only one step would move the loss; without it both steps the attackers sent poison into do
-    config = swarm_config(tmp_path, honest + 2, {"training.target_batch_size": 384, "training.warmup_steps": 0,
+    # peer waits 30 s, not 60
+    config = swarm_config(tmp_path, honest + 2, {"training.target_batch_size": 384,
                                                  "averaging.averaging_timeout": 30.0})
     with LocalSwarm(honest + 2, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(epochs),
                                                    "--wait-peers", str(honest + 2)],
                     env=peer_env(),
                     per_peer_program={i: [*ATTACKER, *attack] for i, attack in attacks.items()}) as swarm:
         swarm.start()
-        codes = [swarm.peers[i].wait(timeout=300) for i in range(honest)]
+        codes = [swarm.peers[i].wait(timeout=420) for i in range(honest)]
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
         assert codes == [0] * honest, f"the honest peers did not reach epoch {epochs}: exit codes {codes}\n{logs}"
         summaries = [read_summary(p) for p in swarm.peers[:honest]]
@@ -53,40 +48,37 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
 
     for s in summaries:
         assert s["nonfinite_parameters"] == [], s
-    # the sign-flipper is named by most honest peers (all that shared a round with it; the first round has all five
-    # peers in it, so each honest peer that joined it names the flipper): at least 2 of 3, as 3 of 4 were with 4
-    # honest peers - with no clipping or dropping, none would. The NaN peer is banned by each peer that reduced its
-    # part (hard evidence). (Whether it is then kept out of every group is not asserted: in one run an honest
-    # peer's successful round listed it a second time with no finding against it - not understood yet, open in
-    # issue 11)
+    # the sign-flipper is named by most honest peers (all that shared a round with it): a suspect on the dashboard.
+    # The NaN peer is banned by each peer that reduced its part (hard evidence). (Whether it is then kept out of
+    # every group is not asserted: in one run an honest peer's successful round listed it a second time with no
+    # finding against it - not understood yet, open in issue 11)
     named_nan = sum("part not finite (gradients)" in s["rejected"].get(nan_id, {}) for s in summaries)
     named_flip = sum(any(r.startswith(("part clipped", "part dropped")) for r in s["rejected"].get(flip_id, {}))
                      for s in summaries)
-    assert named_nan >= 1 and named_flip >= 2, [s["rejected"] for s in summaries]
+    assert named_nan >= 1 and named_flip >= 3, [s["rejected"] for s in summaries]
     first = statistics.mean(s["loss_by_epoch"]["0"] for s in summaries)
     # each peer's last epoch with a loss (a peer that took its groupmates' epoch after a state round skips one)
     last = statistics.mean(s["loss_by_epoch"][max(s["loss_by_epoch"], key=int)] for s in summaries)
-    # with 4 honest peers (warm-up 1: the first step at learning rate 0), the honest loss fell ~0.12 by epoch 2,
-    # i.e. in one step taken under attack, and 0.18-0.21 by epoch 4 (four runs); with the mean, a sign-flipper made
-    # it rise (by 0.16 over 5 epochs). Here both steps count (no warm-up): 7.60 -> 7.40 (0.19) in a run on a loaded
-    # machine, so a fall of 0.05 is still well below a working run's and any rise fails. (History: once, Nov 24,
-    # the honest loss rose 7.60 -> 7.63; the likely cause, fixed since in collab/tracker.py: epochs ended on a
-    # forecast that counted pauses as training, so a round could hold a fraction of its target and LAMB still took
-    # a full-size step on it)
+    # a clean run falls by ~0.13 in these epochs; with the mean, this attack made the loss rise by 0.16.
+    # Once (1 of 4 runs, Nov 24) the honest loss rose instead (7.60 -> 7.63, every replica at once between epochs
+    # 1 and 2), and this outcome was an expected failure until a cause was found. The likely one, fixed since in
+    # collab/tracker.py: epochs ended on a forecast that counted pauses (state rounds, here every epoch) as
+    # training, so a round could hold a fraction of its target and LAMB still took a full-size step on it. Four
+    # runs each, this test's honest loss fell by 0.09-0.22 before that fix (one round of 120 samples for 384)
+    # and by 0.18-0.21 after it
     evidence = [{k: s.get(k) for k in ("loss_by_epoch", "samples_by_epoch", "group_sizes", "rounds_joined",
                                        "rounds_failed", "rejected", "final_replica")} for s in summaries]
     assert last < first - 0.05, f"the honest peers did not learn: {first:.3f} -> {last:.3f}\n{evidence}\n{logs}"
     for s in summaries:
-        assert s["rounds_joined"] >= 2, s  # of 3
+        assert s["rounds_joined"] >= 2, s
     # a round may fail: hivemind can match an honest peer with the sign-flipper alone, and of two parts no rule
-    # can tell which is honest; the peer refuses that average (it is out of bounds) and steps alone. 3 peers x 3
-    # rounds: at most 2 of 9 may fail (7/9 = 0.78), as at most 5 of 20 could with 4 peers x 5 rounds
+    # can tell which is honest; the peer refuses that average (it is out of bounds) and steps alone
     ok, failed = sum(s["rounds_joined"] for s in summaries), sum(s["rounds_failed"] for s in summaries)
-    assert ok / (ok + failed) >= 0.75, f"{ok} rounds ok, {failed} failed\n{evidence}\n{logs}"
+    assert ok / (ok + failed) >= 0.75, f"{ok} rounds ok, {failed} failed\n{logs}"
 
-    # (no check that the replicas agree at the end: with several peers on 2 cores hivemind may split a round into
-    # smaller groups, so peers that leave after one may hold two lineages a step apart - 2.5e-2 in a CI run - attack
-    # or not; LAMB bounds a step, so that is no sign of poison either. Agreement is tested where it is the point:
+    # (no check that the replicas agree at the end: with 6 peers on 2 cores hivemind splits a round into groups of
+    # 2-4, so peers that leave after one may hold two lineages a step apart - 2.5e-2 in a CI run - attack or
+    # not; LAMB bounds a step, so that is no sign of poison either. Agreement is tested where it is the point:
     # test_swarm_training.py, test_faults.py)
 
 

@@ -489,10 +489,13 @@ class CollabOptimizer(Optimizer):
         # not for a peer caught sending or returning bad parts (hard evidence): in CI the honest peers stayed on
         # a whole minute as donors for a NaN sender one epoch behind them
         caught = frozenset(self.rejections.caught_ever())
+        # nor for itself: after an own step this peer's record says the epoch before (a CI run's peer that could not
+        # re-sync waited 75 s for its own record, and its groupmate for it)
+        ignore = caught | {self.dht.peer_id.to_base58()}
         started, patience, said = time.monotonic(), 0.0, False
         while not self.stop.is_set():
             try:
-                behind = peers_behind(self.dht, self.run_id, self.local_epoch, ignore=caught)
+                behind = peers_behind(self.dht, self.run_id, self.local_epoch, ignore=ignore)
             except Exception:  # a DHT that fails to answer here must not turn a clean leave into a traceback
                 return
             waited = time.monotonic() - started
