@@ -57,11 +57,11 @@ class FreezeResult:
 
 
 def freeze_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None,
-                    warmup_epochs: int = 2) -> FreezeResult:
+                    warmup_epochs: int = 2, forks=None) -> FreezeResult:
     """3 peers; once every peer reached `warmup_epochs`, peer 2's whole session gets SIGSTOP for `seconds` while it
     is matching or averaging (its epochs start their matchmaking before the last one ends, so a peer is in a round
     most of the time), then SIGCONT."""
-    with LocalSwarm(3, run_id, workdir, ["--config", str(config)], env=env) as swarm:
+    with LocalSwarm(3, run_id, workdir, ["--config", str(config)], env=env, forks=forks) as swarm:
         swarm.start()
         frozen, others = swarm.peers[2], swarm.peers[:2]
         wait_until(lambda: min(epochs(swarm.peers)) >= warmup_epochs, 240, f"epoch {warmup_epochs} on every peer",
@@ -93,7 +93,7 @@ class SplitResult:
 
 
 def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None,
-                   warmup_epochs: int = 2, stop_at_first_common: bool = False) -> SplitResult:
+                   warmup_epochs: int = 2, stop_at_first_common: bool = False, forks=None) -> SplitResult:
     """4 peers in network namespaces (root); once every peer reached `warmup_epochs`, peers 0, 1 and peers 2, 3
     lose each other for `seconds` (their switch ports on two bridges), then the network heals. `config` must
     checkpoint every epoch. The swarm runs until every peer is 5 epochs past the heal; `stop_at_first_common`: or
@@ -102,7 +102,7 @@ def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env
     per_peer = {i: ["--checkpoint-dir", str(workdir / f"peer{i}")] for i in range(4)}
     links = [LinkSpec()] * 4
     with NetworkLab(links) as lab, LocalSwarm(4, run_id, workdir, ["--config", str(config)], per_peer_args=per_peer,
-                                              env=env, network=lab, links=links) as swarm:
+                                              env=env, network=lab, links=links, forks=forks) as swarm:
         swarm.start()
         wait_until(lambda: min(epochs(swarm.peers)) >= warmup_epochs, 240, f"epoch {warmup_epochs} on every peer",
                    swarm)

@@ -23,12 +23,14 @@ peers still running then get SIGTERM (they leave gracefully), and SIGKILL 15 s l
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -99,13 +101,22 @@ class ForkServer:
             raise RuntimeError(f"the fork server did not start; see {self.log_path}")
         return self
 
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None and not self._eof
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self._process is None else self._process.pid
+
     def can_fork(self, command: list[str], env: dict) -> bool:
         return self._process is not None and _plan(command) is not None and all(
             env.get(k) == self.env.get(k) for k in set(env) | set(self.env) if not k.startswith(RUNTIME_ENV_PREFIX))
 
-    def spawn(self, command: list[str], env: dict, log_path: Path) -> ForkedProcess:
+    def spawn(self, command: list[str], env: dict, log_path: Path, err_path: Optional[Path] = None) -> ForkedProcess:
+        """`command` in a fork, its stdout and stderr appended to `log_path` (stderr to `err_path` if given)."""
         netns, kind, target, argv = _plan(command)
-        request = dict(netns=netns, kind=kind, target=target, argv=argv, log=str(log_path), env=env)
+        request = dict(netns=netns, kind=kind, target=target, argv=argv, log=str(log_path), env=env,
+                       err=None if err_path is None else str(err_path))
         with self._write_lock:
             self._process.stdin.write((json.dumps(request) + "\n").encode())
             self._process.stdin.flush()
@@ -158,6 +169,46 @@ class ForkServer:
             if self._changed.wait_for(lambda: self._replies or self._eof, timeout) and self._replies:
                 return self._replies.pop(0)
         return None
+
+
+_shared: dict[tuple, ForkServer] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_server(env: dict) -> ForkServer:
+    """This process's started server for `env`, started on first use and closed when the process exits.
+
+    A process that runs one swarm after another (the test suite, a benchmark) then imports collab once: a fresh
+    server takes ~7 s of a 2-core machine before its first peer starts. Swarms that use it must not close it."""
+    key = _env_key(env)
+    with _shared_lock:
+        server = _shared.get(key)
+        if server is None or not server.alive():
+            log = Path(tempfile.gettempdir()) / f"collab-forkserver-{os.getpid()}-{len(_shared)}.log"
+            server = ForkServer(env, log).start()
+            if not _shared:
+                atexit.register(close_shared_servers)
+            _shared[key] = server
+        return server
+
+
+def _env_key(env: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV_PREFIX)))
+
+
+def shared_server_pids() -> set[int]:
+    with _shared_lock:
+        return {server.pid for server in _shared.values() if server.alive()}
+
+
+def close_shared_servers() -> None:
+    with _shared_lock:
+        servers = list(_shared.values())
+        _shared.clear()
+    for server in servers:
+        server.close()
+        if server.log_path.exists() and server.log_path.stat().st_size == 0:
+            server.log_path.unlink()
 
 
 def _plan(command: list[str]) -> Optional[tuple]:
@@ -223,12 +274,13 @@ def _child(request: dict) -> None:
     try:
         os.setsid()
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        err = os.open(request["err"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if request.get("err") else log
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(null)
+        os.dup2(err, 2)
+        for fd in {log, err, null}:
+            os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(request["env"])

@@ -192,14 +192,17 @@ class LocalSwarm:
                  per_peer_args: Optional[dict[int, list[str]]] = None, startup_timeout: float = 180.0,
                  env: Optional[dict] = None, network=None, links: Optional[list] = None,
                  per_peer_program: Optional[dict[int, list[str]]] = None,
-                 per_peer_env: Optional[dict[int, dict[str, str]]] = None, fork_server: bool = True):
+                 per_peer_env: Optional[dict[int, dict[str, str]]] = None, fork_server: bool = True,
+                 forks=None):
         if num_peers < 1:
             raise ValueError("num_peers must be at least 1")
         self.run_id, self.workdir, self.startup_timeout = run_id, Path(workdir), startup_timeout
         self.env, self.network = env, network
         self.per_peer_env = per_peer_env or {}  # e.g. another cache dir: another volunteer's machine
         self.use_fork_server = fork_server
-        self.forks = None  # peers.forkserver.ForkServer, started with the first peer
+        # peers.forkserver.ForkServer: given (shared with other swarms; this one never closes it), or started with
+        # the first peer and closed with the swarm
+        self.forks, self.owns_forks = forks, forks is None
         self.workdir.mkdir(parents=True, exist_ok=True)
         per_peer_args = per_peer_args or {}
         ports = free_ports(num_peers) if network is None else [NAMESPACE_PORT] * num_peers
@@ -293,6 +296,6 @@ class LocalSwarm:
             if peer.popen is not None:
                 peer.wait(max(0.0, deadline - time.monotonic()))
             peer.kill_group()
-        if self.forks is not None:
+        if self.forks is not None and self.owns_forks:
             self.forks.close()
             self.forks = None

@@ -42,6 +42,7 @@ class SimulationSpec:
     per_peer_args: dict[int, list[str]] = field(default_factory=dict)
     env: Optional[dict] = None
     seed: int = 0
+    forks: Optional[object] = None  # a started peers.forkserver.ForkServer to share (tests); None: one of its own
 
 
 class Simulation:
@@ -75,7 +76,8 @@ class Simulation:
                 self.say(f"WARNING: {warning}")
             with LocalSwarm(spec.peers, spec.run_id, spec.workdir, ["--config", str(spec.config_path), *limit,
                                                                      *spec.join_args],
-                            per_peer_args=spec.per_peer_args, env=spec.env, network=self.lab, links=self.links if spec.profile else None) as swarm:
+                            per_peer_args=spec.per_peer_args, env=spec.env, network=self.lab,
+                            links=self.links if spec.profile else None, forks=spec.forks) as swarm:
                 self.swarm = swarm
                 swarm.start()
                 self._announce()

@@ -40,11 +40,12 @@ MICRO_CONFIG = {
 
 
 # The time of a fixed torch workload (1000 small forward/backward passes, one thread) run in as many processes
-# at once as the machine has cores, on the developers' idle 2-core machine: 0.22 s. Run side by side, it sees both
+# at once as the machine has cores, on the developers' idle 2-core machine: 0.26-0.29 s (5 runs; 0.22 s once, which
+# made the idle machine itself look 1.2-1.3x slow and stretched its churn, freeze and split). Run side by side, it sees both
 # a slower core and a busy machine (a CPU hog on one of 2 cores leaves a swarm half the machine, and slows this
 # probe as much), where one thread alone would find the other core idle. A test's bounds are scaled by how much
 # slower this machine is when the suite starts (scaled()): longer waits, never shorter ones.
-REFERENCE_WORK_SECONDS = 0.22
+REFERENCE_WORK_SECONDS = 0.27
 MOST_PACE = 4.0  # past 4x slower, a swarm test's timings no longer mean what they were written for
 _PROBE = """
 import sys, time, torch
@@ -154,8 +155,11 @@ def run_id() -> str:
 @pytest.fixture()
 def no_leftover_processes():
     """Fails the test if any process started during it (p2pd included) outlives it."""
+    from peers.forkserver import shared_server_pids
+
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
+    before |= shared_server_pids()  # the session's fork server (fork_server()) may have started in this test
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         # torch_shm_manager serves this pytest process's own shared tensors for the whole session
@@ -182,9 +186,35 @@ def peer_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "collab", *args], capture_output=True, text=True,
-                          timeout=timeout, env=peer_env(), stdin=subprocess.DEVNULL)
+def fork_server():
+    """The session's fork server for peer_env(): each swarm test's peers are forked from one process that imported
+    collab once. A server of its own took each test 8.4 s of the 2-core machine (6.8 s to start, 1.6 s to close)
+    before its first peer could start."""
+    from peers.forkserver import shared_server
+
+    return shared_server(dict(peer_env(), PYTHONUNBUFFERED="1"))
+
+
+def run_cli(*args: str, timeout: float = 120, fork: bool = False) -> subprocess.CompletedProcess:
+    """`collab ARGS` in a process of its own; `fork`: forked from the session's fork server (swarm tests: a fresh
+    process spends ~5 s of a 2-core machine on imports, which a live swarm beside it then lacks)."""
+    command = [sys.executable, "-m", "collab", *args]
+    if not fork:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=peer_env(),
+                              stdin=subprocess.DEVNULL)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="collab-cli-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        process = fork_server().spawn(command, dict(peer_env(), PYTHONUNBUFFERED="1"), out, err_path=err)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+            raise
+        return subprocess.CompletedProcess(command, code, *(path.read_text(errors="replace") if path.exists() else ""
+                                                            for path in (out, err)))
 
 
 def read_summary(peer) -> dict:
@@ -200,7 +230,8 @@ def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str
 
     timeout = scaled(timeout)
     with LocalSwarm(peers, run_id, tmp_path, [*args, "--max-epochs", str(max_epochs)],
-                    per_peer_args=per_peer_args or {}, env=peer_env(), per_peer_program=per_peer_program) as swarm:
+                    per_peer_args=per_peer_args or {},
+                    env=peer_env(), forks=fork_server(), per_peer_program=per_peer_program) as swarm:
         swarm.start()
         finished = swarm.wait(timeout=timeout)
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
@@ -218,7 +249,8 @@ def swarm_logs(workdir: Path, tail: int = 4000) -> str:
 
 
 def status_json(run_id: str, initial_peer: str) -> dict:
-    result = run_cli("status", "--run-id", run_id, "--initial-peers", initial_peer, "--json", "--wait", "10")
+    result = run_cli("status", "--run-id", run_id, "--initial-peers", initial_peer, "--json", "--wait", "10",
+                     fork=True)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

@@ -7,7 +7,7 @@ from transformers import AlbertForPreTraining
 
 from collab.checkpoint import list_checkpoints
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, scaled
+from tests.conftest import fork_server, peer_env, read_summary, scaled
 
 pytestmark = pytest.mark.swarm
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.swarm
 def run_alone(tmp_path, config, run_id, checkpoints, max_epochs: int) -> tuple[dict, str]:
     with LocalSwarm(1, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(max_epochs),
                                           "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"],
-                    env=peer_env()) as swarm:
+                    env=peer_env(), forks=fork_server()) as swarm:
         swarm.start()
         assert swarm.wait(timeout=scaled(180)), swarm.peers[0].log_text()[-3000:]
         peer = swarm.peers[0]

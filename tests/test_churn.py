@@ -11,14 +11,14 @@ import pytest
 
 from peers.churn import ChurnSpec
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import machine_pace, peer_env, swarm_config
+from tests.conftest import fork_server, machine_pace, peer_env, swarm_config
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 
 def _simulate(tmp_path, name: str, config, duration: float, churn=None):
     spec = SimulationSpec(peers=4, run_id=f"{name}-{tmp_path.name[-6:]}", workdir=tmp_path / name, config_path=config,
-                          churn=churn, duration=duration, env=peer_env())
+                          churn=churn, duration=duration, env=peer_env(), forks=fork_server())
     report = Simulation(spec, say=print).run()
     print(report.to_table())
     return report

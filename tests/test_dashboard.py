@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dashboard.collector import Collector
 from dashboard.server import BackgroundDashboard
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, swarm_config, wait_for
+from tests.conftest import fork_server, peer_env, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -36,7 +36,8 @@ def live(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dashboard")
     config = swarm_config(tmp, 2, name="micro.yaml")
     run_id = f"dash-{int(time.time())}"
-    with LocalSwarm(2, run_id, tmp, ["--config", str(config), "--max-epochs", "1000"], env=peer_env()) as swarm:
+    with LocalSwarm(2, run_id, tmp, ["--config", str(config), "--max-epochs", "1000"],
+                    env=peer_env(), forks=fork_server()) as swarm:
         swarm.start()
         dashboard = BackgroundDashboard(Collector(run_id, [swarm.initial_peer], interval=1.0), port=free_port())
         dashboard.start()

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, scaled, status_json, swarm_config, wait_for
+from tests.conftest import fork_server, peer_env, read_summary, scaled, status_json, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -35,7 +35,8 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
     args = {i: ["--max-epochs", str(MAX_EPOCHS), "--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in finishing}
     for i in (0, 1, 2):  # the first three start together (in CI one stepped alone before the others came)
         args[i] = [*args.get(i, []), "--wait-peers", "3"]
-    with LocalSwarm(4, run_id, tmp_path, ["--config", str(config)], env=peer_env(), per_peer_args=args) as swarm:
+    with LocalSwarm(4, run_id, tmp_path, ["--config", str(config)],
+                    env=peer_env(), forks=fork_server(), per_peer_args=args) as swarm:
         swarm.start(count=3)
         victim = swarm.peers[2]
         # kill -9 in the middle of an inner loop: once the swarm has made an outer step, an inner loop is

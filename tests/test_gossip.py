@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from collab.config import load_config
 from collab.tasks import build_task
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, scaled, status_json, swarm_config, wait_for
+from tests.conftest import fork_server, peer_env, read_summary, scaled, status_json, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -44,7 +44,8 @@ def test_three_gossip_peers_merge_pairwise_stay_together_and_survive_a_kill(tmp_
             for i in finishing}
     args[2] = ["--wait-peers", "4"]
     args[hostile] = ["--max-epochs", str(MAX_EPOCHS), "--wait-peers", "4"]
-    with LocalSwarm(4, run_id, tmp_path, ["--config", str(config)], env=peer_env(), per_peer_args=args,
+    with LocalSwarm(4, run_id, tmp_path, ["--config", str(config)],
+                    env=peer_env(), forks=fork_server(), per_peer_args=args,
                     per_peer_program={hostile: [*ATTACKER, "--gossip-scale", "1000"]}) as swarm:
         swarm.start()
         victim, attacker = swarm.peers[2], swarm.peers[hostile].peer_id

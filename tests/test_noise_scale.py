@@ -11,7 +11,7 @@ from collab.aggregation import Aggregation, adasum
 from collab.noise_scale import NoiseScale, adascale_gain, two_batch_estimate
 from collab.state import pooled_noise_scale
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, scaled, swarm_config
+from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config
 from tests.test_aggregation import reduce
 
 
@@ -168,7 +168,8 @@ def test_three_real_peers_train_with_adasum(tmp_path, run_id, no_leftover_proces
                                         "training.target_batch_size": 30000, "training.learning_rate": lr,
                                         "averaging.aggregation": "adasum", "averaging.compression": "none",
                                         "averaging.average_state_every": 1000})
-    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(rounds)], env=peer_env(),
+    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(rounds)],
+                    env=peer_env(), forks=fork_server(),
                     per_peer_args={i: ["--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in range(3)}) as swarm:
         swarm.start()
         codes = [peer.wait(timeout=scaled(300)) for peer in swarm.peers]

@@ -13,15 +13,15 @@ from collab.identity import peer_id_of
 from collab.run.access import make_invite
 from collab.run.folder import load_run_folder
 from peers.launcher import LocalSwarm, free_ports
-from tests.conftest import peer_env, read_summary, run_cli, wait_for, write_config
+from tests.conftest import fork_server, peer_env, read_summary, run_cli, wait_for, write_config
 
 pytestmark = pytest.mark.swarm
 
 
 def _invite(folder, identity, tmp_path, name: str) -> str:
     """What an invited volunteer does: 'collab id', and the organizer's 'collab invite', saved to a file."""
-    peer_id = run_cli("id", "--identity", str(identity)).stdout.strip()
-    made = run_cli("invite", "--run", str(folder), "--peer", peer_id, "--expires", "1h")
+    peer_id = run_cli("id", "--identity", str(identity), fork=True).stdout.strip()
+    made = run_cli("invite", "--run", str(folder), "--peer", peer_id, "--expires", "1h", fork=True)
     assert made.returncode == 0, made.stderr
     path = tmp_path / f"{name}.invite"
     path.write_text(made.stdout)
@@ -43,7 +43,7 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
     init = run_cli("init", run_id, "--config", str(config), "--dir", str(folder), "--private")
     assert init.returncode == 0, init.stderr
     watcher = tmp_path / "watcher.key"
-    with LocalSwarm(3, run_id, tmp_path / "peers", env=peer_env(),
+    with LocalSwarm(3, run_id, tmp_path / "peers", env=peer_env(), forks=fork_server(),
                     join_args=["--max-epochs", "1000"], per_peer_args={0: ["--run", str(folder)]}) as swarm:
         organizer, invited, revoked = swarm.peers
         # the watcher's invite as a volunteer and the organizer make it ('collab id', 'collab invite'); the two
@@ -76,16 +76,19 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
                    "--identity", str(watcher), "--token-file", token, "--run-key", load_run_folder(folder).fingerprint]
 
         def members_seen():
-            status = run_cli(*reading, timeout=120)
+            status = run_cli(*reading, timeout=120, fork=True)
             assert status.returncode == 0, status.stderr
             seen = {peer["peer_id"] for peer in json.loads(status.stdout)["peers"]}
             return seen if len(seen) >= 3 else None
 
         with ThreadPoolExecutor(3) as pool:
-            stranger = pool.submit(run_cli, *joining, "--identity", str(tmp_path / "stranger.key"), timeout=120)
+            stranger = pool.submit(run_cli, *joining, "--identity", str(tmp_path / "stranger.key"), timeout=120,
+                                   fork=True)
             uninvited_dashboard = pool.submit(run_cli, "dashboard", "--run-id", run_id, "--initial-peers",
-                                              swarm.initial_peer, "--port", str(free_ports(1)[0]), timeout=120)
-            refused = pool.submit(run_cli, *joining, "--token-file", str(tmp_path / "expired.invite"), timeout=60)
+                                              swarm.initial_peer, "--port", str(free_ports(1)[0]), timeout=120,
+                                              fork=True)
+            refused = pool.submit(run_cli, *joining, "--token-file", str(tmp_path / "expired.invite"), timeout=60,
+                                  fork=True)
             stranger, refused, dashboard = stranger.result(), refused.result(), uninvited_dashboard.result()
         for peer in (invited, revoked):
             swarm.start_peer(peer.index, ["--wait-peers", "3"])
@@ -99,7 +102,7 @@ def test_invited_peers_train_strangers_are_refused_and_a_revoked_peer_is_dropped
         # the revoked peer has averaged with the others; after 'collab revoke' it is out within 60 s
         wait_for(lambda: revoked.summary_path.exists() and any(
             len(g["peers"]) == 3 for g in read_summary(revoked)["groups"]), 180, what="a round of all three peers")
-        revoke = run_cli("revoke", "--run", str(folder), "--peer", revoked.peer_id)
+        revoke = run_cli("revoke", "--run", str(folder), "--peer", revoked.peer_id, fork=True)
         assert revoke.returncode == 0, revoke.stderr
         revoked_at = time.monotonic()
         assert revoked.wait(75) == 2, revoked.log_text()[-3000:]

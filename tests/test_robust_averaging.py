@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, swarm_config, wait_for
+from tests.conftest import fork_server, peer_env, read_summary, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 ATTACKER = [sys.executable, str(Path(__file__).with_name("attacker_peer.py"))]
@@ -37,7 +37,7 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
                                                  "averaging.averaging_timeout": 30.0})
     with LocalSwarm(honest + 2, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(epochs),
                                                    "--wait-peers", str(honest + 2)],
-                    env=peer_env(),
+                    env=peer_env(), forks=fork_server(),
                     per_peer_program={i: [*ATTACKER, *attack] for i, attack in attacks.items()}) as swarm:
         swarm.start()
         codes = [swarm.peers[i].wait(timeout=420) for i in range(honest)]
@@ -89,7 +89,8 @@ def test_a_poisoned_state_is_never_loaded(tmp_path, run_id, no_leftover_processe
     # the attacker stays to the end (the others leave at epoch 5, together); the late peer joins as soon as there
     # is a state. (Not shorter with the late peer leaving at epoch 3: the attacker, one epoch behind, kept it on as
     # its state donor for 31 s, then its last round timed out after 30 s more - 170 s on a loaded machine)
-    with LocalSwarm(4, run_id, tmp_path, ["--config", str(swarm_config(tmp_path, 4))], env=peer_env(),
+    with LocalSwarm(4, run_id, tmp_path, ["--config", str(swarm_config(tmp_path, 4))],
+                    env=peer_env(), forks=fork_server(),
                     per_peer_args={0: ["--max-epochs", "5"], 1: ["--max-epochs", "5"], 3: ["--max-epochs", "5"]},
                     per_peer_program={2: [*ATTACKER, "--poison-state"]}) as swarm:
         swarm.start(count=3)

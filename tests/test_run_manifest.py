@@ -13,7 +13,7 @@ from collab.checkpoint import list_checkpoints
 from collab.data.tokenizer import load_tokenizer
 from collab.run.folder import load_run_folder
 from peers.launcher import LocalSwarm
-from tests.conftest import MICRO_CONFIG, peer_env, read_summary, run_cli, swarm_config, write_config
+from tests.conftest import MICRO_CONFIG, fork_server, peer_env, read_summary, run_cli, swarm_config, write_config
 
 pytestmark = pytest.mark.swarm
 
@@ -50,7 +50,7 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
         json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"], "the corpora did not differ"
 
     checkpoints = {i: tmp_path / f"ckpt{i}" for i in range(2)}
-    with LocalSwarm(2, run_id, tmp_path / "peers", ["--max-epochs", "3"], env=peer_env(),
+    with LocalSwarm(2, run_id, tmp_path / "peers", ["--max-epochs", "3"], env=peer_env(), forks=fork_server(),
                     per_peer_args={0: ["--run", str(folder), "--checkpoint-dir", str(checkpoints[0])],
                                    1: ["--run-key", key, "--checkpoint-dir", str(checkpoints[1])]},
                     per_peer_env={1: {"COLLAB_CACHE_DIR": str(other_cache)}}) as swarm:

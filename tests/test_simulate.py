@@ -13,14 +13,13 @@ from tests.conftest import run_cli, swarm_config
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("mode", ["diloco", "gossip"])
-def test_simulate_runs_peers_that_average_and_reports(tmp_path, mode, no_leftover_processes):
-    # in the diloco and gossip modes: the sync mode's simulation runs in test_churn.py (the same Simulation,
-    # churned), and a researcher compares the modes with this command
+def test_simulate_runs_peers_that_average_and_reports(tmp_path, no_leftover_processes):
+    # the command end to end, in the gossip mode: the sync mode's simulation runs in test_churn.py (the same
+    # Simulation, churned), and the diloco mode's swarm in test_diloco.py, which checks its outer steps exactly (a
+    # diloco case here checked a subset of that in 28 s of a suite that must stay under 20 minutes on 2 cores)
     # (an epoch of 480 samples: with fewer, one peer's few-sample epochs made its loss curve noise)
-    settings = {"diloco": {"averaging.diloco": {"inner_lr": 0.001}},
-                "gossip": {"averaging.gossip": {"lr": 0.001, "mean_local_steps": 4}}}[mode]
-    config = swarm_config(tmp_path, 2, {"averaging.mode": mode, **settings, "training.target_batch_size": 480})
+    config = swarm_config(tmp_path, 2, {"averaging.mode": "gossip", "training.target_batch_size": 480,
+                                        "averaging.gossip": {"lr": 0.001, "mean_local_steps": 4}})
     result = run_cli("simulate", "--peers", "2", "--config", str(config), "--max-epochs", "4",
                      "--workdir", str(tmp_path), "--json", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -35,17 +34,9 @@ def test_simulate_runs_peers_that_average_and_reports(tmp_path, mode, no_leftove
         assert peer["exit"] == "exit 0 (reached epoch 4)", peer
         assert peer["samples_contributed"] > 0
     assert report["loss_fell"] is True
-    if mode == "diloco":
-        for peer in report["peers"]:
-            assert peer["rounds_joined"] >= 2 and peer["mean_group_size"] == 2.0, peer
-        for summary in tmp_path.glob("peer*.summary.json"):  # the outer steps as each peer recorded them (a peer
-            steps = json.loads(summary.read_text())["outer_steps"]  # still starting may download the first)
-            applied = [s for s in steps.values() if not s.get("downloaded")]  # (a catch-up download is no step)
-            assert len(steps) >= 3 and len(applied) >= 2, steps
-            assert all(s["norm"] > 0 and s["weight"] > 0 for s in applied), steps
-    else:  # no rounds: merges, and the replicas' spread at the end (two replicas trained apart end ~0.5-0.8)
-        assert all(peer["merges"] >= 5 and peer["rounds_joined"] == 0 for peer in report["peers"]), report["peers"]
-        assert report["replica_spread"] is not None and report["replica_spread"] < 0.1, report["replica_spread"]
+    # no rounds: merges, and the replicas' spread at the end (two replicas trained apart end ~0.5-0.8)
+    assert all(peer["merges"] >= 5 and peer["rounds_joined"] == 0 for peer in report["peers"]), report["peers"]
+    assert report["replica_spread"] is not None and report["replica_spread"] < 0.1, report["replica_spread"]
 
 
 @pytest.mark.parametrize("args, message", [

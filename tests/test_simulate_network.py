@@ -15,7 +15,7 @@ from collab.checkpoint import list_checkpoints
 from peers.netns import namespaces_skip_reason, netem_available
 from peers.profiles import load_profile
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import peer_env, swarm_config, wait_for, write_config
+from tests.conftest import fork_server, peer_env, swarm_config, wait_for, write_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.skipif(namespaces_skip_reason() is not None,
@@ -44,7 +44,7 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
     spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=config,
                           profile=load_profile(str(profile_path)), max_epochs=5, duration=420,
-                          require_namespaces=True, env=peer_env(),
+                          require_namespaces=True, env=peer_env(), forks=fork_server(),
                           per_peer_args={i: ["--checkpoint-dir", str(tmp_path / f"ckpt{i}")] for i in range(4)})
     sim = Simulation(spec, say=print)
     outcome: dict = {}

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, scaled, status_json, wait_for, write_config
+from tests.conftest import fork_server, peer_env, read_summary, scaled, status_json, wait_for, write_config
 
 pytestmark = pytest.mark.swarm
 
@@ -24,7 +24,7 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
     config = write_config(tmp_path, {"averaging.average_state_every": 3, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0})
     with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(max_epochs)],
-                    env=peer_env()) as swarm:
+                    env=peer_env(), forks=fork_server()) as swarm:
         swarm.start(count=2)
 
         # collab status --json against the live swarm
@@ -94,7 +94,7 @@ def _state_at_epoch(run_id: str, initial_peer: str, epoch: int):
 def test_sigkill_of_the_main_process_leaves_no_process_behind(tmp_path, micro_config, run_id, no_leftover_processes):
     """The OOM killer or `kill -9` hits only the main process: what it started (hivemind's DHT and averager
     processes, p2pd, in groups of their own) must not stay on as a ghost node holding the peer's ports."""
-    with LocalSwarm(1, run_id, tmp_path, ["--config", str(micro_config)], env=peer_env()) as swarm:
+    with LocalSwarm(1, run_id, tmp_path, ["--config", str(micro_config)], env=peer_env(), forks=fork_server()) as swarm:
         swarm.start()
         peer = swarm.peers[0]
         main = psutil.Process(peer.popen.pid)

@@ -12,7 +12,7 @@ from collab.checkpoint import list_checkpoints
 from collab.config import load_config
 from collab.tasks import build_task
 from peers.launcher import LocalSwarm
-from tests.conftest import peer_env, read_summary, scaled, swarm_config, swarm_logs, train_swarm_to_epoch
+from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config, swarm_logs, train_swarm_to_epoch
 
 pytestmark = pytest.mark.swarm
 
@@ -95,7 +95,7 @@ def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_
     config = swarm_config(tmp_path, 3, {"averaging.averaging_timeout": timeout})
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}-checkpoints")] for i in range(3)}
     with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", str(max_epochs)],
-                    per_peer_args=per_peer, env=peer_env(),
+                    per_peer_args=per_peer, env=peer_env(), forks=fork_server(),
                     per_peer_program={2: [*faulty, "--late-round-at-epoch", str(max_epochs - 1),
                                           "--stall", "120"]}) as swarm:
         swarm.start()
@@ -151,7 +151,7 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
     per_peer[1].append("--client-mode")
     with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", "3"],
-                    per_peer_args=per_peer, env=peer_env()) as swarm:
+                    per_peer_args=per_peer, env=peer_env(), forks=fork_server()) as swarm:
         swarm.start()
         assert swarm.wait(timeout=scaled(240)), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
         server, client = read_summary(swarm.peers[0]), read_summary(swarm.peers[1])

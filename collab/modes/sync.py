@@ -166,7 +166,8 @@ class CollabOptimizer(Optimizer):
             self.state_averager._update_scheduler()
             if self.own_step is not None:  # its epoch counts in the swarm's numbering, which moved by one
                 self.own_step.epoch += behind_by
-                self.tracker.held_epoch = self.own_step.epoch - 1
+                if self.tracker.held_epoch is not None:  # (not when a re-sync already found no donor)
+                    self.tracker.held_epoch = self.own_step.epoch - 1
             self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
         if self.own_step is None:
             self._set_sharing_priority(ahead)
@@ -254,6 +255,19 @@ class CollabOptimizer(Optimizer):
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         self._set_sharing_priority(self.local_epoch)
 
+    def _stop_holding_the_epoch(self) -> None:
+        """After an own step the record says the epoch before, with no samples, until a re-sync. When that finds no
+        donor, the record goes back to this replica's epoch and samples: held, they count for nothing, and a swarm
+        whose remaining peers each stepped alone once (none ahead of the others, so none a donor) counted no
+        samples at all and never ended an epoch again (CI, the lifecycle test: two peers at epochs 6 and 7, each
+        computing 60000 samples for 4 minutes). The replica is still not the swarm's (in_sync() says so until a
+        state round of the whole swarm or a download repairs it); a peer behind it now finds it a donor."""
+        if self.tracker.held_epoch is None:
+            return
+        self.tracker.held_epoch = None
+        self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+        self._set_sharing_priority(self.local_epoch)
+
     def _set_sharing_priority(self, epoch: int) -> None:
         if not self.client_mode:
             self.state_averager.state_sharing_priority = epoch
@@ -330,6 +344,8 @@ class CollabOptimizer(Optimizer):
                 self.stop.wait(1.0)
             if self.stop.is_set() or not loaded:
                 logger.warning(f"Epoch {self.local_epoch}: no peer gave its state; going on with this replica")
+                if not self.stop.is_set():
+                    self._stop_holding_the_epoch()
                 return False
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch  # one epoch behind: that step is ours
