@@ -39,10 +39,10 @@ MICRO_CONFIG = {
 }
 
 
-# The time of a fixed torch workload (1000 small forward/backward passes, one thread) run in as many processes
-# at once as the machine has cores, on the developers' idle 2-core machine: 0.26-0.29 s (5 runs; 0.22 s once, which
-# made the idle machine itself look 1.2-1.3x slow and stretched its churn, freeze and split). Run side by side, it sees both
-# a slower core and a busy machine (a CPU hog on one of 2 cores leaves a swarm half the machine, and slows this
+# The time of a fixed torch workload (1000 small forward/backward passes, one thread) run in as many processes at
+# once as the machine has cores, on the developers' idle 2-core machine: 0.26-0.29 s (5 runs; 0.22 s once, which made
+# the idle machine itself look 1.2-1.3x slow and stretched its churn, freeze and split). Run side by side, it sees
+# both a slower core and a busy machine (a CPU hog on one of 2 cores leaves a swarm half the machine, and slows this
 # probe as much), where one thread alone would find the other core idle. A test's bounds are scaled by how much
 # slower this machine is when the suite starts (scaled()): longer waits, never shorter ones.
 REFERENCE_WORK_SECONDS = 0.27
@@ -195,10 +195,12 @@ def fork_server():
     return shared_server(dict(peer_env(), PYTHONUNBUFFERED="1"))
 
 
-def run_cli(*args: str, timeout: float = 120, fork: bool = False) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120, fork: bool = False,
+            prefix: list[str] = ()) -> subprocess.CompletedProcess:
     """`collab ARGS` in a process of its own; `fork`: forked from the session's fork server (swarm tests: a fresh
-    process spends ~5 s of a 2-core machine on imports, which a live swarm beside it then lacks)."""
-    command = [sys.executable, "-m", "collab", *args]
+    process spends ~5 s of a 2-core machine on imports, which a live swarm beside it then lacks). `prefix`: e.g.
+    `ip netns exec NS`, to run it in a network namespace."""
+    command = [*prefix, sys.executable, "-m", "collab", *args]
     if not fork:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=peer_env(),
                               stdin=subprocess.DEVNULL)

@@ -15,7 +15,7 @@ from collab.checkpoint import list_checkpoints
 from peers.netns import namespaces_skip_reason, netem_available
 from peers.profiles import load_profile
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import fork_server, peer_env, swarm_config, wait_for, write_config
+from tests.conftest import fork_server, peer_env, run_cli, swarm_config, wait_for, write_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = [pytest.mark.swarm, pytest.mark.skipif(namespaces_skip_reason() is not None,
@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.swarm, pytest.mark.skipif(namespaces_skip_reason() is 
 
 def _status_from_inside(sim: Simulation) -> dict:
     """`collab status --json`, run where the swarm is reachable: the lab's observer namespace."""
-    result = subprocess.run([*sim.lab.observer_prefix(), sys.executable, "-m", "collab", "status", "--run-id",
-                             sim.spec.run_id, "--initial-peers", sim.swarm.initial_peer, "--json", "--wait", "10"],
-                            capture_output=True, text=True, timeout=60, env=peer_env())
+    # forked: a fresh process's imports took ~5 s of the 2 cores that the 4 peers' all-reduces need
+    result = run_cli("status", "--run-id", sim.spec.run_id, "--initial-peers", sim.swarm.initial_peer, "--json",
+                     "--wait", "10", timeout=60, fork=True, prefix=sim.lab.observer_prefix())
     if result.returncode != 0:
         print(f"collab status exited {result.returncode}: {result.stderr.strip()[-300:]}")
         return {}
