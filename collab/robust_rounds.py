@@ -1,6 +1,6 @@
 """Averaging rounds that another peer cannot poison: a DecentralizedAverager mixin for both of collab's averagers.
 
-Three things hivemind leaves unchecked (see DESIGN.md, "hivemind facts"), checked here:
+Three things hivemind leaves unchecked (see docs/design.md, "hivemind hooks"), checked here:
 - what this peer reduces for others: collab.aggregation's reducer (non-finite parts dropped, weights bounded
   by the group's median and by each sender's signed progress, read here in the background; mean or
   CenteredClip), in place of hivemind's running sum;
