@@ -120,7 +120,9 @@ def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env
                 return True
             return min(epochs(swarm.peers)) >= target + 2
         wait_until(done, 180, f"epoch {target + 2} on every peer", swarm)
-        found_back = [progress(p).get("peers_found_back", 0) for p in swarm.peers]
+    # from the summaries each peer writes as it leaves: one written each epoch can predate a rejoin found in it (a
+    # hog run stopped at the first common epoch read 0 there, where the peers' last summaries said 2)
+    found_back = [progress(p).get("peers_found_back", 0) for p in swarm.peers]
     checkpoints = [_checkpoints(workdir / f"peer{i}") for i in range(4)]
     # any peer of one half against any of the other, at an epoch both checkpointed while split (each peer's own
     # window: the halves may be at different epochs when it heals; a peer that stepped alone when the cut broke
