@@ -109,8 +109,7 @@ class ForkServer:
         return None if self._process is None else self._process.pid
 
     def can_fork(self, command: list[str], env: dict) -> bool:
-        return self._process is not None and _plan(command) is not None and all(
-            env.get(k) == self.env.get(k) for k in set(env) | set(self.env) if not k.startswith(RUNTIME_ENV_PREFIX))
+        return self._process is not None and _plan(command) is not None and _env_key(env) == _env_key(self.env)
 
     def spawn(self, command: list[str], env: dict, log_path: Path, err_path: Optional[Path] = None) -> ForkedProcess:
         """`command` in a fork, its stdout and stderr appended to `log_path` (stderr to `err_path` if given)."""
@@ -193,6 +192,7 @@ def shared_server(env: dict) -> ForkServer:
 
 
 def _env_key(env: dict) -> tuple:
+    """What a fork inherits from the server's imports: the environment less collab's runtime settings."""
     return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ENV_PREFIX)))
 
 
