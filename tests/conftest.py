@@ -79,15 +79,18 @@ def _work_seconds() -> float:
                 probe.wait()
 
 
-_pace: list[float] = []
+PACE_VARIABLE = "COLLAB_TEST_PACE"  # set it to skip the measurement (e.g. 1.0 on a machine known to be as fast)
 
 
 def machine_pace() -> float:
-    """How many times slower than the developers' idle machine this one is (at least 1), measured once."""
-    if not _pace:
+    """How many times slower than the developers' idle machine this one is (at least 1), measured once per session,
+    before any peer starts (measure_the_pace_first): measured beside a starting swarm it read 4x on the idle
+    machine and stretched every bound by it. Kept in the environment: pytest loads this file twice (as its conftest
+    and as tests.conftest, which the tests import), and both must read the same measurement."""
+    if PACE_VARIABLE not in os.environ:
         measured = _work_seconds()
-        _pace.append(min(MOST_PACE, max(1.0, measured / REFERENCE_WORK_SECONDS)))
-    return _pace[0]
+        os.environ[PACE_VARIABLE] = f"{min(MOST_PACE, max(1.0, measured / REFERENCE_WORK_SECONDS)):.2f}"
+    return float(os.environ[PACE_VARIABLE])
 
 
 def scaled(seconds: float) -> float:
@@ -95,17 +98,18 @@ def scaled(seconds: float) -> float:
     return seconds * machine_pace()
 
 
-def pytest_report_header(config) -> str:
-    return f"machine pace: {machine_pace():.2f}x the developers' idle machine (swarm tests' bounds are scaled by it)"
-
-
 def pytest_terminal_summary(terminalreporter) -> None:
-    # (-q hides the header; a run's log should still say how its bounds were scaled). pytest loads this file as
-    # its conftest and the tests import it as tests.conftest: two modules, and the tests' one measured the pace
-    measured = [pace for module in (sys.modules.get("tests.conftest"), sys.modules.get(__name__)) if module is not None
-                for pace in getattr(module, "_pace", [])]
-    if measured:
-        terminalreporter.write_line(f"machine pace: {measured[0]:.2f}x the developers' idle machine")
+    # (-q hides the header; a run's log should say how its bounds were scaled)
+    if PACE_VARIABLE in os.environ:
+        terminalreporter.write_line(f"machine pace: {os.environ[PACE_VARIABLE]}x the developers' idle machine "
+                                    "(swarm tests' bounds are scaled by it)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def measure_the_pace_first(request) -> None:
+    """A session with swarm tests measures the machine's pace before its first peer starts."""
+    if any(item.get_closest_marker("swarm") for item in request.session.items):
+        machine_pace()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -192,7 +196,10 @@ def fork_server():
     before its first peer could start."""
     from peers.forkserver import shared_server
 
-    return shared_server(dict(peer_env(), PYTHONUNBUFFERED="1"))
+    # less what pytest changes from test to test (PYTEST_CURRENT_TEST): with it, every test started a server of
+    # its own (~11 s of the 2 cores each), and each stayed up to the end of the session (~400 MB each)
+    env = {k: v for k, v in peer_env().items() if not k.startswith("PYTEST_")}
+    return shared_server(dict(env, PYTHONUNBUFFERED="1"))
 
 
 def run_cli(*args: str, timeout: float = 120, fork: bool = False,
