@@ -38,6 +38,17 @@ def logs(swarm: LocalSwarm) -> str:
     return "\n".join(f"--- peer {p.index}\n{p.log_text()[-2500:]}" for p in swarm.peers)
 
 
+def hold_fault(seconds: float, epochs_of_its_own: int, moved: Callable[[], int], most: float) -> None:
+    """A fault lasts `seconds`, and then on until the swarm made `epochs_of_its_own` epochs in it (`moved`), up to
+    `most` seconds: what must fit in a fault is some of the swarm's own epochs, and a slower or busier machine
+    makes them slower (beside a CPU hog, a 15-s freeze left the others no time for an epoch), while what takes
+    fixed time (the DHT forgetting the other half of a split) does not stretch with it."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    while moved() < epochs_of_its_own and time.monotonic() - started < most:
+        time.sleep(0.5)
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, swarm: LocalSwarm) -> float:
     """Seconds it took; FaultTimeout (with the peers' logs) if it did not happen within `timeout`."""
     start = time.monotonic()
@@ -57,10 +68,11 @@ class FreezeResult:
 
 
 def freeze_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None,
-                    warmup_epochs: int = 2, forks=None) -> FreezeResult:
-    """3 peers; once every peer reached `warmup_epochs`, peer 2's whole session gets SIGSTOP for `seconds` while it
-    is matching or averaging (its epochs start their matchmaking before the last one ends, so a peer is in a round
-    most of the time), then SIGCONT."""
+                    warmup_epochs: int = 2, forks=None, epochs_while_frozen: int = 0) -> FreezeResult:
+    """3 peers; once every peer reached `warmup_epochs`, peer 2's whole session gets SIGSTOP for `seconds` (and on
+    until the others made `epochs_while_frozen`, up to 4x as long: hold_fault) while it is matching or averaging
+    (its epochs start their matchmaking before the last one ends, so a peer is in a round most of the time), then
+    SIGCONT."""
     with LocalSwarm(3, run_id, workdir, ["--config", str(config)], env=env, forks=forks) as swarm:
         swarm.start()
         frozen, others = swarm.peers[2], swarm.peers[:2]
@@ -72,7 +84,7 @@ def freeze_scenario(workdir: Path, run_id: str, config: Path, seconds: float, en
         frozen.signal_session(signal.SIGSTOP)
         try:
             at_freeze, others_at_freeze = progress(frozen), min(epochs(others))
-            time.sleep(seconds)
+            hold_fault(seconds, epochs_while_frozen, lambda: min(epochs(others)) - others_at_freeze, 4 * seconds)
             others_at_thaw = min(epochs(others))
         finally:
             frozen.signal_session(signal.SIGCONT)
@@ -93,9 +105,11 @@ class SplitResult:
 
 
 def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None,
-                   warmup_epochs: int = 2, stop_at_first_common: bool = False, forks=None) -> SplitResult:
+                   warmup_epochs: int = 2, stop_at_first_common: bool = False, forks=None,
+                   epochs_while_split: int = 0) -> SplitResult:
     """4 peers in network namespaces (root); once every peer reached `warmup_epochs`, peers 0, 1 and peers 2, 3
-    lose each other for `seconds` (their switch ports on two bridges), then the network heals. `config` must
+    lose each other for `seconds` (their switch ports on two bridges; and on until every peer made
+    `epochs_while_split`, up to 4x as long: hold_fault), then the network heals. `config` must
     checkpoint every epoch. The swarm runs until every peer is 5 epochs past the heal; `stop_at_first_common`: or
     until all four have checkpointed one epoch of the 3 that are judged, whichever comes first (the same epoch is
     judged: a peer checkpoints its epochs in order, so no earlier one of the 3 becomes common later)."""
@@ -109,7 +123,8 @@ def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env
         split_at = epochs(swarm.peers)
         lab.partition([2, 3])
         try:
-            time.sleep(seconds)
+            hold_fault(seconds, epochs_while_split,
+                       lambda: min(now - then for now, then in zip(epochs(swarm.peers), split_at)), 4 * seconds)
             healed_at = epochs(swarm.peers)
         finally:
             lab.heal()

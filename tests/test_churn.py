@@ -1,27 +1,52 @@
 """Churn: peers killed with SIGKILL and restarted keep the run going; the restarted ones catch up.
 
-The short, strict version: 4 peers for 62 s. benchmarks/churn.py runs the long one (5 peers, 130 s, against a
-steady swarm)."""
+The short, strict version: 4 peers for 62 s (and on to epoch 5). benchmarks/churn.py runs the long one (5 peers,
+130 s, against a steady swarm)."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from peers.churn import ChurnSpec
 from peers.simulation import Simulation, SimulationSpec
-from tests.conftest import fork_server, machine_pace, peer_env, swarm_config
+from tests.conftest import fork_server, peer_env, scaled, swarm_config
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 
-def _simulate(tmp_path, name: str, config, duration: float, churn=None):
+def _simulate(tmp_path, name: str, config, duration: float, churn=None, stop=None):
     spec = SimulationSpec(peers=4, run_id=f"{name}-{tmp_path.name[-6:]}", workdir=tmp_path / name, config_path=config,
                           churn=churn, duration=duration, env=peer_env(), forks=fork_server())
-    report = Simulation(spec, say=print).run()
+    report = Simulation(spec, say=print).run(stop)
     print(report.to_table())
     return report
+
+
+def _stop_once(workdir: Path, seconds: float, epoch: int) -> threading.Event:
+    """Set after `seconds`, once some peer's summary (rewritten each epoch) says the swarm reached `epoch`."""
+    stop = threading.Event()
+
+    def reached() -> int:
+        epochs = [-1]
+        for path in workdir.glob("peer*.summary.json"):
+            try:
+                epochs.append(json.loads(path.read_text())["final_epoch"])
+            except (OSError, ValueError, KeyError):
+                pass  # being rewritten
+        return max(epochs)
+
+    def watch() -> None:
+        started = time.monotonic()
+        while not stop.wait(1.0):
+            if time.monotonic() - started >= seconds and reached() >= epoch:
+                stop.set()
+    threading.Thread(target=watch, daemon=True).start()
+    return stop
 
 
 def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_processes):
@@ -31,16 +56,14 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # load_state_timeout. The rate against a steady swarm is benchmarks/churn.py's (ratio 1.92 measured).
     config = swarm_config(tmp_path, 4, {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
                                      "averaging.averaging_timeout": 30.0, "averaging.load_state_timeout": 20.0})
-    # a kill every 16 s for 62 s: hits at 16, 32 and 48 s, the first while the peers may still start (as a crash
-    # can come), restarts 6 s later; the one at 22 s has most of the run left to catch up and train. (At 80 s
+    # a kill every 16 s for at least 62 s: hits at 16, 32 and 48 s, the first while the peers may still start (as a
+    # crash can come), restarts 6 s later; the one at 22 s has most of the run left to catch up and train. (At 80 s
     # and kills every 20 s the swarm reached epoch 8, 5 of them before the first kill)
-    # On a slower or busier machine every time here stretches by its measured pace, so the swarm still has the
-    # same number of its own epochs between hits (a fixed 62 s made 3 epochs beside a CPU hog, not 5)
-    pace = machine_pace()
-    churned = _simulate(tmp_path, "churn", config, duration=62 * pace,
-                        churn=ChurnSpec("kill", every=16 * pace, downtime=6 * pace))
-    # the swarm trained on through the hits; a swarm whose restarted peers stall it (the catch-up bugs this test
-    # caught) made 4 epochs in 130 s
+    # The run goes on past 62 s until the swarm reached epoch 5 (on a slower or busier machine its epochs are
+    # slower: beside a CPU hog 62 s made 3, not 5), under the same kills, up to 2 minutes (by the machine's pace): a
+    # swarm whose restarted peers stall it (the catch-up bugs this test caught) made 4 epochs in 130 s
+    churned = _simulate(tmp_path, "churn", config, duration=scaled(120), churn=ChurnSpec("kill", every=16, downtime=6),
+                        stop=_stop_once(tmp_path / "churn", 62, 5))
     assert churned.epochs_reached >= 5, churned.to_table()
 
     hits = [e for e in churned.churn_events if e["action"] == "kill"]

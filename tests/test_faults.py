@@ -14,15 +14,16 @@ import pytest
 
 from peers.faults import freeze_scenario, split_scenario
 from peers.netns import namespaces_skip_reason
-from tests.conftest import fork_server, machine_pace, peer_env, swarm_config
+from tests.conftest import fork_server, peer_env, swarm_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = pytest.mark.swarm
-# Both last longer on a slower or busier machine, by its measured pace: what must fit in a fault is some epochs of
-# the swarm's own (beside a CPU hog, a 15-s freeze left the others no time for an epoch after the round the frozen
-# peer held them in: up to 12 s, then ~6-s epochs)
+# Each lasts its seconds and then on until the swarm made some epochs of its own in it (peers.faults.hold_fault): on a
+# slower or busier machine, longer (beside a CPU hog, a 15-s freeze left the others no time for an epoch after the
+# round the frozen peer held them in: up to 12 s, then ~6-s epochs; at 30 s a fresh-clone run's split halves made
+# one epoch each, not checkpointed while split)
 FREEZE_SECONDS = 20
-SPLIT_SECONDS = 40  # at 30 s a fresh-clone run's halves made one epoch each, not checkpointed while split
+SPLIT_SECONDS = 40
 FAST = {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 5.0,
         "averaging.averaging_timeout": 12.0, "averaging.load_state_timeout": 10.0}
 SPLIT = {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
@@ -32,8 +33,8 @@ SPLIT = {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0
 def test_a_frozen_peer_does_not_stop_the_run_and_catches_up(tmp_path, run_id, no_leftover_processes):
     """SIGSTOP to a peer's whole session (a laptop lid closed) while it is matching or averaging. The others
     go on without it; after SIGCONT it takes the swarm's epoch and averages with them again."""
-    result = freeze_scenario(tmp_path, run_id, swarm_config(tmp_path, 3, FAST), FREEZE_SECONDS * machine_pace(),
-                             env=peer_env(), warmup_epochs=1, forks=fork_server())
+    result = freeze_scenario(tmp_path, run_id, swarm_config(tmp_path, 3, FAST), FREEZE_SECONDS, env=peer_env(),
+                             warmup_epochs=1, forks=fork_server(), epochs_while_frozen=1)
     # the round the frozen peer was in holds the others until its sender timeout: in 30 s (a 10 s chunk
     # timeout) they made 1-5 epochs here, in 60 s 6 (benchmarks/faults.py)
     assert result.others_epochs_while_frozen >= 1, f"the run stalled while a peer was frozen: {result}"
@@ -52,8 +53,8 @@ def test_a_split_swarm_heals_and_its_replicas_agree_again(tmp_path, run_id, no_l
     0.17 apart at the end of a run here) and within 3 epochs all four replicas are one model."""
     # from epoch 1 (not 2), and it stops at the first epoch 3-5 after the heal that all four checkpointed (not at 5)
     config = swarm_config(tmp_path, 4, {**SPLIT, "checkpoint.every_epochs": 1, "checkpoint.keep": 200})
-    result = split_scenario(tmp_path, run_id, config, SPLIT_SECONDS * machine_pace(), env=peer_env(), warmup_epochs=1,
-                            stop_at_first_common=True, forks=fork_server())
+    result = split_scenario(tmp_path, run_id, config, SPLIT_SECONDS, env=peer_env(), warmup_epochs=1,
+                            stop_at_first_common=True, forks=fork_server(), epochs_while_split=2)
     moved = [h - s for h, s in zip(result.healed_at, result.split_at)]
     assert min(moved) >= 1, f"a half stopped training while split: {result}"
     assert result.apart > 10 * PARAM_TOLERANCE, f"the halves did not train apart (no split?): {result}"
