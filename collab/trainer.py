@@ -62,6 +62,7 @@ class Summary:
     plans_issued: int = 0
     plans_read_late: int = 0  # plans read after their first epoch began here (collab.plan_keeper)
     loaded_state_from_peers: bool = False
+    catch_up: str = ""  # what the catch-up at the start did, and why (a late peer that trained from its own replica)
     swarm_epoch_at_join: int = 0  # the swarm's epoch when this peer came in (0: nothing to catch up on yet)
     checkpoint: Optional[str] = None
     nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
@@ -196,7 +197,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             restore_training_state(opt, resume)
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
         if peer.initial_peers:
-            summary.loaded_state_from_peers = _catch_up(opt, display, stop)
+            summary.loaded_state_from_peers, summary.catch_up = _catch_up(opt, display, stop)
             summary.swarm_epoch_at_join = opt.tracker.global_epoch
 
         _publish(swarm, opt, config, summary, log, None)  # announces this peer (and lets --wait-peers count it)
@@ -388,22 +389,28 @@ def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay
                         "training anyway")
 
 
-def _catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Event, wait: float = 30.0) -> bool:
-    """A late peer first downloads the swarm's parameters and optimizer state, then trains at its epoch."""
-    deadline = time.monotonic() + wait
-    while not opt.tracker.fetched_global_progress_this_epoch.is_set() and time.monotonic() < deadline:
+def _catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Event,
+              wait: float = 30.0) -> tuple[bool, str]:
+    """A late peer first downloads the swarm's parameters and optimizer state, then trains at its epoch. Says
+    whether it loaded a state, and what happened (kept in the summary: a late peer that trained from its own
+    replica says why)."""
+    started = time.monotonic()
+    while not opt.tracker.fetched_global_progress_this_epoch.is_set() and time.monotonic() < started + wait:
         if stop.wait(0.1):
-            return False
+            return False, "stopped"
+    seen = "" if opt.tracker.fetched_global_progress_this_epoch.is_set() else f" (no progress read in {wait:.0f} s)"
     if opt.tracker.global_epoch <= opt.local_epoch:
-        return False
+        return False, f"the swarm was at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}{seen}"
     display.message(f"Swarm is at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}: "
                     "loading state from peers...")
+    asking = time.monotonic()
     # under churn the first donors tried may be dead peers whose records linger: keep asking a while
-    if not opt.load_state_from_peers(deadline=time.monotonic() + 5 * opt.load_state_timeout) or stop.is_set():
+    if not opt.load_state_from_peers(deadline=asking + 5 * opt.load_state_timeout) or stop.is_set():
         display.message("No peer gave its state yet: training from this replica, and trying again at the next step")
-        return False
+        return False, (f"no peer gave its state in {time.monotonic() - asking:.0f} s (the swarm at epoch "
+                       f"{opt.tracker.global_epoch}, {opt.tracker.global_progress.num_peers} peers)")
     display.message(f"Caught up: now at epoch {opt.local_epoch}")
-    return True
+    return True, f"loaded the swarm's state at epoch {opt.local_epoch} in {time.monotonic() - started:.0f} s"
 
 
 def _checkpoint(opt, task, config: RunConfig, summary: Summary) -> None:

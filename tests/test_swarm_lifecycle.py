@@ -77,10 +77,11 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
         logs = "\n".join(f"--- peer {p.index}\n{p.log_text()[-2000:]}" for p in swarm.peers)
         assert finished, f"the remaining peers did not finish\n{logs}"
         first, late = read_summary(swarm.peers[0]), read_summary(swarm.peers[2])
+        late_log = swarm.peers[2].log_text()[-4000:]
         assert read_summary(leaving)["exit_reason"] == "stopped by signal"
 
     assert first["final_epoch"] == max_epochs and first["final_epoch"] > epoch_at_sigterm + 1
-    assert late["loaded_state_from_peers"], late
+    assert late["loaded_state_from_peers"], f"the late peer's catch-up: {late['catch_up']}\n{late_log}"
     assert late["start_epoch"] >= epoch_at_join, (late, epoch_at_join)
     assert late["final_epoch"] == max_epochs
     assert late["samples_contributed"] > 0 and late["rounds_joined"] >= 1, late
