@@ -128,6 +128,21 @@ class CheckedRounds:
     # selections, PowerSGD's factors or diloco's pseudo-gradients
     measures_noise = True
 
+    def abort_running_rounds(self) -> None:
+        """(the trainer's process) End this averager's all-reduce in flight now, on the way out. hivemind's cancel
+        stops a round only while it is still matching; one already running holds the averaged tensors' lock until
+        it ends or times out, and the leaving peer's last optimizer step waits on that lock: when a whole swarm
+        left at once (the end of a simulation), every state round stalled for next_chunk_timeout and the peers
+        were killed at the end of their grace period instead of leaving. The groupmates lose this peer's part, as
+        they would if it were killed."""
+        if self.is_alive():
+            self._outer_pipe.send(("_abort_running_rounds", [], {}))
+
+    async def _abort_running_rounds(self) -> None:
+        for future in list(self._running_groups.values()):  # hivemind: group id -> future of its AllReduceRunner
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+
     def _values_per_round(self) -> int:
         """How many values one round all-reduces (PowerSGD: its factors, fewer than the gradient's)."""
         return self.total_size

@@ -45,3 +45,14 @@ def test_each_mode_builds_an_optimizer_with_everything_the_trainer_calls(tmp_pat
 def test_an_unknown_mode_is_named():
     with pytest.raises(ValueError, match="'ring' is not one of sync, diloco, gossip"):
         optimizer_options("ring", ModeContext(config=None, task=None, rule=None))
+
+
+def test_a_pre_scheduled_round_that_waited_out_half_its_timeout_is_renewed_at_the_step():
+    from collab.modes.sync import round_is_stale
+
+    # pre-scheduled when the forecast said the epoch ends within matchmaking_time (5 s): triggered on time, kept
+    assert not round_is_stale(30.0 - 5.0, averaging_timeout=30.0)
+    # the epoch ended 20 s after its forecast (a slow groupmate): 5 s left would end the round before the
+    # groupmate's own matchmaking and all-reduce began
+    assert round_is_stale(30.0 - 25.0, averaging_timeout=30.0)
+    assert round_is_stale(-1.0, averaging_timeout=30.0)

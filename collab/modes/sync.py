@@ -20,6 +20,7 @@ import torch
 from hivemind import Optimizer
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.logging import get_logger
+from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from collab.metrics import AveragingLog
@@ -107,6 +108,7 @@ class CollabOptimizer(Optimizer):
         self._plan_followed = None
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
+        self.renewed_rounds = 0  # pre-scheduled gradient rounds replaced at the step (_renew_a_stale_round)
         self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
@@ -219,11 +221,32 @@ class CollabOptimizer(Optimizer):
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         if hasattr(self.grad_averager, "set_round_context"):  # dgc: its warm-up and its clipping need these
             self.grad_averager.set_round_context(self.local_epoch, max(1, self.tracker.global_progress.num_peers))
+        self._renew_a_stale_round()
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began and self._most_peers > 1:
             self.averaging_log.failure()  # hivemind steps on local gradients while others average without us
             self._record_own_step("the gradient round could not start")
         return began
+
+    def _renew_a_stale_round(self) -> None:
+        """hivemind pre-schedules an epoch's gradient round when its forecast says the epoch ends within
+        matchmaking_time, and that round gives up averaging_timeout after it was scheduled, not after it is
+        triggered. When the epoch ends much later than forecast (a slow groupmate, a busy machine), the round has
+        seconds left when its peer reaches the step: a client-mode peer's round ran out 3 s before its server
+        joined it, and both stepped alone (a test beside a CPU hog, 2 of 3 runs). Such a round is cancelled and
+        a fresh one, with the whole averaging_timeout, takes its place."""
+        control = self.scheduled_grads
+        # (a round whose group is assembled waits only for this trigger: its deadline no longer matters)
+        if control is None or control.triggered or control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            return
+        left = control.deadline - get_dht_time()
+        if not round_is_stale(left, self.averaging_timeout):
+            return
+        cancel_round(control)
+        self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+        self.renewed_rounds += 1
+        logger.warning(f"Epoch {self.local_epoch}: the pre-scheduled gradient round had {left:.1f} s left of its "
+                    f"{self.averaging_timeout:g} s; renewed")
 
     def _record_own_step(self, why: str) -> None:
         peers = max(self._most_peers, self.tracker.global_progress.num_peers)
@@ -297,6 +320,10 @@ class CollabOptimizer(Optimizer):
             control = future_ref()
             if isinstance(control, StepControl):
                 cancel_round(control)
+        # and a round already past matching runs on regardless (hivemind's cancel does not reach it): ended here
+        for averager in (self.state_averager, self.grad_averager if self.use_gradient_averaging else None):
+            if averager is not None and hasattr(averager, "abort_running_rounds"):
+                averager.abort_running_rounds()
 
     def _should_load_state_from_peers(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
@@ -567,6 +594,13 @@ class CollabOptimizer(Optimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def round_is_stale(seconds_left: float, averaging_timeout: float) -> bool:
+    """Whether a pre-scheduled round, still looking for a group when its peer reaches the step, has spent too much
+    of its timeout waiting for it: over half. (Pre-scheduled on a forecast that the epoch ends within
+    matchmaking_time, it normally has all but a few seconds left)"""
+    return seconds_left < averaging_timeout / 2
 
 
 def optimizer_options(context: ModeContext) -> dict:
