@@ -84,39 +84,35 @@ def test_lab_is_removed_when_the_body_fails():
     assert lab.namespaces[0] not in _namespaces()
 
 
-def test_slow_uplink_gets_a_smaller_share_and_rounds_finish_sooner(tmp_path):
+def test_slow_uplink_gets_a_smaller_share_and_sends_less(tmp_path):
     """4 processes, one with a tenth of the others' upload: announcing it shrinks its share of the reduce, and so
     what it must send.
 
     A peer's upload in butterfly all-reduce is S (1 + f(k-2)) for share f: 1.5 S at the equal share
     f = 1/4 (k = 4), S at f = 0, which hivemind's load balancing gives a 10x slower uplink.
-    Measured here (4 MB): slow peer sent 4.0 MB vs 6.0 MB, rounds 3.6 s vs 5.1 s. (At 2x and 4x these rates the
-    rounds are shorter, but CPU rather than the links sets the shares' timing: at 4x the slow peer's equal-share
-    bytes were 5.0-6.0 MB in one run, too close to the 0.8 bound below)
+    Measured here (4 MB): slow peer sent 4.0 MB with its bandwidth announced, 6.0 MB (1.5 S, as the formula says)
+    with equal shares; rounds 3.6 s vs 5.1 s. The equal-share bytes follow the formula, so only the announced run
+    is made here; a round's time on such a link, against gloo's, is benchmarks/allreduce.py's asymmetric case
+    (on 2 busy cores a round's time is CPU noise as much as link).
+    (At 2x and 4x these rates CPU rather than the links sets the shares' timing)
     """
     links = [LinkSpec(upload_mbit=100, download_mbit=100)] * 3 + [LinkSpec(upload_mbit=10, download_mbit=100)]
     # 4 MB: at 2 MB the slow peer's equal-share bytes ranged 1.65-2.88 MB in one run (against the 3 MB its share
-    # predicts) and the median test failed; at 4 MB, 6.0 MB against 4.0 in every run so far
+    # predicts); at 4 MB, 6.0 MB in every run
     size = 1_000_000  # fp32: 4 MB
     announced = measure_rounds(links, "hivemind", size, tmp_path / "announced", rounds=4, announce_bandwidth=True)
-    equal = measure_rounds(links, "hivemind", size, tmp_path / "equal", rounds=4, announce_bandwidth=False)
     # A round counts when every process got the exact mean of 1..4. hivemind reports a round in which one
     # part's stream broke (its reducer is "failed") as a success with that part left unaveraged - a CI run
     # had one such round in six (max error 1.5: a process's own 1.0 or 4.0) - and its bytes say nothing
-    # about shares. Such rounds are left out and counted; two whole rounds of four per mode are required (a
-    # fresh-clone run had more than one of three partial in one mode).
-    announced = [o for o in announced if o.group_sizes == [4, 4, 4, 4] and o.max_error < 1e-6]
-    equal = [o for o in equal if o.group_sizes == [4, 4, 4, 4] and o.max_error < 1e-6]
-    print(f"whole rounds: {len(announced)}/4 announced, {len(equal)}/4 equal shares")
-    assert len(announced) >= 2 and len(equal) >= 2, "more than two rounds of four were partial or failed"
-    slow_sent = [o.bytes_sent[3] for o in announced]
-    slow_sent_equal = [o.bytes_sent[3] for o in equal]
-    print(f"slow peer sent {[b / 1e6 for b in slow_sent]} MB with its bandwidth announced, "
-          f"{[b / 1e6 for b in slow_sent_equal]} MB with equal shares")
+    # about shares. Such rounds are left out and counted; two whole rounds of four are required.
+    whole = [o for o in announced if o.group_sizes == [4, 4, 4, 4] and o.max_error < 1e-6]
+    print(f"whole rounds: {len(whole)}/4")
+    assert len(whole) >= 2, "more than two rounds of four were partial or failed"
+    slow_sent = [o.bytes_sent[3] for o in whole]
+    fast_sent = [o.bytes_sent[i] for o in whole for i in range(3)]
+    equal_share = 4 * size * (1 + 0.25 * (4 - 2))  # what it sends with a quarter of the reduce: 6 MB
+    print(f"slow peer sent {[b / 1e6 for b in slow_sent]} MB with its bandwidth announced (an equal share: "
+          f"{equal_share / 1e6:.1f} MB); the others {statistics.median(fast_sent) / 1e6:.2f} MB each")
     # medians: on 2 busy cores one round in a few runs goes oddly (a late trigger, a retransmit)
-    assert statistics.median(slow_sent) < 0.8 * statistics.median(slow_sent_equal)
-    # the time it saves is printed, not asserted: on 2 busy cores a round's time is CPU noise as much as link
-    # (a fresh-clone run had 5.19 s against 5.34 s with the bytes as above); benchmarks/allreduce.py's asymmetric
-    # case measures it
-    fast, slow = statistics.median(o.seconds for o in announced), statistics.median(o.seconds for o in equal)
-    print(f"round: {fast:.2f} s with shares by bandwidth, {slow:.2f} s with equal shares")
+    assert statistics.median(slow_sent) < 0.8 * equal_share
+    print(f"round: {statistics.median(o.seconds for o in whole):.2f} s with shares by bandwidth")
