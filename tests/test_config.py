@@ -125,7 +125,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
     for placeholder, value in values.items():
         expected = expected.replace(placeholder, value)
     try:
-        result = run_cli(*args, timeout=180)
+        result = run_cli(*args, timeout=180, fork=True)
     finally:
         taken.close()
     assert result.returncode == 2, (result.returncode, result.stderr)
@@ -145,7 +145,7 @@ def test_help_and_config_errors_do_not_wait_for_torch(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"imported on the way to --help: {result.stdout.strip()}"
     bad = write_config(tmp_path, {"training.target_batch_size": -1})
-    result = run_cli("join", "--run-id", "x", "--config", str(bad))
+    result = run_cli("join", "--run-id", "x", "--config", str(bad), fork=True)
     assert result.returncode == 2 and "training.target_batch_size" in result.stderr
     # nor a --dataset or --tokenizer path that does not exist (a typo is the usual first mistake)
     probe = ("import sys; from collab.commands.join import _check_data_flags; from argparse import Namespace\n"

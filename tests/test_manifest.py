@@ -26,7 +26,7 @@ def run_folder(tmp_path, micro_config):
 
 def test_init_makes_a_signed_run_folder_and_says_how_to_start(tmp_path, micro_config):
     folder = tmp_path / "demo"
-    result = run_cli("init", "demo-run", "--config", str(micro_config), "--dir", str(folder), timeout=120)
+    result = run_cli("init", "demo-run", "--config", str(micro_config), "--dir", str(folder), timeout=120, fork=True)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"collab join --run {folder}" in out and "Keep" in out
@@ -38,7 +38,7 @@ def test_init_makes_a_signed_run_folder_and_says_how_to_start(tmp_path, micro_co
     assert manifest.fingerprint in out and len(manifest.fingerprint) == 32
     assert manifest.config["training"]["target_batch_size"] == 1024  # the whole config, from the file
     assert "dir" not in manifest.config["checkpoint"]  # a path on the organizer's machine is not shared
-    again = run_cli("init", "demo-run", "--dir", str(folder), timeout=60)
+    again = run_cli("init", "demo-run", "--dir", str(folder), timeout=60, fork=True)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
 
 

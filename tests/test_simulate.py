@@ -47,7 +47,7 @@ def test_simulate_runs_peers_that_average_and_reports(tmp_path, no_leftover_proc
     (["--duration", "-5"], "--duration -5.0 must be positive"),
 ])
 def test_simulate_flag_errors_are_one_line(args, message):
-    result = run_cli("simulate", *args, timeout=60)
+    result = run_cli("simulate", *args, timeout=60, fork=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 

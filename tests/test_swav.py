@@ -192,7 +192,7 @@ def test_bad_swav_config_names_the_field(tmp_path, changes, expected):
     (["--dataset", "/nonexistent/images"], "dataset path /nonexistent/images does not exist"),
 ])
 def test_bad_swav_flags_exit_2_with_one_line(flags, expected):
-    result = run_cli("join", "--run-id", "r", "--config", "swav-tiny", *flags, timeout=180)
+    result = run_cli("join", "--run-id", "r", "--config", "swav-tiny", *flags, timeout=180, fork=True)
     assert result.returncode == 2, (result.returncode, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and expected in lines[0], result.stderr
