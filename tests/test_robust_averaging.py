@@ -23,12 +23,14 @@ ATTACKER = [sys.executable, str(Path(__file__).with_name("attacker_peer.py"))]
 
 def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
                                                                no_leftover_processes):
-    """Two of six peers attack in every round: one sends NaN, one its gradient times -1000. With hivemind's
+    """Two of five peers attack in every round: one sends NaN, one its gradient times -1000. With hivemind's
     mean, the NaN failed every round (19 of 19) and one sign-flipped round set the honest peers back by 25
     epochs. With centered_clip (an open run's default) the NaN part is left out, and so is the sign-flipped one
     (over 5 clip radii away): the honest peers' rounds succeed, they learn, and each of them names both
     attackers."""
-    honest, epochs = 4, 5
+    # three honest peers (four made 6 peers on 2 cores: in one of several runs a round stalled its whole
+    # averaging_timeout, the swarm split and too few rounds were left to judge; benchmarks/robustness.py runs more)
+    honest, epochs = 3, 5
     attacks = {honest: ["--nan"], honest + 1: ["--sign-flip", "1000"]}
     # 3/8 of the micro config's target batch (the same number of steps, 3/8 of the compute: at 1024 this test took
     # 87-187 s in CI, at 512 129 s in one that ran the whole suite in 19:15), and a round stalled by a CPU-starved
@@ -55,7 +57,7 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
     named_nan = sum("part not finite (gradients)" in s["rejected"].get(nan_id, {}) for s in summaries)
     named_flip = sum(any(r.startswith(("part clipped", "part dropped")) for r in s["rejected"].get(flip_id, {}))
                      for s in summaries)
-    assert named_nan >= 1 and named_flip >= 3, [s["rejected"] for s in summaries]
+    assert named_nan >= 1 and named_flip >= 2, [s["rejected"] for s in summaries]
     first = statistics.mean(s["loss_by_epoch"]["0"] for s in summaries)
     # each peer's last epoch with a loss (a peer that took its groupmates' epoch after a state round skips one)
     last = statistics.mean(s["loss_by_epoch"][max(s["loss_by_epoch"], key=int)] for s in summaries)
