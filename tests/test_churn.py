@@ -62,8 +62,12 @@ def test_swarm_keeps_training_through_kill_9_churn(tmp_path, no_leftover_process
     # The run goes on past 62 s until the swarm reached epoch 5 (on a slower or busier machine its epochs are
     # slower: beside a CPU hog 62 s made 3, not 5), under the same kills, up to 2 minutes (by the machine's pace): a
     # swarm whose restarted peers stall it (the catch-up bugs this test caught) made 4 epochs in 130 s
-    churned = _simulate(tmp_path, "churn", config, duration=scaled(120), churn=ChurnSpec("kill", every=16, downtime=6),
-                        stop=_stop_once(tmp_path / "churn", 62, 5))
+    stop = _stop_once(tmp_path / "churn", 62, 5)
+    try:
+        churned = _simulate(tmp_path, "churn", config, duration=scaled(120),
+                            churn=ChurnSpec("kill", every=16, downtime=6), stop=stop)
+    finally:
+        stop.set()  # ends the watcher too, when the duration ran out first
     assert churned.epochs_reached >= 5, churned.to_table()
 
     hits = [e for e in churned.churn_events if e["action"] == "kill"]

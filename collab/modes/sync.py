@@ -108,7 +108,6 @@ class CollabOptimizer(Optimizer):
         self._plan_followed = None
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
-        self.renewed_rounds = 0  # pre-scheduled gradient rounds replaced at the step (_renew_a_stale_round)
         self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
@@ -244,9 +243,8 @@ class CollabOptimizer(Optimizer):
             return
         cancel_round(control)
         self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
-        self.renewed_rounds += 1
         logger.warning(f"Epoch {self.local_epoch}: the pre-scheduled gradient round had {left:.1f} s left of its "
-                    f"{self.averaging_timeout:g} s; renewed")
+                       f"{self.averaging_timeout:g} s; renewed")
 
     def _record_own_step(self, why: str) -> None:
         peers = max(self._most_peers, self.tracker.global_progress.num_peers)
@@ -321,9 +319,9 @@ class CollabOptimizer(Optimizer):
             if isinstance(control, StepControl):
                 cancel_round(control)
         # and a round already past matching runs on regardless (hivemind's cancel does not reach it): ended here
-        for averager in (self.state_averager, self.grad_averager if self.use_gradient_averaging else None):
-            if averager is not None and hasattr(averager, "abort_running_rounds"):
-                averager.abort_running_rounds()
+        self.state_averager.abort_running_rounds()  # (every collab averager is a CheckedRounds)
+        if self.use_gradient_averaging:
+            self.grad_averager.abort_running_rounds()
 
     def _should_load_state_from_peers(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
