@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dashboard.collector import Collector
 from dashboard.server import BackgroundDashboard
 from peers.launcher import LocalSwarm
-from tests.conftest import fork_server, peer_env, swarm_config, wait_for
+from tests.conftest import MICRO_CONFIG, fork_server, peer_env, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -63,7 +63,7 @@ def two_peers_training(dashboard):
 def test_api_serves_the_live_run(live):
     swarm, dashboard = live
     run = wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers on /api/run")
-    assert run["run_id"] == swarm.run_id and run["target_batch_size"] == 1024
+    assert run["run_id"] == swarm.run_id and run["target_batch_size"] == MICRO_CONFIG["training"]["target_batch_size"]
     for key in ("global_epoch", "samples_accumulated", "eta_seconds", "samples_per_second", "rejected_records"):
         assert key in run
 

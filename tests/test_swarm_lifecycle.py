@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from peers.launcher import LocalSwarm
-from tests.conftest import fork_server, peer_env, read_summary, scaled, status_json, wait_for, write_config
+from tests.conftest import MICRO_CONFIG, fork_server, peer_env, read_summary, scaled, status_json, wait_for, write_config
 
 pytestmark = pytest.mark.swarm
 
@@ -30,8 +30,8 @@ def test_late_peer_catches_up_status_reports_and_sigterm_leaves_cleanly(tmp_path
         # collab status --json against the live swarm
         state = wait_for(lambda: _state_at_epoch(run_id, swarm.initial_peer, 3), timeout=240, what="global epoch 3")
         assert RUN_FIELDS <= set(state), state
-        assert state["run_id"] == run_id and state["target_batch_size"] == 1024
-        assert 0 <= state["samples_accumulated"] <= 1024 * 2
+        assert state["run_id"] == run_id and state["target_batch_size"] == MICRO_CONFIG["training"]["target_batch_size"]
+        assert 0 <= state["samples_accumulated"] <= MICRO_CONFIG["training"]["target_batch_size"] * 2
         trainers = [p for p in state["peers"] if p["role"] == "trainer"]
         assert len(trainers) == 2, state["peers"]
         for peer in trainers:

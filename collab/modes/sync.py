@@ -35,7 +35,6 @@ from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, peers
                             swarm_finished_without)
 from collab.tracker import HonestProgressTracker
 
-LEAVE_LINGER_SECONDS = 3.0
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 ALONE_READ_AGE = 1.0  # a peer about to step alone reads the swarm's progress again if its view is older than this
 ALONE_READ_TIMEOUT = 2.0
@@ -494,15 +493,12 @@ class CollabOptimizer(Optimizer):
 
     def shutdown(self) -> None:
         if not self.stop.is_set():
-            # leaving at --max-epochs: finish the delayed step, then go - but not at once. Our round may
-            # be over while we still stream a client-mode (NAT'd or slow) groupmate its share: hivemind
-            # sends those results only after the client's whole input, and closing p2pd now would leave
-            # that peer with a partial average it is told was complete.
+            # leaving at --max-epochs: finish the delayed step (with overlap=full it holds our last gradient
+            # round, still running). Our round may be over while we still stream a client-mode (NAT'd or slow)
+            # groupmate its share: each averager's shutdown waits for the replies it still holds to be read
+            # (collab.run.gate, REPLY_DRAIN) - a fixed 3-s linger here cost every leave, needed or not
             if self.tracker.global_progress.num_peers > 1:
-                # the delayed step first (with overlap=full it holds our last gradient round, still running):
-                # the linger counts from the end of our last round, not from its start
                 self.state_averager.step(wait_for_delayed_updates=True)
-                self.stop.wait(LEAVE_LINGER_SECONDS)
             # whatever this peer's view of the swarm says (it may be a minute old): the records say who is behind
             self._serve_peers_behind()
             for name in ("scheduled_grads", "scheduled_state"):
