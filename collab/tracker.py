@@ -33,7 +33,15 @@ from collab.records import Rejections, accept, drop_implausible_epochs
 
 logger = get_logger(__name__)
 
-EXTRAPOLATE_AT_MOST = 5.0  # seconds: a computing peer stores a record after every micro-batch
+EXTRAPOLATE_AT_MOST = 5.0  # seconds: a computing peer stores a record after every micro-batch near an epoch's end
+# hivemind stores a progress record after every micro-batch, unthrottled: each store signs the record, walks the DHT
+# and has every node it reaches validate the whole progress key (every peer's signed record, parsed again), so the
+# cost grows with micro-batches per second times peers. On 3 micro peers here that was ~8 stores a second per peer
+# and a quarter of the 2 cores, in the DHT processes. Mid-epoch a record is now stored at most every REPORT_EVERY
+# seconds; within NEAR_THE_END seconds of the swarm's ETA (and at an epoch's first micro-batch) after every one again,
+# so the end of an epoch is read as exactly as before
+REPORT_EVERY = 0.5
+NEAR_THE_END = 1.0
 
 
 class HonestProgressTracker(ProgressTracker):
@@ -62,7 +70,24 @@ class HonestProgressTracker(ProgressTracker):
             self._read_soon()
         if self.held_epoch is not None and local_epoch > self.held_epoch:
             local_epoch, samples_accumulated = self.held_epoch, 0
-        return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        if self._store_due(local_epoch, samples_accumulated):
+            self._stored_at, self._stored_epoch = time.monotonic(), local_epoch
+            return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        # hivemind's reporter stores a record as soon as this event is set (clearing it after is too late): the
+        # progress is taken in, and the next micro-batch that is due stores it
+        event, self.should_report_progress = self.should_report_progress, _Muted(self.should_report_progress)
+        try:
+            return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        finally:
+            self.should_report_progress = event
+
+    def _store_due(self, epoch: int, samples: int) -> bool:
+        if epoch != getattr(self, "_stored_epoch", None) or samples <= 0:
+            return True
+        if time.monotonic() - getattr(self, "_stored_at", float("-inf")) >= REPORT_EVERY:
+            return True
+        return (self.global_progress.samples_accumulated >= self.target_batch_size
+                or self.global_progress.eta_next_epoch - get_dht_time() <= NEAR_THE_END)
 
     def _parse_swarm_progress_data(self, metadata):
         if isinstance(metadata, dict):
@@ -99,6 +124,19 @@ class HonestProgressTracker(ProgressTracker):
                 return False
             time.sleep(0.02)
         return True
+
+
+class _Muted:
+    """A threading.Event whose set() does nothing (hivemind's reporter thread may wait on it meanwhile)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def set(self) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self.event, name)
 
 
 def forecastable(metadata: dict, now: float, micro_batch_size: Optional[int],

@@ -13,7 +13,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from collab.identity import load_or_create_identity
-from collab.tracker import HonestProgressTracker, forecastable
+from collab.tracker import REPORT_EVERY, HonestProgressTracker, forecastable
 
 
 @contextlib.contextmanager
@@ -107,3 +107,43 @@ def test_forecastable_extrapolates_a_record_by_one_micro_batch_at_most():
     assert view["slow"].value["time"] == now - 5.0  # 16 s a micro-batch, but never past at_most
     assert metadata["paused"].value["time"] == now - 30  # the records read are not changed
     assert forecastable(metadata, now, micro_batch_size=None, at_most=5.0)["paused"].value["time"] == now - 5.0
+
+
+@pytest.mark.swarm  # real DHT nodes, and stores timed in seconds
+def test_a_computing_peer_stores_its_progress_every_half_second_mid_epoch_and_every_micro_batch_at_the_end(
+        tmp_path, no_leftover_processes):
+    """hivemind stored a record after every micro-batch (each store signed, and validated whole by every node it
+    reached: a quarter of 2 cores for 3 micro peers). Mid-epoch at most one per REPORT_EVERY now; what the others
+    read is still at most that old; an epoch's first micro-batch and every one past the target are stored."""
+    with two_trackers(tmp_path, target_batch_size=10**6) as (ours, theirs):
+        stores = []
+        store = ours.dht.store
+
+        def counted(*args, **kwargs):  # the real store, counted
+            value = kwargs.get("value")
+            if isinstance(value, dict):  # (at shutdown hivemind stores None: no record)
+                stores.append(value.get("samples_accumulated"))
+            return store(*args, **kwargs)
+        ours.dht.store = counted
+        for i in range(1, 41):  # 20 micro-batches a second for 2 s, the ETA far away
+            ours.report_local_progress(0, 8 * i)
+            time.sleep(0.05)
+        time.sleep(0.2)
+        mid_epoch = len(stores)
+        assert 2 <= mid_epoch <= 2 / REPORT_EVERY + 2, stores  # hivemind's: 40
+        reads = theirs.reads
+        theirs.refresh(timeout=5)
+        wait_for_read(theirs, reads)
+        seen = theirs.global_progress.samples_accumulated
+        assert seen >= 8 * 40 - 8 * 20 * REPORT_EVERY - 8, (seen, stores)  # at most REPORT_EVERY behind
+
+        ours.report_local_progress(1, 8)  # a new epoch: stored at once
+        time.sleep(0.2)
+        assert stores[-1] == 8, stores
+        ours.target_batch_size = 16  # past the target: every micro-batch is stored
+        before = len(stores)
+        for i in range(2, 12):
+            ours.report_local_progress(1, 8 * i)
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert len(stores) - before >= 8 and stores[-1] == 88, stores
