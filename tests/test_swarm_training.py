@@ -109,7 +109,8 @@ def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_
     # the round ended by this check (before it, after averaging_timeout: a TimeoutError)
     after = log[log.index("the others to leave it"):]
     assert "failed (NobodyLeftToJoin" in after and "failed (TimeoutError" not in after, after[-3000:]
-    assert summaries[2]["final_replica"] == "downloaded" and summaries[2]["rounds_failed"] == 1, summaries[2]
+    assert summaries[2]["final_replica"] == "downloaded" and summaries[2]["rounds_failed"] == 1, \
+        f"{summaries[2]}\n{swarm_logs(tmp_path)}"
     assert [s["final_epoch"] for s in summaries] == [max_epochs] * 3, summaries
     models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}-checkpoints")[-1])
               for i in (0, 2)]
@@ -158,7 +159,7 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     for s in (server, client):
         assert s["final_epoch"] == 3 and s["rounds_joined"] >= 2 and set(s["group_sizes"]) == {2}, s
         assert s["loss_by_epoch"]["2"] < s["loss_by_epoch"]["0"] - 0.05, s["loss_by_epoch"]
-        assert s["rounds_failed"] == 0 and s["final_replica"] == "swarm", s
+        assert s["rounds_failed"] == 0 and s["final_replica"] == "swarm", f"{s}\n{swarm_logs(tmp_path)}"
         # the bytes its all-reduce counted, against the same rounds in fp32 (less the messages' own fields)
         moved = s["allreduce_bytes_sent"] + s["allreduce_bytes_received"]
         low, high = FEWER_BYTES[compression]
