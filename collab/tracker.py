@@ -14,8 +14,8 @@ samples for a target of 3072 (10-16% of its rounds under 3/4 of the target), eac
 with AdaScale's gain of 3.9 one such step raised the loss 1.26x, and those rounds alone explained why a 4x
 target's samples were worth 0.82-0.88 of what SGD's loss factor predicts (every round's own batch put into SGD's loss factor
 matched what was measured within 4%). Here a record extrapolates by at most one micro-batch (a peer that has
-computed one reports it, so a record older than that is a peer in a pause, or gone) and never for longer than
-EXTRAPOLATE_AT_MOST, and a forecast ends an epoch only if it was made after this peer began computing toward it.
+computed one reports it, so a record older than that is a peer in a pause, or gone; mid-epoch a record may be up to
+REPORT_EVERY old, which only makes a forecast later, never early) and never for longer than EXTRAPOLATE_AT_MOST, and a forecast ends an epoch only if it was made after this peer began computing toward it.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class HonestProgressTracker(ProgressTracker):
     read_at = float("-inf")  # time.monotonic() of the last read
     forecast_at = float("-inf")  # dht time of the read that made the current ETA
     computing_since: Optional[float] = None  # dht time of this epoch's first micro-batch; None before it
+    _stored_at = float("-inf")  # time.monotonic() of this peer's last stored record (_store_due)
+    _stored_epoch: Optional[int] = None
 
     def __init__(self, *args, **kwargs):
         self.rejected = Rejections()
@@ -82,9 +84,9 @@ class HonestProgressTracker(ProgressTracker):
             self.should_report_progress = event
 
     def _store_due(self, epoch: int, samples: int) -> bool:
-        if epoch != getattr(self, "_stored_epoch", None) or samples <= 0:
+        if epoch != self._stored_epoch or samples <= 0:
             return True
-        if time.monotonic() - getattr(self, "_stored_at", float("-inf")) >= REPORT_EVERY:
+        if time.monotonic() - self._stored_at >= REPORT_EVERY:
             return True
         return (self.global_progress.samples_accumulated >= self.target_batch_size
                 or self.global_progress.eta_next_epoch - get_dht_time() <= NEAR_THE_END)
