@@ -109,7 +109,19 @@ class ForkServer:
         return None if self._process is None else self._process.pid
 
     def can_fork(self, command: list[str], env: dict) -> bool:
-        return self._process is not None and _plan(command) is not None and _env_key(env) == _env_key(self.env)
+        return self.why_not(command, env) is None
+
+    def why_not(self, command: list[str], env: dict) -> Optional[str]:
+        """Why `command` in `env` cannot be a fork of this server (None: it can)."""
+        if self._process is None:
+            return "the fork server is not running"
+        if _plan(command) is None:
+            return f"it runs {command[0]}, not this Python's collab or a script"
+        differ = sorted(k for k in set(env) ^ set(self.env) | {k for k in env if env[k] != self.env.get(k)}
+                        if not k.startswith(RUNTIME_ENV_PREFIX))
+        if differ:
+            return f"its environment differs from the server's in {', '.join(differ)}"
+        return None
 
     def spawn(self, command: list[str], env: dict, log_path: Path, err_path: Optional[Path] = None) -> ForkedProcess:
         """`command` in a fork, its stdout and stderr appended to `log_path` (stderr to `err_path` if given)."""

@@ -106,9 +106,13 @@ class PeerProcess:
             if self.starts:
                 log.write(f"\n===== restart {self.starts} =====\n".encode())
                 log.flush()
-            if forks is not None and forks.can_fork(command, env):
+            unforkable = None if forks is None else forks.why_not(command, env)
+            if forks is not None and unforkable is None:
                 self.popen = forks.spawn(command, env, self.log_path)
             else:
+                if unforkable is not None:  # slower (a fresh process imports everything), not broken: say why
+                    print(f"peer {self.index} starts as a process of its own: {unforkable}", file=sys.stderr,
+                          flush=True)
                 self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.starts += 1

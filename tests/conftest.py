@@ -186,8 +186,13 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def peer_env() -> dict:
+    """The environment a test's peers run in. Less what pytest changes from test to test (PYTEST_CURRENT_TEST):
+    a peer is forked from the session's fork server only when its environment is the server's, and with it none
+    was - every peer of every test imported torch, hivemind and collab afresh (~8 s of the 2 cores before a peer
+    could join, while its swarm was already training)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     # several peers share 2 cores: one torch thread each avoids oversubscription
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def fork_server():
@@ -196,10 +201,9 @@ def fork_server():
     before its first peer could start."""
     from peers.forkserver import shared_server
 
-    # less what pytest changes from test to test (PYTEST_CURRENT_TEST): with it, every test started a server of
-    # its own (~11 s of the 2 cores each), and each stayed up to the end of the session (~400 MB each)
-    env = {k: v for k, v in peer_env().items() if not k.startswith("PYTEST_")}
-    return shared_server(dict(env, PYTHONUNBUFFERED="1"))
+    # (peer_env() is without PYTEST_CURRENT_TEST: with it, every test started a server of its own, ~11 s of the 2
+    # cores each, and each stayed up to the end of the session, ~400 MB each)
+    return shared_server(dict(peer_env(), PYTHONUNBUFFERED="1"))
 
 
 def run_cli(*args: str, timeout: float = 120, fork: bool = False,

@@ -11,6 +11,7 @@ from transformers import AlbertForPreTraining, AutoTokenizer
 from collab.checkpoint import list_checkpoints
 from collab.config import load_config
 from collab.tasks import build_task
+from peers.forkserver import ForkedProcess
 from peers.launcher import LocalSwarm
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config, swarm_logs, train_swarm_to_epoch
 
@@ -154,6 +155,9 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", "3"],
                     per_peer_args=per_peer, env=peer_env(), forks=fork_server()) as swarm:
         swarm.start()
+        # forked from the session's server, not started afresh (~8 s of the 2 cores each: a suite-wide cost when the
+        # peers' environment stopped matching the server's)
+        assert all(isinstance(p.popen, ForkedProcess) for p in swarm.peers), [type(p.popen) for p in swarm.peers]
         assert swarm.wait(timeout=scaled(240)), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
         server, client = read_summary(swarm.peers[0]), read_summary(swarm.peers[1])
     for s in (server, client):
