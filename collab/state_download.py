@@ -29,6 +29,12 @@ FAR_APART = 1.0  # a state further than this (relative to the replica's norm) fr
 NOT_FAR_BEHIND = 2  # epochs: within these, an honest donor's parameters are close to ours
 NORM_RATIO = 10.0  # a donor's parameters may have at most this many times our norm, or a tenth of it
 DONOR_KEY = "collab_donor"
+# seconds to open the download stream to one donor. hivemind awaits it unbounded, and p2pd's dial to a peer that is
+# not reachable (a network split, a donor behind NAT) gives up only after ~20 s: past the trainer's own
+# load_state_timeout, so every retry asked the same unreachable donor first and never reached the next one (CI, the
+# split test: a peer asked its donor across the split for 5 minutes and never trained again). A dial that works
+# takes milliseconds on a LAN and a few round trips across the internet
+DIAL_TIMEOUT = 5.0
 
 
 class _TagDonor:
@@ -44,6 +50,17 @@ class _TagDonor:
 
     def __getattr__(self, name):
         return getattr(self.future, name)
+
+
+class _BoundedDial:
+    """A donor's stub whose download stream must open within DIAL_TIMEOUT: hivemind takes the timeout as that
+    donor's failure and asks the next one."""
+
+    def __init__(self, stub):
+        self.stub = stub
+
+    async def rpc_download_state(self, request):
+        return await asyncio.wait_for(self.stub.rpc_download_state(request), DIAL_TIMEOUT)
 
 
 UNKNOWN_UPLINK_MBIT = 100.0  # a peer that announced no bandwidth is taken for a typical fast one
@@ -86,7 +103,7 @@ class CheckedDownloads:
             if name in self._skipped_donors() or (plausible is not None and name not in plausible):
                 return _NoState()  # hivemind hears "no state" and asks the next donor
             asked.append(name)
-            return (inner or type(self).get_stub)(p2p, peer, namespace=namespace)
+            return _BoundedDial((inner or type(self).get_stub)(p2p, peer, namespace=namespace))
 
         self.get_stub = stub
         try:
