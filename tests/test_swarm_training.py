@@ -160,6 +160,8 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
         assert all(isinstance(p.popen, ForkedProcess) for p in swarm.peers), [type(p.popen) for p in swarm.peers]
         assert swarm.wait(timeout=scaled(240)), "\n".join(p.log_text()[-2000:] for p in swarm.peers)
         server, client = read_summary(swarm.peers[0]), read_summary(swarm.peers[1])
+        # a client-mode peer serves no state: it never stays on as anyone's donor
+        assert "state donor" not in swarm.peers[1].log_text(), swarm.peers[1].log_text()[-2000:]
     for s in (server, client):
         assert s["final_epoch"] == 3 and s["rounds_joined"] >= 2 and set(s["group_sizes"]) == {2}, s
         assert s["loss_by_epoch"]["2"] < s["loss_by_epoch"]["0"] - 0.05, s["loss_by_epoch"]

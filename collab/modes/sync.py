@@ -530,6 +530,10 @@ class CollabOptimizer(Optimizer):
         """A peer behind ours (it missed the last step, its lineage split, or it has not noticed our step yet) will
         want our state to leave in sync with the swarm: stay its donor while it is behind, for as long as it
         needs at the swarm's measured pace (collab.donor_patience), rather than leave it with nobody to ask."""
+        if self.client_mode:
+            # it serves no state (nobody can dial it), so it would wait for nothing: the NAT'd peer of a CI test,
+            # left alone with its only server's last record cached, waited out that record's 60-s life
+            return
         # not for a peer caught sending or returning bad parts (hard evidence): in CI the honest peers stayed on
         # a whole minute as donors for a NaN sender one epoch behind them
         caught = frozenset(self.rejections.caught_ever())
