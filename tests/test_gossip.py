@@ -79,10 +79,11 @@ def test_three_gossip_peers_merge_pairwise_stay_together_and_survive_a_kill(tmp_
     # before it trained, when this is read)
     merged = [p for p in shown if p["merges_per_minute"] > 0 and p["merge_update_norm"] > 0]
     assert len(shown) == 4 and len(merged) >= 3, shown
-    # (replicas that never merged end ~0.8 of the norm apart in this run; merging ones a few percent). Those at the
-    # swarm's epoch: the killed peer's last record, epochs old by now, is the sketch of a replica left behind
+    # (replicas that never merged end ~0.8 of the norm apart in this run; merging ones a few percent). Those within
+    # an epoch of the swarm's: gossip peers are not in lockstep (a CI run read 3, 2, 3 for the three training), and
+    # a record epochs old is the sketch of a replica left behind
     print(shown)
-    current = [p for p in shown if p["epoch"] == max(q["epoch"] for q in shown)]
+    current = [p for p in shown if p["epoch"] >= max(q["epoch"] for q in shown) - 1]
     assert len(current) >= 3 and all(p["distance_to_mean"] is not None and p["distance_to_mean"] < 0.2
                                      for p in current), shown
 
