@@ -14,7 +14,7 @@ from hivemind.utils.logging import get_logger
 
 from collab.aggregation import Aggregation
 from collab.compression import wire_codec
-from collab.config import RunConfig, round_timeout_caution
+from collab.config import RunConfig, join_request_timeout, round_timeout_caution
 from collab.dgc import DGCSettings, sparsified
 from collab.grad_averager import CollabDGCAverager, CollabGradientAverager, CollabPowerSGDAverager
 from collab.metrics import AveragingLog
@@ -45,8 +45,7 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
     caution = round_timeout_caution(avg)
     if caution is not None:
         get_logger(__name__).warning(caution)
-    # hivemind warns (and can deadlock in rare cases) when a matchmaking request may outlive matchmaking itself
-    averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=min(3.0, avg.matchmaking_time / 2),
+    averager_opts = dict(bandwidth=avg.bandwidth, request_timeout=join_request_timeout(avg.matchmaking_time),
                          target_group_size=avg.group_size)
     scheduler = task.scheduler_factory()
     if plan is not None:
