@@ -18,10 +18,13 @@ donor's id travels in the state's metadata, and a bad donor goes back to the ave
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+import threading
+import time
+from typing import Callable, Optional
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils.logging import get_logger
 
 from collab.run.gate import _NoState  # a donor that is not asked: hivemind hears "no state"
 
@@ -35,6 +38,12 @@ DONOR_KEY = "collab_donor"
 # split test: a peer asked its donor across the split for 5 minutes and never trained again). A dial that works
 # takes milliseconds on a LAN and a few round trips across the internet
 DIAL_TIMEOUT = 5.0
+# a catch-up whose downloads time out (no donor answers within load_state_timeout) gives up after this many and trains
+# on with its replica (it tries again at its next step if it is still behind): hivemind retries forever, and a peer
+# whose donors could not be reached never trained again
+UNANSWERED_DOWNLOADS = 3
+RETRY_PAUSE = 1.0  # seconds between two downloads
+logger = get_logger(__name__)
 
 
 class _TagDonor:
@@ -177,3 +186,29 @@ class CheckedDownloads:
         return None
 
 
+
+
+def download_with_retries(load: Callable[[], bool], alone: Callable[[], bool], stop: threading.Event,
+                          deadline: Optional[float] = None) -> bool:
+    """Whether `load` (one download: True when a state was loaded, False when no donor had one, an exception when
+    the donors did not answer) loaded a state. Without a `deadline` it stops at the first answer or after
+    UNANSWERED_DOWNLOADS unanswered tries; with one, it asks until then (a peer leaving at its last epoch waits for
+    a donor to appear). It stops at once when `stop` is set or the peer is `alone`."""
+    unanswered = 0
+    while not stop.is_set():
+        failure = None
+        try:
+            if load():
+                return True
+        except BaseException as e:  # a donor that left mid-download, a timeout: try the next one
+            unanswered += 1
+            failure = f"{type(e).__name__}: {e}"
+        give_up = alone() or (deadline is not None and time.monotonic() > deadline) or \
+            (deadline is None and (failure is None or unanswered >= UNANSWERED_DOWNLOADS))
+        if failure is not None and not stop.is_set():
+            logger.warning(f"Failed to load state from peers ({failure}); "
+                           + ("giving up for now" if give_up else "retrying"))
+        if give_up:
+            return False
+        stop.wait(RETRY_PAUSE)
+    return False

@@ -6,8 +6,10 @@ minutes and never trained again (CI, the split test)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
@@ -39,6 +41,7 @@ class _Averager(state_download.CheckedDownloads, DecentralizedAverager):
     """Only what hivemind's _load_state_from_peers reads: no DHT, no p2pd, no process."""
 
     asked: list = []
+    peer_id = ME  # a property in hivemind's averager (its id from the DHT)
 
     @classmethod
     def get_stub(cls, p2p, peer, *, namespace=None):
@@ -57,7 +60,6 @@ def _averager() -> _Averager:
         prefix="run_state_averager", _p2p=None, _parent_pid=-1,
         dht=SimpleNamespace(get=lambda key, latest=True: ValueWithExpiration(priorities, float("inf"))
                             if key.endswith(".all_averagers") else None))
-    type(averager).peer_id = property(lambda self: ME)
     return averager
 
 
@@ -77,3 +79,41 @@ def test_an_unreachable_donor_is_given_up_and_the_next_one_serves_the_state(monk
     assert time.monotonic() - started < 5.0
     assert metadata["epoch"] == 7 and metadata[state_download.DONOR_KEY] == REACHABLE.to_base58()
     assert torch.equal(tensors[0], STATE)
+
+
+def _tries(outcomes: list) -> tuple[list, Callable[[], bool]]:
+    """A download that gives the next outcome each time (an exception is raised), and the list of its calls."""
+    calls = []
+
+    def load():
+        calls.append(time.monotonic())
+        outcome = outcomes[min(len(calls), len(outcomes)) - 1]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+    return calls, load
+
+
+def test_a_catch_up_gives_up_after_unanswered_downloads_and_one_with_a_deadline_asks_until_then(monkeypatch):
+    monkeypatch.setattr(state_download, "RETRY_PAUSE", 0.01)
+    never, stop = (lambda: False), threading.Event()
+    # no donor answers: hivemind would retry forever; a catch-up without deadline trains on after 3 tries
+    calls, load = _tries([TimeoutError("no answer")])
+    assert not state_download.download_with_retries(load, alone=never, stop=stop)
+    assert len(calls) == state_download.UNANSWERED_DOWNLOADS == 3
+    # two unanswered, then a donor serves: loaded
+    calls, load = _tries([TimeoutError(), TimeoutError(), True])
+    assert state_download.download_with_retries(load, alone=never, stop=stop) and len(calls) == 3
+    # an answer without a state ends a catch-up at once; with a deadline it keeps asking until then
+    calls, load = _tries([False])
+    assert not state_download.download_with_retries(load, alone=never, stop=stop) and len(calls) == 1
+    calls, load = _tries([False])
+    started = time.monotonic()
+    assert not state_download.download_with_retries(load, alone=never, stop=stop, deadline=started + 0.3)
+    assert len(calls) > 5 and 0.3 <= time.monotonic() - started < 2.0
+    # alone in the swarm, or asked to leave: no retry
+    calls, load = _tries([TimeoutError()])
+    assert not state_download.download_with_retries(load, alone=lambda: True, stop=stop) and len(calls) == 1
+    stop.set()
+    calls, load = _tries([TimeoutError()])
+    assert not state_download.download_with_retries(load, alone=never, stop=stop) and calls == []

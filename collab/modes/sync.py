@@ -31,6 +31,7 @@ from collab.rejections import RejectionLog
 from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
 from collab.donor_patience import EpochPace, donor_patience
+from collab.state_download import download_with_retries
 from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
                             swarm_finished_without)
 from collab.tracker import HonestProgressTracker
@@ -38,10 +39,6 @@ from collab.tracker import HonestProgressTracker
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 ALONE_READ_AGE = 1.0  # a peer about to step alone reads the swarm's progress again if its view is older than this
 ALONE_READ_TIMEOUT = 2.0
-# a catch-up whose downloads time out (no donor answers within load_state_timeout) gives up after this many and trains
-# on with its replica (it tries again at its next step if it is still behind): hivemind retries forever, and a peer
-# whose donors could not be reached never trained again
-UNANSWERED_DOWNLOADS = 3
 logger = get_logger(__name__)
 
 
@@ -352,27 +349,13 @@ class CollabOptimizer(Optimizer):
                 and self.state_averager.gathered_since(epoch_before) >= self.tracker.global_progress.num_peers):
             return True  # that round also healed a lineage split, with the whole swarm's parameters: no download
 
-        loaded = False
         for peer in self.rejections.take_caught():  # a peer caught cheating in a round is no donor either
             if self.state_averager.is_alive():
                 self.state_averager._outer_pipe.send(("_skip_donor", [peer], {}))
         with self.tracker.pause_updates():
-            unanswered = 0
-            while not self.stop.is_set():
-                answered = False
-                try:
-                    loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    answered = True
-                except BaseException as e:  # a peer that left mid-download, a timeout: try the next one
-                    unanswered += 1
-                    if not self.stop.is_set():
-                        logger.warning(f"Failed to load state from peers ({type(e).__name__}: {e}); retrying")
-                if loaded or self.tracker.global_progress.num_peers <= 1:
-                    break
-                if (deadline is None and (answered or unanswered >= UNANSWERED_DOWNLOADS)) or \
-                        (deadline is not None and time.monotonic() > deadline):
-                    break
-                self.stop.wait(1.0)
+            loaded = download_with_retries(
+                lambda: self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs),
+                alone=lambda: self.tracker.global_progress.num_peers <= 1, stop=self.stop, deadline=deadline)
             if self.stop.is_set() or not loaded:
                 logger.warning(f"Epoch {self.local_epoch}: no peer gave its state; going on with this replica")
                 if not self.stop.is_set():
