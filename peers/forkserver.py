@@ -117,8 +117,8 @@ class ForkServer:
             return "the fork server is not running"
         if _plan(command) is None:
             return f"it runs {command[0]}, not this Python's collab or a script"
-        differ = sorted(k for k in set(env) ^ set(self.env) | {k for k in env if env[k] != self.env.get(k)}
-                        if not k.startswith(RUNTIME_ENV_PREFIX))
+        mine, theirs = dict(_env_key(self.env)), dict(_env_key(env))
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         if differ:
             return f"its environment differs from the server's in {', '.join(differ)}"
         return None

@@ -59,3 +59,16 @@ def test_forked_processes_behave_like_processes_and_leave_with_their_launcher(tm
         server.close()
     assert server._process is None
     assert survivor.poll() == -signal.SIGTERM and not os.path.exists(f"/proc/{survivor.pid}")
+
+
+def test_a_peer_that_cannot_be_forked_is_told_why(tmp_path):
+    """The launcher prints why a peer given a fork server starts as a process of its own (~8 s of import on this
+    machine): a test environment that silently stopped matching the server's cost the suite 5 minutes."""
+    server = ForkServer({"A": "1", "COLLAB_PEER": "0"}, tmp_path / "log")
+    collab = [sys.executable, "-m", "collab", "join"]
+    assert server.why_not(collab, {"A": "1"}) == "the fork server is not running"
+    server._process = object()  # why_not only asks whether there is one
+    assert server.why_not(collab, {"A": "1", "COLLAB_PEER": "3"}) is None  # collab's runtime settings may differ
+    assert server.why_not(collab, {"A": "2", "PYTEST_CURRENT_TEST": "x"}) == \
+        "its environment differs from the server's in A, PYTEST_CURRENT_TEST"
+    assert server.why_not(["/bin/echo"], {"A": "1"}).startswith("it runs /bin/echo")
