@@ -21,7 +21,7 @@ READ_SECONDS = 1.0  # one small DHT get a second, as hivemind's progress tracker
 PLAN_SECONDS = 2.0
 REPUBLISH_SECONDS = 30.0
 PACE_WINDOW = 60.0  # the run's pace (seconds per epoch) is measured over the last minute
-RECORD_EXPIRATION = 600.0
+PLAN_RECORD_LIFETIME = 600.0  # seconds the run's batch plan lives in the DHT unless republished
 logger = logging.getLogger(__name__)
 
 
@@ -112,7 +112,7 @@ class PlanKeeper:
         from collab.run.sharing import store_own_copy
 
         store_own_copy(self.swarm.dht, self.run_id + PLAN_SUFFIX, self.swarm.public_key,
-                       self.plan.model_dump_json(), RECORD_EXPIRATION)
+                       self.plan.model_dump_json(), PLAN_RECORD_LIFETIME)
         self._published = time.monotonic()
 
 

@@ -19,7 +19,7 @@ from collab.identity import signer_peer_id
 
 CLOCK_SKEW_SECONDS = 300.0  # clocks of volunteers' machines disagree by this much at most
 EPOCH_LEAD = 3  # an honest peer is at most an epoch or two ahead of the others' median
-FRESH_SECONDS = 120.0  # only peers heard from this recently vote on what epoch is plausible
+VOTER_FRESH_SECONDS = 120.0  # only peers heard from this recently vote on what epoch is plausible
 MAX_SAMPLES = 10**12
 MAX_RATE = 1e9  # samples per second
 # what a peer's record may say it refused from another that is no sign of foul play: a slow link, not an attack
@@ -83,7 +83,7 @@ def drop_implausible_epochs(items: dict[str, Any], rejected: Rejections, now: Op
     two disagreeing peers is right, so nothing is dropped."""
     now = time.time() if now is None else now
     voters = {peer: item.epoch for peer, item in (reference if reference is not None else items).items()
-              if now - item.time < FRESH_SECONDS}
+              if now - item.time < VOTER_FRESH_SECONDS}
     kept = {}
     for peer, item in items.items():
         others = [epoch for voter, epoch in voters.items() if voter != peer]

@@ -144,14 +144,14 @@ def repaired(own: OwnStep, averager: RecordingStateAverager) -> bool:
     return averager.gathered_since(own.epoch) >= own.peers
 
 
-FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see peers_behind)
+PRESENT_FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see peers_behind)
 
 
 def _fresh_records(dht, run_id: str, ignore: frozenset) -> list:
     from collab.state import progress_records
 
     now = time.time()
-    return [p for peer, p in progress_records(dht, run_id).items() if now - p.time < FRESH_SECONDS and peer not in ignore]
+    return [p for peer, p in progress_records(dht, run_id).items() if now - p.time < PRESENT_FRESH_SECONDS and peer not in ignore]
 
 
 def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:

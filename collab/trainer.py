@@ -27,7 +27,7 @@ from collab.swarm import PeerConfig, Swarm
 from collab.tasks import build_task
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
-RECORD_EXPIRATION = 300.0
+METRICS_RECORD_LIFETIME = 300.0  # seconds a peer's metrics record lives in the DHT unless republished
 
 
 @dataclass
@@ -444,7 +444,7 @@ def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: Averag
         **_noise_fields(opt),
         **plan_fields(getattr(opt, "plan_keeper", None), opt.local_epoch, config.training),
     )
-    publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, RECORD_EXPIRATION)
+    publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, METRICS_RECORD_LIFETIME)
 
 
 def _noise_fields(opt) -> dict:

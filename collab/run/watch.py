@@ -29,7 +29,7 @@ from collab.run.gate import (
     read_revocations,
 )
 
-RECORD_EXPIRATION = 180.0
+MEMBERSHIP_RECORD_LIFETIME = 180.0  # seconds a peer's copy of a membership record lives in the DHT
 REPUBLISH_SECONDS = 60.0
 PROBE_SECONDS = 10.0
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class PrivateRun:
 def publish(dht, key: str, subkey: bytes, value) -> None:
     from collab.run.sharing import store_own_copy
 
-    store_own_copy(dht, key, subkey, value, RECORD_EXPIRATION)
+    store_own_copy(dht, key, subkey, value, MEMBERSHIP_RECORD_LIFETIME)
 
 
 class AccessWatch:
