@@ -22,6 +22,8 @@ METRICS_SUFFIX = "_metrics"
 PROGRESS_SUFFIX = "_progress"  # written by hivemind's ProgressTracker
 _LARGE = 1e9
 LOSS_BOUNDS = (0.0, 1e6)  # PeerMetricsRecord.loss: what every reader accepts
+MAX_PEERS_IN_RECORD = 16  # PeerMetricsRecord.rejected: peers named, and reasons each
+MAX_REASONS_PER_PEER = 8
 
 
 class PeerMetricsRecord(pydantic.BaseModel):
@@ -75,8 +77,6 @@ class PeerMetricsRecord(pydantic.BaseModel):
 
     @pydantic.validator("rejected")
     def _bounded(cls, value):
-        from collab.rejections import MAX_PEERS_IN_RECORD, MAX_REASONS_PER_PEER
-
         if len(value) > MAX_PEERS_IN_RECORD or any(len(reasons) > MAX_REASONS_PER_PEER for reasons in value.values()):
             raise ValueError(f"at most {MAX_PEERS_IN_RECORD} peers and {MAX_REASONS_PER_PEER} reasons each")
         return value

@@ -15,7 +15,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.p2p import PeerID
+
 from collab.identity import signer_peer_id
+from collab.metrics import PROGRESS_SUFFIX
 
 CLOCK_SKEW_SECONDS = 300.0  # clocks of volunteers' machines disagree by this much at most
 EPOCH_LEAD = 3  # an honest peer is at most an epoch or two ahead of the others' median
@@ -98,3 +102,14 @@ def _counts_in_bounds(item) -> bool:
     samples = getattr(item, "samples_accumulated", getattr(item, "samples_contributed", 0))
     rate = item.samples_per_second
     return 0 <= samples <= MAX_SAMPLES and 0 <= rate <= MAX_RATE and item.epoch <= 10**9
+
+
+def progress_records(dht, run_id: str) -> dict:
+    """Each peer's training progress as hivemind's tracker published it, by peer id (untrusted ones dropped)."""
+    return read_progress(dht, run_id, Rejections(), time.time())
+
+
+def read_progress(dht, run_id: str, rejected: Rejections, now: float) -> dict:
+    progress = accept(signed_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)), LocalTrainingProgress.parse_obj,
+                      lambda item: PeerID(item.peer_id).to_base58(), rejected, now)
+    return drop_implausible_epochs(progress, rejected, now)

@@ -13,10 +13,8 @@ import multiprocessing as mp
 import queue
 from typing import Optional
 
+from collab.metrics import MAX_PEERS_IN_RECORD, MAX_REASONS_PER_PEER
 from collab.robust_rounds import HARD_EVIDENCE
-
-MAX_PEERS_IN_RECORD = 16
-MAX_REASONS_PER_PEER = 8
 
 
 class RejectionLog:

@@ -28,6 +28,7 @@ from collab.donor_patience import Behind
 from collab.robust_rounds import CheckedRounds
 from collab.state_download import CheckedDownloads
 from collab.run.gate import MemberGate, MembersOnly
+from collab.records import progress_records
 
 KEEP_ROUNDS = 8
 
@@ -148,8 +149,6 @@ PRESENT_FRESH_SECONDS = 75.0  # a progress record this recent is a peer still th
 
 
 def _fresh_records(dht, run_id: str, ignore: frozenset) -> list:
-    from collab.state import progress_records
-
     now = time.time()
     return [p for peer, p in progress_records(dht, run_id).items() if now - p.time < PRESENT_FRESH_SECONDS and peer not in ignore]
 

@@ -44,6 +44,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from collab.aggregation import Aggregation, RobustPartReducer
 from collab.reply_streams import WholeReplies
 from collab.traffic import CountingRunner, TrafficLog
+from collab.records import progress_records
 
 GRADIENT_BOUND = 10.0
 PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's signed progress makes plausible
@@ -304,8 +305,6 @@ class CheckedRounds:
         return cache["records"]
 
     async def _read_signed_progress(self, cache: dict) -> None:
-        from collab.state import progress_records
-
         try:
             cache["records"] = await asyncio.get_event_loop().run_in_executor(
                 None, progress_records, self.dht, run_id_of(self.prefix))

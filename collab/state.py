@@ -13,8 +13,8 @@ from typing import Optional
 
 from pydantic import BaseModel
 
-from collab.metrics import PROGRESS_SUFFIX, PeerMetricsRecord, metrics_key
-from collab.records import LATE_PART, Rejections, accept, drop_implausible_epochs, signed_values
+from collab.metrics import PeerMetricsRecord, metrics_key
+from collab.records import LATE_PART, Rejections, accept, drop_implausible_epochs, read_progress, signed_values
 
 
 class PeerState(BaseModel):
@@ -87,7 +87,7 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
     """One snapshot of the run, from this node's DHT (any node: a trainer, a client, the dashboard)."""
     now = time.time()
     rejected = Rejections()
-    progress = _read_progress(dht, run_id, rejected, now)
+    progress = read_progress(dht, run_id, rejected, now)
     records = accept(signed_values(dht.get(metrics_key(run_id), latest=True)), PeerMetricsRecord.parse_obj,
                      lambda record: record.peer_id, rejected, now)
     records = drop_implausible_epochs(records, rejected, now, reference={**records, **progress})
@@ -223,20 +223,6 @@ def _estimate_spread(peers: list[PeerState], records: dict) -> None:
     distances = spread_from_mean(sketches) if len(sketches) >= 2 else {}
     for p in peers:
         p.distance_to_mean = distances.get(p.peer_id)
-
-
-def progress_records(dht, run_id: str) -> dict:
-    """Each peer's training progress as hivemind's tracker published it, by peer id (untrusted ones dropped)."""
-    return _read_progress(dht, run_id, Rejections(), time.time())
-
-
-def _read_progress(dht, run_id: str, rejected: Rejections, now: float) -> dict:
-    from hivemind.optim.progress_tracker import LocalTrainingProgress
-    from hivemind.p2p import PeerID
-
-    progress = accept(signed_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)), LocalTrainingProgress.parse_obj,
-                      lambda item: PeerID(item.peer_id).to_base58(), rejected, now)
-    return drop_implausible_epochs(progress, rejected, now)
 
 
 LATE_PARTS_FOR_LINK = 3  # late parts (as others reported them) that mark a peer whose link holds rounds up

@@ -27,6 +27,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from collab.run.gate import _NoState  # a donor that is not asked: hivemind hears "no state"
+from collab.records import progress_records
 
 FAR_APART = 1.0  # a state further than this (relative to the replica's norm) from ours is not a near-peer's
 NOT_FAR_BEHIND = 2  # epochs: within these, an honest donor's parameters are close to ours
@@ -127,8 +128,6 @@ class CheckedDownloads:
     async def _plausible_donors(self) -> Optional[set]:
         """Peers whose signed progress is at most one epoch behind the newest (None: no records could be read,
         and hivemind's own choice stands)."""
-        from collab.state import progress_records
-
         from collab.robust_rounds import run_id_of
 
         try:

@@ -42,6 +42,7 @@ from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claim
 from collab.modes import ModeContext
 from collab.modes.sync import CollabOptimizer
 from collab.run.gate import MembersOnly
+from collab.records import progress_records
 
 CHUNK_BYTES = 2**20
 MAX_WAITING = 4  # received parameters not yet merged: a peer asked by everyone at once answers "busy" beyond this
@@ -298,8 +299,6 @@ class GossipOptimizer(CollabOptimizer):
         # more often while the tracker counts peers this list lacks (the first seconds of a run, a newcomer)
         missing = len(self._partners) + 1 < self.tracker.global_progress.num_peers
         if time.monotonic() - self._partners_at > (1.0 if missing else PARTNERS_EVERY):
-            from collab.state import progress_records
-
             self._partners_at = time.monotonic()
             try:
                 records = progress_records(self.dht, self.run_id)
