@@ -132,7 +132,7 @@ def scheduled_by_plan(factory, keeper: PlanKeeper):
 
 def start_plan_keeper(config, swarm, shared, epoch: Callable[[], int]) -> Optional[PlanKeeper]:
     """A started keeper when the run's target or learning rate follows the noise scale (config: RunConfig;
-    shared: collab.run.sharing.SharedRun, whose manifest names the run's key)."""
+    shared: collab.run.sharer.SharedRun, whose manifest names the run's key)."""
     if not follows_a_plan(config.training) or shared is None:
         return None
     from collab.run.manifest import verify

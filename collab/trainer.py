@@ -21,7 +21,7 @@ from collab.modes import AveragingMode
 from collab.plan_keeper import plan_fields, plan_in_force, start_plan_keeper
 from collab.precision import Precision
 from collab.progress import ProgressDisplay, Snapshot
-from collab.run.sharing import RunSharer, SharedRun
+from collab.run.sharer import RunSharer, SharedRun
 from collab.identity import load_or_create_identity
 from collab.swarm import PeerConfig, Swarm
 from collab.tasks import build_task

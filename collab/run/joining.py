@@ -19,7 +19,8 @@ from collab.config import RunConfig
 from collab.data.cache import cache_dir, write_atomically
 from collab.errors import UserError
 from collab.run.manifest import Manifest, config_for_peer, contradictions
-from collab.run.sharing import TOKENIZER_NAME, SharedRun, fetch_manifest, fetch_run_file
+from collab.run.sharer import SharedRun
+from collab.run.sharing import TOKENIZER_NAME, fetch_manifest, fetch_run_file
 
 ORGANIZER_INVITE_SECONDS = 10 * 365 * 86400.0  # the organizer's own peer: as long as the run lives
 

@@ -13,16 +13,12 @@ import hashlib
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Optional
 
 from collab.errors import UserError
 from collab.identity import signer_peer_id
 from collab.run.manifest import Manifest, verify
-
-if TYPE_CHECKING:
-    from collab.run.watch import AccessWatch, PrivateRun
 
 MANIFEST_SUFFIX = "_manifest"
 MANIFEST_EXPIRATION = 600.0  # seconds; every holder re-stores it well before
@@ -226,49 +222,3 @@ def _fetch(loop, p2p, holders: list[str], name: str, sha256: str, timeout: float
         raise UserError(f"the run's {name} from its peers does not match the manifest's sha256 ({wrong} copies); "
                         "nothing was trained - ask the organizer")
     raise UserError(f"no peer of the run could send its {name} within {timeout:.0f} s; try again later")
-
-
-@dataclass
-class SharedRun:
-    """What every peer of a run holds and passes on: the signed manifest and the run's files."""
-
-    signed: bytes
-    fingerprint: str
-    tokenizer_file: Optional[Path]
-    private: Optional["PrivateRun"] = None  # a private run's membership (collab.run.watch); None: an open run
-    organizer_key: object = None  # the run's private key, on the organizer's peer only (it signs batch plans)
-
-
-class RunSharer:
-    """Keeps this peer's copy of the manifest in the DHT and serves the run's files while the peer runs."""
-
-    def __init__(self, swarm, shared: SharedRun, on_lost: Optional[Callable[[str], None]] = None):
-        self.swarm, self.shared = swarm, shared
-        self.on_lost = on_lost if on_lost is not None else (lambda why: None)
-        self.server: Optional[RunFileServer] = None
-        self.watch: Optional[AccessWatch] = None
-        self._published = float("-inf")  # never: time.monotonic() counts from boot, and a fresh VM is at < 200
-
-    def start(self) -> "RunSharer":
-        from collab.run.watch import AccessWatch
-
-        private = self.shared.private
-        if private is not None:  # members known and revocations applied before this peer averages with anyone
-            self.watch = AccessWatch(self.swarm, private, self.on_lost).start()
-        files = {TOKENIZER_NAME: self.shared.tokenizer_file} if self.shared.tokenizer_file is not None else {}
-        if (files or private is not None) and not self.swarm.peer.client_mode:  # nobody can dial a client
-            access = private.access if private is not None else None
-            self.server = RunFileServer(self.swarm.dht, files, access).start()
-        self.refresh()
-        return self
-
-    def refresh(self) -> None:
-        if time.monotonic() - self._published > MANIFEST_EXPIRATION / 3:
-            publish_manifest(self.swarm.dht, self.swarm.peer.run_id, self.swarm.public_key, self.shared.signed)
-            self._published = time.monotonic()
-
-    def stop(self) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-        if self.server is not None:
-            self.server.stop()

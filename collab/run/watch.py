@@ -28,6 +28,7 @@ from collab.run.gate import (
     read_members,
     read_revocations,
 )
+from collab.run.sharing import ask_about_access, close_loop, own_p2p, store_own_copy
 
 MEMBERSHIP_RECORD_LIFETIME = 180.0  # seconds a peer's copy of a membership record lives in the DHT
 REPUBLISH_SECONDS = 60.0
@@ -47,8 +48,6 @@ class PrivateRun:
 
 
 def publish(dht, key: str, subkey: bytes, value) -> None:
-    from collab.run.sharing import store_own_copy
-
     store_own_copy(dht, key, subkey, value, MEMBERSHIP_RECORD_LIFETIME)
 
 
@@ -82,8 +81,6 @@ class AccessWatch:
                     if self.lost is None and time.monotonic() - self._probed > PROBE_SECONDS:
                         self._probed = time.monotonic()
                         if p2p is None:
-                            from collab.run.sharing import own_p2p
-
                             p2p = loop.run_until_complete(own_p2p(self.swarm.dht))
                         self._probe(loop, p2p)
                 except Exception as e:  # a DHT that does not answer now may answer next time
@@ -91,8 +88,6 @@ class AccessWatch:
                 if self.lost is not None:
                     return
         finally:
-            from collab.run.sharing import close_loop
-
             close_loop(loop, p2p)
 
     def _refresh(self) -> None:
@@ -135,8 +130,6 @@ class AccessWatch:
             callback(self.private.access.revocations)
 
     def _probe(self, loop, p2p) -> None:
-        from collab.run.sharing import ask_about_access
-
         others = [peer for peer in self.private.access.expires if peer != self.swarm.peer_id]
         # one member's word is not enough to leave on (it may lie): two agree, or the only other one says so
         asked = random.sample(others, min(2, len(others)))
