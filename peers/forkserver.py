@@ -246,7 +246,7 @@ PRELOAD = ["hivemind", "transformers.models.albert.modeling_albert", "collab.com
 def _preload() -> None:
     import importlib
 
-    from collab.cli import set_process_defaults
+    from collab.process_defaults import set_process_defaults
 
     set_process_defaults()  # hivemind reads these at import
     for module in PRELOAD:
@@ -299,17 +299,17 @@ def _child(request: dict) -> None:
         if request["netns"]:
             _enter_netns(request["netns"])
         _fresh_process_state()
+        import runpy
+
+        # the command runs as `python -m collab ...` or `python script.py ...` would (its SystemExit is its code)
         if request["kind"] == "collab":
-            from collab.cli import main
-
-            code = main(request["argv"])
+            sys.argv = ["collab", *request["argv"]]
+            runpy.run_module("collab", run_name="__main__", alter_sys=True)
         else:
-            import runpy
-
             sys.argv = [request["target"], *request["argv"]]
             sys.path.insert(0, str(Path(request["target"]).parent))
             runpy.run_path(request["target"], run_name="__main__")
-            code = 0
+        code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the peer's log is where its crash must show
