@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from collab.data.paths import HF_PREFIX, dataset_parts
 from collab.errors import UserError
-from collab.tasks.swav_config import MultiCropConfig, Scale
+from collab.data.crops_config import MultiCropConfig, Scale
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 # SwAV normalises every crop with the ImageNet statistics; for the gray digits they are as good as any
