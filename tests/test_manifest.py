@@ -101,7 +101,8 @@ def test_the_manifest_is_published_at_once_on_a_machine_just_booted(micro_config
     from types import SimpleNamespace
 
     from collab.run.folder import ephemeral_run
-    from collab.run.sharing import MANIFEST_SUFFIX, RunSharer, SharedRun
+    from collab.run.sharer import RunSharer, SharedRun
+    from collab.run.sharing import MANIFEST_SUFFIX
 
     stored = []
     dht = SimpleNamespace(store=lambda **record: stored.append(record))
