@@ -1,6 +1,6 @@
 """One averaging round of an ALBERT-base-sized gradient: collab's (hivemind) all-reduce against gloo's.
 
-k processes, each in its own network namespace on a tc-shaped link (peers.netns), average a
+k processes, each in its own network namespace on a tc-shaped link (collab.peers.netns), average a
 vector of --size fp32 values (default 12M, ALBERT-base). Scenarios:
   symmetric   every link 100 Mbit/s up and down
   asymmetric  the same, but one peer has 10 Mbit/s up
@@ -32,10 +32,10 @@ from statistics import mean, median, stdev
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers.averaging_rounds import ProbeFailed, best_of, lower_bound_seconds, measure_rounds  # noqa: E402
-from peers.netns import namespaces_unavailable_reason  # noqa: E402
-from peers.profiles import LinkSpec  # noqa: E402
-from peers.report import aligned  # noqa: E402
+from benchmarks.lab.averaging_rounds import ProbeFailed, best_of, lower_bound_seconds, measure_rounds  # noqa: E402
+from collab.peers.netns import namespaces_unavailable_reason  # noqa: E402
+from collab.peers.profiles import LinkSpec  # noqa: E402
+from collab.peers.report import aligned  # noqa: E402
 
 # (backend, wire, private): the last row is a private run's members (every DHT request signed and checked,
 # every averaging RPC gated on the caller's peer id); goal: <= 1.02x the same round with auth off

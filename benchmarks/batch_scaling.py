@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fidelity import PEERS, run_config, swarm  # noqa: E402
-from peers.report import aligned  # noqa: E402
+from collab.peers.report import aligned  # noqa: E402
 
 TRAIL = 5
 

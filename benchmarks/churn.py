@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers.churn import ChurnSpec  # noqa: E402
-from peers.simulation import Simulation, SimulationSpec  # noqa: E402
+from collab.peers.churn import ChurnSpec  # noqa: E402
+from collab.peers.simulation import Simulation, SimulationSpec  # noqa: E402
 from tests.conftest import peer_env, write_config  # noqa: E402
 
 CONFIG = {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,

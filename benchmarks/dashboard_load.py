@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     args = parser.parse_args()
 
-    from peers.launcher import LocalSwarm
+    from collab.peers.launcher import LocalSwarm
 
     env = dict(os.environ, OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL="ERROR")
     port = free_port()

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers.faults import freeze_scenario, split_scenario  # noqa: E402
-from peers.netns import namespaces_unavailable_reason  # noqa: E402
+from benchmarks.lab.faults import freeze_scenario, split_scenario  # noqa: E402
+from collab.peers.netns import namespaces_unavailable_reason  # noqa: E402
 from tests.conftest import peer_env, write_config  # noqa: E402
 from tests.test_swarm_training import PARAM_TOLERANCE  # noqa: E402
 

@@ -1,6 +1,6 @@
 """What each compression choice and averaging mode costs in learning: 3 real collab peers against one process.
 
-For each row and each seed: 3 `collab join` peers (peers.launcher, 127.0.0.1) train ALBERT-tiny on the
+For each row and each seed: 3 `collab join` peers (collab.peers.launcher, 127.0.0.1) train ALBERT-tiny on the
 embedded corpus; one process trains the same model (same seed, so the same initial weights), optimizer and
 schedule with plain gradient accumulation to the same batch. The swarm's peers keep their identities (so their
 data order) across rows: rows differ only in the codec or mode. Rows: sync codecs (fp16, uniform8bit, powersgd,
@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from collab.traffic import RECENT_ROUNDS  # noqa: E402
-from peers.launcher import LocalSwarm  # noqa: E402
-from peers.report import aligned  # noqa: E402
+from collab.peers.launcher import LocalSwarm  # noqa: E402
+from collab.peers.report import aligned  # noqa: E402
 from tests.conftest import peer_env, read_summary  # noqa: E402
 
 PEERS, LAST = 3, 5

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers.report import aligned  # noqa: E402
+from collab.peers.report import aligned  # noqa: E402
 
 GOAL_ROUNDS, GOAL_COMPUTE = 0.90, 0.80
 

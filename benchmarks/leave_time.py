@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from peers.launcher import LocalSwarm
+    from collab.peers.launcher import LocalSwarm
 
     rng = random.Random(args.seed)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

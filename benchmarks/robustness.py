@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peers.launcher import LocalSwarm  # noqa: E402
+from collab.peers.launcher import LocalSwarm  # noqa: E402
 from tests.conftest import peer_env, read_summary, write_config  # noqa: E402
 
 # each attack: the attacker peers' arguments, one list per attacker

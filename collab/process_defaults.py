@@ -1,5 +1,5 @@
 """What every collab process sets before it does anything else: the settings hivemind reads at import, and how
-collab's own log lines look. Imports nothing heavy: the fork server (peers.forkserver) calls it before it
+collab's own log lines look. Imports nothing heavy: the fork server (collab.peers.forkserver) calls it before it
 preloads hivemind."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 
 def set_process_defaults() -> None:
-    """Settings hivemind reads when it is imported: set before that (peers.forkserver imports it ahead)."""
+    """Settings hivemind reads when it is imported: set before that (collab.peers.forkserver imports it ahead)."""
     # hivemind logs every matchmaking step at INFO; a volunteer needs the progress bar, not that
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     # hivemind shares tensors between its processes through files by default, which starts a

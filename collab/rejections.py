@@ -3,7 +3,7 @@
 The averager processes (collab.robust_rounds) put each finding - (peer id, reason, "gradients" | "state") -
 on a multiprocessing queue; the trainer drains it when it publishes its metrics record, which carries the
 counts (bounded: the most-reported peers and reasons only) for `collab status` and the dashboard. A peer's
-own word about others is untrusted too, so "suspect" is decided by the reader (dashboard.collector) from
+own word about others is untrusted too, so "suspect" is decided by the reader (collab.dashboard.collector) from
 how many peers report hard evidence against it, not by any one report.
 """
 

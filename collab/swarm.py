@@ -74,7 +74,7 @@ class OwnGroupDHT(hivemind.DHT):
 
     Ctrl-C sends SIGINT to the whole foreground group; p2pd would die at once and the peer could
     not say goodbye to the swarm. In a group of its own it stays up until this peer shuts it down.
-    It is still our child: collab.lifecycle and peers.launcher reap it by parentage and session.
+    It is still our child: collab.lifecycle and collab.peers.launcher reap it by parentage and session.
     """
 
     def run(self) -> None:

@@ -366,8 +366,8 @@ def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: thread
 
 
 def _start_dashboard(swarm: Swarm, port: int):
-    from dashboard.collector import Collector
-    from dashboard.server import BackgroundDashboard
+    from collab.dashboard.collector import Collector
+    from collab.dashboard.server import BackgroundDashboard
 
     collector = Collector(swarm.peer.run_id, dht=swarm.dht)  # reads through this peer's node: no second DHT
     return BackgroundDashboard(collector, port=port).start()

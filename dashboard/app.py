@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 
 from collab.state import RunState
-from dashboard.collector import Collector
+from collab.dashboard.collector import Collector
 
 STATIC = Path(__file__).resolve().parent / "static"
 

@@ -8,8 +8,8 @@ from typing import Optional
 
 import uvicorn
 
-from dashboard.app import create_app
-from dashboard.collector import Collector
+from collab.dashboard.app import create_app
+from collab.dashboard.collector import Collector
 
 
 class BackgroundDashboard:

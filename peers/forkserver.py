@@ -90,7 +90,7 @@ class ForkServer:
     def start(self) -> "ForkServer":
         with open(self.log_path, "ab") as log:
             # its own session: Ctrl-C in a terminal reaches the launcher, which stops the peers in order
-            self._process = subprocess.Popen([sys.executable, "-m", "peers.forkserver"], stdin=subprocess.PIPE,
+            self._process = subprocess.Popen([sys.executable, "-m", "collab.peers.forkserver"], stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, stderr=log, env=self.env,
                                              start_new_session=True)
         # ends by itself at end of file: when the server exits

@@ -4,8 +4,8 @@ Each peer runs in its own session, so stopping it stops everything it started: h
 averager processes and p2pd. Peers listen on fixed addresses, and their identities are made before
 they start, so every peer's multiaddr is known up front: a peer restarted after a crash rejoins as
 itself through whichever peers are up. On 127.0.0.1 by default; inside a NetworkLab's namespaces
-(peers.netns) when one is given, each peer on its own shaped link. Peers are forked from a server that
-imported collab once (peers.forkserver): a peer starts in about a second instead of seven CPU-seconds.
+(collab.peers.netns) when one is given, each peer on its own shaped link. Peers are forked from a server that
+imported collab once (collab.peers.forkserver): a peer starts in about a second instead of seven CPU-seconds.
 """
 
 from __future__ import annotations
@@ -204,8 +204,8 @@ class LocalSwarm:
         self.env, self.network = env, network
         self.per_peer_env = per_peer_env or {}  # e.g. another cache dir: another volunteer's machine
         self.use_fork_server = fork_server
-        # peers.forkserver.ForkServer: given (shared with other swarms; this one never closes it), or started with
-        # the first peer and closed with the swarm
+        # a ForkServer (collab.peers.forkserver): given (shared with other swarms; this one never closes it), or
+        # started with the first peer and closed with the swarm
         self.forks, self.owns_forks = forks, forks is None
         self.workdir.mkdir(parents=True, exist_ok=True)
         per_peer_args = per_peer_args or {}
@@ -255,7 +255,7 @@ class LocalSwarm:
 
     def _fork_server(self):
         if self.use_fork_server and self.forks is None:
-            from peers.forkserver import ForkServer
+            from collab.peers.forkserver import ForkServer
 
             env = dict(self.env if self.env is not None else os.environ, PYTHONUNBUFFERED="1")
             try:

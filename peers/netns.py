@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Optional
 
-from peers.profiles import LinkSpec
+from collab.peers.profiles import LinkSpec
 
 SUBNET = "10.77.0"  # private to the lab's namespaces; the root namespace never sees it
 NS_PREFIX = "collab-"

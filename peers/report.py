@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from peers.launcher import LocalSwarm, PeerProcess
+from collab.peers.launcher import LocalSwarm, PeerProcess
 
 
 @dataclass

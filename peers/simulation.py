@@ -1,7 +1,7 @@
 """One simulated run, start to report: network, peers, churn, progress lines, cleanup.
 
 `collab simulate` is a thin CLI over `Simulation`; tests and benchmarks use it directly.
-With a network profile the peers live in namespaces (peers.netns) on shaped links; without one,
+With a network profile the peers live in namespaces (collab.peers.netns) on shaped links; without one,
 or where namespaces cannot be made, on 127.0.0.1 (and the report says shaping was off).
 """
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from peers.churn import ChurnDriver, ChurnSpec
-from peers.launcher import LocalSwarm
-from peers.netns import NetworkLab, namespaces_unavailable_reason
-from peers.profiles import LinkSpec, NetworkProfile
-from peers.report import EpochTimeline, SwarmReport, build_report
+from collab.peers.churn import ChurnDriver, ChurnSpec
+from collab.peers.launcher import LocalSwarm
+from collab.peers.netns import NetworkLab, namespaces_unavailable_reason
+from collab.peers.profiles import LinkSpec, NetworkProfile
+from collab.peers.report import EpochTimeline, SwarmReport, build_report
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SimulationSpec:
     per_peer_args: dict[int, list[str]] = field(default_factory=dict)
     env: Optional[dict] = None
     seed: int = 0
-    forks: Optional[object] = None  # a started peers.forkserver.ForkServer to share (tests); None: one of its own
+    forks: Optional[object] = None  # a started ForkServer (collab.peers.forkserver) to share (tests); None: its own
 
 
 class Simulation:

@@ -159,7 +159,7 @@ def run_id() -> str:
 @pytest.fixture()
 def no_leftover_processes():
     """Fails the test if any process started during it (p2pd included) outlives it."""
-    from peers.forkserver import shared_server_pids
+    from collab.peers.forkserver import shared_server_pids
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
@@ -199,7 +199,7 @@ def fork_server():
     """The session's fork server for peer_env(): each swarm test's peers are forked from one process that imported
     collab once. A server of its own took each test 8.4 s of the 2-core machine (6.8 s to start, 1.6 s to close)
     before its first peer could start."""
-    from peers.forkserver import shared_server
+    from collab.peers.forkserver import shared_server
 
     # (peer_env() is without PYTEST_CURRENT_TEST: with it, every test started a server of its own, ~11 s of the 2
     # cores each, and each stayed up to the end of the session, ~400 MB each)
@@ -239,7 +239,7 @@ def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str
                          per_peer_args: dict | None = None, timeout: float = 300,
                          per_peer_program: dict | None = None) -> list[dict]:
     """Run `peers` local peers with `args` until each reaches `max_epochs` and exits 0; their summaries."""
-    from peers.launcher import LocalSwarm
+    from collab.peers.launcher import LocalSwarm
 
     timeout = scaled(timeout)
     with LocalSwarm(peers, run_id, tmp_path, [*args, "--max-epochs", str(max_epochs)],

@@ -1,7 +1,7 @@
 """A real collab peer with one fault injected, for tests: `python tests/faulty_peer.py FAULT join ARGS...`.
 
 The product's code path has no test switches; a test that needs a broken peer starts this wrapper
-instead of `python -m collab` (peers.launcher's `per_peer_program`), and it patches collab before
+instead of `python -m collab` (collab.peers.launcher's `per_peer_program`), and it patches collab before
 running the ordinary CLI.
 
 Faults:

@@ -14,7 +14,7 @@ from collab.config import RunConfig
 from collab.records import Rejections
 from collab.state import pooled_noise_scale
 from collab.tasks.linreg_config import LinregTaskConfig
-from peers.launcher import LocalSwarm
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config
 
 

@@ -6,7 +6,7 @@ import pytest
 from transformers import AlbertForPreTraining
 
 from collab.checkpoint import list_checkpoints
-from peers.launcher import LocalSwarm
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import fork_server, peer_env, read_summary, scaled
 
 pytestmark = pytest.mark.swarm

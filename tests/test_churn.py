@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from peers.churn import ChurnSpec
-from peers.simulation import Simulation, SimulationSpec
+from collab.peers.churn import ChurnSpec
+from collab.peers.simulation import Simulation, SimulationSpec
 from tests.conftest import fork_server, peer_env, scaled, swarm_config
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]

@@ -12,9 +12,9 @@ import pytest
 from hivemind.utils.timed_storage import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboard.collector import Collector
-from dashboard.server import BackgroundDashboard
-from peers.launcher import LocalSwarm
+from collab.dashboard.collector import Collector
+from collab.dashboard.server import BackgroundDashboard
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import MICRO_CONFIG, fork_server, peer_env, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from collab.identity import load_or_create_identity
 from collab.records import Rejections
 from collab.state import read_run_state
-from dashboard.app import create_app
-from dashboard.collector import Collector
+from collab.dashboard.app import create_app
+from collab.dashboard.collector import Collector
 
 GOOD = dict(role="trainer", version="0.1.0", epoch=4, loss=6.5, samples_per_second=20.0,
             samples_contributed=900, target_batch_size=256, client_mode=False, bandwidth_mbps=None,

@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from peers.launcher import LocalSwarm
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import fork_server, peer_env, read_summary, scaled, status_json, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm

@@ -1,4 +1,4 @@
-"""Faults of machines and of the network, on real peers (peers.faults): a peer frozen mid-run, a swarm split
+"""Faults of machines and of the network, on real peers (benchmarks.lab.faults): a peer frozen mid-run, a swarm split
 in two. The short, strict versions: the faults last longer than every timeout of their config (the freeze 20 s
 against a 5 s chunk, 12 s averaging and 10 s state download timeout; the split 40 s against 10 s, 15 s and 20 s;
 a DHT request 3 s) - and 60 s with the longer timeouts in benchmarks/faults.py, the long versions. (A 20 s split
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from peers.faults import freeze_scenario, split_scenario
-from peers.netns import namespaces_skip_reason
+from benchmarks.lab.faults import freeze_scenario, split_scenario
+from collab.peers.netns import namespaces_skip_reason
 from tests.conftest import fork_server, peer_env, swarm_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = pytest.mark.swarm
-# Each lasts its seconds and then on until the swarm made some epochs of its own in it (peers.faults.hold_fault): on a
-# slower or busier machine, longer (beside a CPU hog, a 15-s freeze left the others no time for an epoch after the
-# round the frozen peer held them in: up to 12 s, then ~6-s epochs; at 30 s a fresh-clone run's split halves made
-# one epoch each, not checkpointed while split)
+# Each lasts its seconds and then on until the swarm made some epochs of its own in it
+# (benchmarks.lab.faults.hold_fault): on a slower or busier machine, longer (beside a CPU hog, a 15-s freeze left
+# the others no time for an epoch after the round the frozen peer held them in: up to 12 s, then ~6-s epochs; at
+# 30 s a fresh-clone run's split halves made one epoch each, not checkpointed while split)
 FREEZE_SECONDS = 20
 SPLIT_SECONDS = 40
 FAST = {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 5.0,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from peers.forkserver import ForkServer
+from collab.peers.forkserver import ForkServer
 from tests.conftest import peer_env
 
 SCRIPT = """

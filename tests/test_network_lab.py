@@ -1,4 +1,4 @@
-"""peers.netns and peers.averaging_rounds on real namespaces, veths and tc (root only)."""
+"""collab.peers.netns and benchmarks.lab.averaging_rounds on real namespaces, veths and tc (root only)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from peers.averaging_rounds import measure_rounds
-from peers.netns import NetworkLab, namespaces_skip_reason
-from peers.profiles import LinkSpec
+from benchmarks.lab.averaging_rounds import measure_rounds
+from collab.peers.netns import NetworkLab, namespaces_skip_reason
+from collab.peers.profiles import LinkSpec
 
 pytestmark = [pytest.mark.swarm,  # shaped links measured in seconds: never beside another test
               pytest.mark.skipif(namespaces_skip_reason() is not None,

@@ -10,7 +10,7 @@ import torch
 from collab.aggregation import Aggregation, adasum
 from collab.noise_scale import NoiseScale, adascale_gain, two_batch_estimate
 from collab.state import pooled_noise_scale
-from peers.launcher import LocalSwarm
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config
 from tests.test_aggregation import reduce
 

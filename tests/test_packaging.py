@@ -53,8 +53,9 @@ def test_pyproject_packages_and_dependencies():
     assert meta["project"]["scripts"]["collab"] == "collab.cli:main"
     packages = meta["tool"]["setuptools"]["packages"]
     # a package left off this list is missing from a non-editable install (the Docker image): collab.run once was
-    on_disk = {".".join(init.parent.relative_to(ROOT).parts) for top in ("collab", "peers", "dashboard")
-               for init in (ROOT / top).rglob("__init__.py")}
+    installed_as = {"collab": "collab", "peers": "collab.peers", "dashboard": "collab.dashboard"}
+    on_disk = {".".join((installed_as[top], *init.parent.relative_to(ROOT / top).parts))
+               for top in installed_as for init in (ROOT / top).rglob("__init__.py")}
     assert on_disk - set(packages) == set(), f"packages missing from pyproject.toml: {on_disk - set(packages)}"
     assert "test" in meta["project"]["optional-dependencies"]
 
@@ -99,10 +100,10 @@ def test_a_non_editable_install_finds_its_shipped_configs_and_profiles(tmp_path)
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stdout + install.stderr
     probe = (
-        "import collab, dashboard\n"
+        "import collab, collab.dashboard as dashboard\n"
         "from pathlib import Path\n"
         "from collab.config import load_config, shipped_config_names\n"
-        "from peers.profiles import load_profile, profile_names\n"
+        "from collab.peers.profiles import load_profile, profile_names\n"
         f"assert Path(collab.__file__).is_relative_to({str(site)!r}), collab.__file__\n"
         "print(sorted(shipped_config_names()), load_config().task.name, load_config(Path('albert-base')).task.name)\n"
         "print(profile_names(), len(load_profile('mixed').links(4)))\n"
@@ -116,3 +117,5 @@ def test_a_non_editable_install_finds_its_shipped_configs_and_profiles(tmp_path)
     assert configs == f"{shipped} albert albert", configs
     assert profiles.startswith(str(sorted(p.stem for p in (ROOT / "configs" / "networks").glob("*.yaml")))), profiles
     assert static == str(sorted(p.name for p in (ROOT / "dashboard" / "static").iterdir())), static
+    # nothing but collab lands in site-packages: no top-level `peers` or `dashboard` package of ours
+    assert [p.name for p in site.iterdir() if (p / "__init__.py").exists()] == ["collab"]

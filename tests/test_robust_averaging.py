@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from peers.launcher import LocalSwarm
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import fork_server, peer_env, read_summary, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from collab.checkpoint import list_checkpoints
 from collab.data.tokenizer import load_tokenizer
 from collab.run.folder import load_run_folder
-from peers.launcher import LocalSwarm
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import MICRO_CONFIG, fork_server, peer_env, read_summary, run_cli, swarm_config, write_config
 
 pytestmark = pytest.mark.swarm

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from peers.launcher import PeerProcess
-from peers.report import PeerReport, SwarmReport, peer_report
+from collab.peers.launcher import PeerProcess
+from collab.peers.report import PeerReport, SwarmReport, peer_report
 from tests.conftest import run_cli, swarm_config
 
 

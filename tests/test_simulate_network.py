@@ -12,9 +12,9 @@ import pytest
 from transformers import AlbertForPreTraining
 
 from collab.checkpoint import list_checkpoints
-from peers.netns import namespaces_skip_reason, netem_available
-from peers.profiles import load_profile
-from peers.simulation import Simulation, SimulationSpec
+from collab.peers.netns import namespaces_skip_reason, netem_available
+from collab.peers.profiles import load_profile
+from collab.peers.simulation import Simulation, SimulationSpec
 from tests.conftest import fork_server, peer_env, run_cli, swarm_config, wait_for, write_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from peers.launcher import LocalSwarm
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import MICRO_CONFIG, fork_server, peer_env, read_summary, scaled, status_json, wait_for, write_config
 
 pytestmark = pytest.mark.swarm

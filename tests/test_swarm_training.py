@@ -11,8 +11,8 @@ from transformers import AlbertForPreTraining, AutoTokenizer
 from collab.checkpoint import list_checkpoints
 from collab.config import load_config
 from collab.tasks import build_task
-from peers.forkserver import ForkedProcess
-from peers.launcher import LocalSwarm
+from collab.peers.forkserver import ForkedProcess
+from collab.peers.launcher import LocalSwarm
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config, swarm_logs, train_swarm_to_epoch
 
 pytestmark = pytest.mark.swarm

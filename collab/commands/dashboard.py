@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     from collab.lifecycle import reap_children
     from collab.swarm import peer_config_from_flags
-    from dashboard.collector import Collector
-    from dashboard.server import serve_forever
+    from collab.dashboard.collector import Collector
+    from collab.dashboard.server import serve_forever
 
     from functools import partial
 

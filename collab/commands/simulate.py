@@ -42,11 +42,11 @@ def run(args: argparse.Namespace) -> int:
     from collab.errors import UserError
     from collab.lifecycle import StopOnSignal
     from collab.ports import require_free_port
-    from peers.churn import ChurnSpec
-    from peers.launcher import LaunchError
-    from peers.netns import NetworkError
-    from peers.profiles import load_profile
-    from peers.simulation import Simulation, SimulationSpec
+    from collab.peers.churn import ChurnSpec
+    from collab.peers.launcher import LaunchError
+    from collab.peers.netns import NetworkError
+    from collab.peers.profiles import load_profile
+    from collab.peers.simulation import Simulation, SimulationSpec
 
     if args.peers < 1:
         raise UserError(f"--peers {args.peers} must be at least 1")

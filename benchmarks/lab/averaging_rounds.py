@@ -1,7 +1,7 @@
 """Measure averaging rounds among k processes on shaped links: hivemind's all-reduce or gloo's.
 
 Used by benchmarks/allreduce.py and the asymmetric-link test. Each process runs
-peers.averaging_probe in its own namespace of a NetworkLab; the values and the interface byte
+benchmarks.lab.averaging_probe in its own namespace of a NetworkLab; the values and the interface byte
 counters come back per round, so a test can check what was averaged and who carried the traffic.
 """
 
@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from peers.netns import NetworkLab
-from peers.profiles import LinkSpec
+from collab.peers.netns import NetworkLab
+from collab.peers.profiles import LinkSpec
+
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks.lab.averaging_probe runs from here
 
 GLOO_PORT = 29500
 
@@ -66,8 +68,9 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
         for i, link in enumerate(links):
             out = workdir / f"{backend}-{i}.json"
             out.unlink(missing_ok=True)
-            command = [*lab.command_prefix(i), sys.executable, "-m", "peers.averaging_probe", "--backend", backend,
-                       "--index", str(i), "--world", str(world), "--size", str(size), "--rounds", str(rounds),
+            command = [*lab.command_prefix(i), sys.executable, "-m", "benchmarks.lab.averaging_probe",
+                       "--backend", backend, "--index", str(i), "--world", str(world), "--size", str(size),
+                       "--rounds", str(rounds),
                        "--wire", wire, "--host", lab.address(i), "--rendezvous", str(rendezvous),
                        "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
             if backend == "hivemind" and aggregation:
@@ -81,7 +84,7 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
             if backend == "hivemind" and announce_bandwidth and link.upload_mbit is not None:
                 command += ["--bandwidth", str(link.upload_mbit)]
             log = open(workdir / f"{backend}-{i}.log", "wb")
-            processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+            processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                                stdin=subprocess.DEVNULL, start_new_session=True), out, log))
             log.close()
         deadline = time.monotonic() + timeout

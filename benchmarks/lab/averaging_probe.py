@@ -1,6 +1,6 @@
 """One process of an averaging measurement: hivemind's all-reduce or torch.distributed gloo's.
 
-Run as `python -m peers.averaging_probe ...` inside a peer's namespace (peers.averaging_rounds
+Run as `python -m benchmarks.lab.averaging_probe ...` inside a peer's namespace (benchmarks.lab.averaging_rounds
 starts them). Every process holds a vector filled with `index + 1`, so the exact average is known
 and a partial round (hivemind reports those as success) shows up as a wrong value, not a flag.
 With `--wire dgc` it holds what a DGC peer sends instead: `index + 1` at 0.1% of the positions (its own,

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from peers.launcher import LocalSwarm
-from peers.netns import NetworkLab
-from peers.profiles import LinkSpec
+from collab.peers.launcher import LocalSwarm
+from collab.peers.netns import NetworkLab
+from collab.peers.profiles import LinkSpec
 
 
 class FaultTimeout(RuntimeError):
