@@ -31,6 +31,9 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from collab.noise_scale import adascale_gain
+from collab.run.access import _payload, newest_signed, signature_holds, signed_record
+
 PLAN_SUFFIX = "_plan"
 # the least time between issuing a plan and its first epoch: every peer reads it first (collab.plan_keeper reads
 # every second). It was 10 s: on a benchmark of 1-s epochs AdaScale's gain came 10 epochs after the estimate
@@ -71,18 +74,12 @@ class BatchPlan(BaseModel):
         return max(0.0, self.progress + self.gain_at(epoch) * (epoch - self.from_epoch))
 
     def payload(self) -> bytes:
-        from collab.run.access import _payload
-
         return _payload("collab-batch-plan", **self.model_dump(exclude={"signature"}))
 
     def signed(self, organizer_key) -> "BatchPlan":
-        from collab.run.access import signed_record
-
         return signed_record(self, organizer_key)
 
     def valid_for(self, run_id: str, organizer_key: str) -> bool:
-        from collab.run.access import signature_holds
-
         return self.run_id == run_id and signature_holds(organizer_key, self.payload(), self.signature)
 
 
@@ -95,8 +92,6 @@ def first_plan(run_id: str, training) -> BatchPlan:
 
 def adascale_gain_for(b_noise: float, base: int, target: int) -> float:
     """AdaScale's gain at target `target` over base batch `base`, from B_noise = tr(Sigma) / |G|^2."""
-    from collab.noise_scale import adascale_gain
-
     return adascale_gain(noise=b_noise / base, signal=1.0, scale=max(1.0, target / base))
 
 
@@ -138,6 +133,4 @@ def next_plan(plan: BatchPlan, epoch: int, b_noise: Optional[float], training, s
 def newest_plan(entries, run_id: str, organizer_key: str, rejected=None) -> Optional[BatchPlan]:
     """The newest plan signed with the run's key among (signer, blob) DHT entries; others (forged, malformed,
     another run's) are counted in `rejected` (collab.records.Rejections) when given."""
-    from collab.run.access import newest_signed
-
     return newest_signed(BatchPlan, entries, run_id, organizer_key, 4096, rejected)

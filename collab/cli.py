@@ -26,6 +26,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # imported once main() has set the process defaults that hivemind reads when it is imported
     from collab.commands import dashboard, init, invite, join, revoke, simulate, status
     from collab.commands import id as id_command
 

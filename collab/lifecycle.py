@@ -16,6 +16,8 @@ import threading
 
 import psutil
 
+from collab.reaper import end_processes, watcher_pid
+
 GRACE_SECONDS = 7.0
 
 
@@ -23,8 +25,6 @@ def descendants() -> list[psutil.Process]:
     """Our process tree, less torch_shm_manager (killing it breaks torch's pipe to it and aborts this
     process with std::system_error; it exits by itself once its last client is gone) and less our
     watcher (collab.reaper), which must outlive us and exits by itself once we are gone."""
-    from collab.reaper import watcher_pid
-
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
@@ -41,8 +41,6 @@ def descendants() -> list[psutil.Process]:
 
 def reap_children(timeout: float = 2.0) -> None:
     """Terminate, then kill, every process this one started (directly or not)."""
-    from collab.reaper import end_processes
-
     end_processes(descendants(), timeout)
 
 

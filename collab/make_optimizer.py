@@ -20,12 +20,13 @@ from collab.grad_averager import CollabDGCAverager, CollabGradientAverager, Coll
 from collab.metrics import AveragingLog
 from collab.modes import ModeContext, optimizer_options
 from collab.modes.sync import CollabOptimizer
+from collab.plan_keeper import scheduled_by_plan
 from collab.precision import uses_precision
 from collab.rejections import RejectionLog
 from collab.robust_rounds import quiet_rejections
-from collab.traffic import TrafficLog
 from collab.run.gate import MemberGate
 from collab.tasks import Task
+from collab.traffic import TrafficLog
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
                     client_mode: bool = False, stop: Optional[threading.Event] = None,
@@ -49,8 +50,6 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
                          target_group_size=avg.group_size)
     scheduler = task.scheduler_factory()
     if plan is not None:
-        from collab.plan_keeper import scheduled_by_plan
-
         scheduler = scheduled_by_plan(scheduler, plan)
     mode = optimizer_options(avg.mode, ModeContext(config=config, task=task, rule=rule, gate=gate,
                                                    rejections=rejections, traffic=traffic,

@@ -16,6 +16,9 @@ from typing import Callable, Optional
 
 from collab.batch_plan import MIN_NOISE_ROUNDS, PLAN_SUFFIX, BatchPlan, first_plan, newest_plan, next_plan
 from collab.records import Rejections, signed_values
+from collab.run.manifest import verify
+from collab.run.sharing import store_own_copy
+from collab.state import read_run_state
 
 READ_SECONDS = 1.0  # one small DHT get a second, as hivemind's progress tracker does at its fastest
 PLAN_SECONDS = 2.0
@@ -72,8 +75,6 @@ class PlanKeeper:
             self._adopt(newest)
 
     def _plan(self) -> None:
-        from collab.state import read_run_state
-
         state = read_run_state(self.swarm.dht, self.run_id)
         b_noise = state.noise_scale if state.noise_scale_rounds >= MIN_NOISE_ROUNDS else None
         epoch, now = self.epoch(), time.monotonic()
@@ -109,8 +110,6 @@ class PlanKeeper:
                        f"{plan.target}, learning-rate gain {plan.gain:.3g} (B_noise {plan.b_noise or 0:.0f})")
 
     def _publish(self) -> None:
-        from collab.run.sharing import store_own_copy
-
         store_own_copy(self.swarm.dht, self.run_id + PLAN_SUFFIX, self.swarm.public_key,
                        self.plan.model_dump_json(), PLAN_RECORD_LIFETIME)
         self._published = time.monotonic()
@@ -135,7 +134,6 @@ def start_plan_keeper(config, swarm, shared, epoch: Callable[[], int]) -> Option
     shared: collab.run.sharer.SharedRun, whose manifest names the run's key)."""
     if not follows_a_plan(config.training) or shared is None:
         return None
-    from collab.run.manifest import verify
 
     public = verify(shared.signed, swarm.peer.run_id, shared.fingerprint).organizer_key
     return PlanKeeper(swarm, swarm.peer.run_id, config.training, public, shared.organizer_key, epoch).start()

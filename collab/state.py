@@ -13,7 +13,10 @@ from typing import Optional
 
 from pydantic import BaseModel
 
+from collab.batch_plan import efficiency
 from collab.metrics import PeerMetricsRecord, metrics_key
+from collab.modes.gossip_rules import SKETCH_SIZE, spread_from_mean
+from collab.noise_scale import WINDOW
 from collab.records import LATE_PART, Rejections, accept, drop_implausible_epochs, read_progress, signed_values
 
 
@@ -162,8 +165,6 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
 
 def adaptive_progress(records, noise_scale: Optional[float], target: Optional[int], throughput: float) -> dict:
     """RunState's plan fields from the online peers' records (the most common values: one peer may lie)."""
-    from collab.batch_plan import efficiency
-
     def common(name):
         values = Counter(getattr(r, name) for r in records if getattr(r, name, None) is not None)
         return values.most_common(1)[0][0] if values else None
@@ -199,8 +200,6 @@ def pooled_noise_scale(records) -> tuple[Optional[float], int]:
 def _rounds(record) -> int:
     """The rounds a record's estimate stands for, as a reader counts them: at most the smoothing's window (a
     record may claim any number)."""
-    from collab.noise_scale import WINDOW
-
     return min(WINDOW, max(1, getattr(record, "noise_rounds", None) or 1))
 
 
@@ -213,8 +212,6 @@ SPREAD_FRESH_SECONDS = 30.0
 
 def _estimate_spread(peers: list[PeerState], records: dict) -> None:
     """gossip: each online peer's distance to the mean replica, from the sketches of equal length they published."""
-    from collab.modes.gossip_rules import SKETCH_SIZE, spread_from_mean
-
     # a peer publishes every 10 s: a sketch older than 3 of those is a peer that left (kill -9 leaves its last
     # record "online" for 2 minutes), and its stale replica would widen the spread of those still merging
     sketches = {p.peer_id: records[p.peer_id].param_sketch for p in peers

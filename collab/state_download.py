@@ -26,8 +26,9 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
-from collab.run.gate import _NoState  # a donor that is not asked: hivemind hears "no state"
 from collab.records import progress_records
+from collab.robust_rounds import run_id_of
+from collab.run.gate import _NoState  # a donor that is not asked: hivemind hears "no state"
 
 FAR_APART = 1.0  # a state further than this (relative to the replica's norm) from ours is not a near-peer's
 NOT_FAR_BEHIND = 2  # epochs: within these, an honest donor's parameters are close to ours
@@ -128,8 +129,6 @@ class CheckedDownloads:
     async def _plausible_donors(self) -> Optional[set]:
         """Peers whose signed progress is at most one epoch behind the newest (None: no records could be read,
         and hivemind's own choice stands)."""
-        from collab.robust_rounds import run_id_of
-
         try:
             records = await asyncio.get_event_loop().run_in_executor(None, progress_records, self.dht,
                                                                      run_id_of(self.prefix))

@@ -19,7 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
 from collab.identity import Identity, load_or_create_identity
+from collab.lifecycle import quiet_orphaned_requests
+from collab.metrics import MetricsSchema
 from collab.rejoin import Rejoiner
+from collab.run.sharing import ask_about_access
 
 
 class PeerConfig(BaseModel):
@@ -91,9 +94,6 @@ class Swarm:
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.schema import SchemaValidator
         from hivemind.utils.crypto import RSAPrivateKey
-
-        from collab.lifecycle import quiet_orphaned_requests
-        from collab.metrics import MetricsSchema
 
         quiet_orphaned_requests()
 
@@ -189,8 +189,6 @@ def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
     import asyncio
 
     from hivemind.p2p import P2P
-
-    from collab.run.sharing import ask_about_access
 
     async def ask() -> Optional[dict]:
         with identity.file_for_p2pd() as path:

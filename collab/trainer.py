@@ -14,15 +14,20 @@ from typing import Optional
 
 from collab.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.config import RunConfig
+from collab.dashboard.collector import Collector
+from collab.dashboard.server import BackgroundDashboard
 from collab.guard import RELOAD_AFTER, BatchGuard
+from collab.identity import load_or_create_identity
 from collab.lifecycle import StopOnSignal
+from collab.make_optimizer import build_optimizer
 from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.modes import AveragingMode
 from collab.plan_keeper import plan_fields, plan_in_force, start_plan_keeper
 from collab.precision import Precision
 from collab.progress import ProgressDisplay, Snapshot
+from collab.run.gate import MemberGate
 from collab.run.sharer import RunSharer, SharedRun
-from collab.identity import load_or_create_identity
+from collab.state import read_run_state
 from collab.swarm import PeerConfig, Swarm
 from collab.tasks import build_task
 
@@ -356,9 +361,6 @@ def _settle(opt: AveragingMode, config: RunConfig) -> str:
 
 def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event,
                      shared: Optional[SharedRun], keeper=None) -> AveragingMode:
-    from collab.make_optimizer import build_optimizer
-    from collab.run.gate import MemberGate
-
     private = shared.private if shared is not None else None
     gate = MemberGate(swarm.peer.run_id, private.access.organizer_key) if private is not None else None
     return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode,
@@ -366,17 +368,12 @@ def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: thread
 
 
 def _start_dashboard(swarm: Swarm, port: int):
-    from collab.dashboard.collector import Collector
-    from collab.dashboard.server import BackgroundDashboard
-
     collector = Collector(swarm.peer.run_id, dht=swarm.dht)  # reads through this peer's node: no second DHT
     return BackgroundDashboard(collector, port=port).start()
 
 
 def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay, stop: threading.Event) -> None:
     """Hold step 0 until the expected peers have published, so a simulated swarm starts together."""
-    from collab.state import read_run_state
-
     display.message(f"Waiting for {options.wait_peers} peers to join...")
     deadline = time.monotonic() + options.wait_peers_timeout
     while not stop.is_set() and time.monotonic() < deadline:

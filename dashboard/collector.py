@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from collab.state import RunState, read_run_state
+from collab.swarm import PeerConfig, Swarm
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ class Collector:
 
     def start(self) -> "Collector":
         if self._dht is None:
-            from collab.swarm import PeerConfig, Swarm
-
             peer = PeerConfig(run_id=self.run_id, initial_peers=self.initial_peers, client_mode=True,
                               host_maddrs=self.host_maddrs)
             self._swarm = (self._make_swarm or Swarm)(peer)

@@ -10,6 +10,7 @@ import uvicorn
 
 from collab.dashboard.app import create_app
 from collab.dashboard.collector import Collector
+from collab.errors import UserError
 
 
 class BackgroundDashboard:
@@ -30,8 +31,6 @@ class BackgroundDashboard:
         while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         if not self.server.started:
-            from collab.errors import UserError
-
             raise UserError(f"the dashboard could not listen on {self.url} (is the port free?); pick another port")
         return self
 

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from collab.process_defaults import set_process_defaults
+
 READY_TIMEOUT = 180.0  # the server imports torch, transformers and hivemind: a loaded CI machine is slow
 CLONE_NEWNET = 0x40000000
 LEAVE_GRACE = 15.0  # seconds a peer has to leave when its launcher goes away
@@ -245,8 +247,6 @@ PRELOAD = ["hivemind", "transformers.models.albert.modeling_albert", "collab.com
 
 def _preload() -> None:
     import importlib
-
-    from collab.process_defaults import set_process_defaults
 
     set_process_defaults()  # hivemind reads these at import
     for module in PRELOAD:

@@ -23,6 +23,8 @@ from typing import Optional
 
 import psutil
 
+from collab.peers.forkserver import ForkServer
+
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
 
@@ -255,8 +257,6 @@ class LocalSwarm:
 
     def _fork_server(self):
         if self.use_fork_server and self.forks is None:
-            from collab.peers.forkserver import ForkServer
-
             env = dict(self.env if self.env is not None else os.environ, PYTHONUNBUFFERED="1")
             try:
                 self.forks = ForkServer(env, self.workdir / "forkserver.log").start()

@@ -13,6 +13,7 @@ from typing import Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from collab.config import configs_dir
 from collab.errors import UserError
 
 
@@ -54,8 +55,6 @@ class NetworkProfile(BaseModel):
 
 
 def profiles_dir() -> Path:
-    from collab.config import configs_dir
-
     return configs_dir() / "networks"
 
 

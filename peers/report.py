@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from collab.modes.gossip_rules import spread_from_mean
 from collab.peers.launcher import LocalSwarm, PeerProcess
 
 
@@ -67,8 +68,6 @@ class SwarmReport:
     @property
     def replica_spread(self) -> Optional[float]:
         """gossip: the largest distance of a final replica from the replicas' mean, relative to its norm."""
-        from collab.modes.gossip_rules import spread_from_mean
-
         sketches = {str(p.index): p.final_sketch for p in self.peers if p.final_sketch}
         return max(spread_from_mean(sketches).values()) if len(sketches) >= 2 else None
 

@@ -27,3 +27,13 @@ def test_import_contracts_are_kept(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "2 kept, 0 broken" in result.stdout, result.stdout[-2000:]
+
+
+def test_the_cli_parses_without_the_heavy_libraries():
+    """Every invocation builds the parser from every command module, so they import torch, hivemind, transformers
+    and fastapi only inside run(): that is why imports sit inside functions there (collab.commands)."""
+    probe = ("import sys, collab.cli as cli; cli.build_parser(); "
+             "print(sorted(m for m in ('torch', 'hivemind', 'transformers', 'fastapi') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout

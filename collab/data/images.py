@@ -21,9 +21,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from collab.data import stream_hf_dataset
+from collab.data.crops_config import MultiCropConfig, Scale
 from collab.data.paths import HF_PREFIX, dataset_parts
 from collab.errors import UserError
-from collab.data.crops_config import MultiCropConfig, Scale
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 # SwAV normalises every crop with the ImageNet statistics; for the gray digits they are as good as any
@@ -95,8 +96,6 @@ def folder_images(files: list[Path], size: int, seed: int) -> Iterator[torch.Ten
 def streamed_images(name: str, size: int, seed: int, buffer_size: int = 1000) -> Iterator[torch.Tensor]:
     """Images from a Hugging Face dataset, streamed; the first column holding images is used."""
     import datasets
-
-    from collab.data import stream_hf_dataset
 
     dataset = stream_hf_dataset(name)
     features = dataset.features or {}

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from collab.data import stream_hf_dataset
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
 from collab.data.paths import HF_PREFIX, dataset_parts
@@ -79,8 +80,6 @@ def random_windows(tokens: torch.Tensor, length: int, seed: int) -> Iterator[tor
 def streamed_windows(name: str, tokenizer: PreTrainedTokenizerBase, length: int, seed: int,
                      text_column: str = "text", buffer_size: int = 10_000) -> Iterator[torch.Tensor]:
     """Windows from a Hugging Face dataset, streamed: a real run's corpus does not fit in memory."""
-    from collab.data import stream_hf_dataset
-
     dataset = stream_hf_dataset(name)
     columns = list(dataset.features or {})
     if columns and text_column not in columns:

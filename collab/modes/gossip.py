@@ -38,11 +38,13 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import BaseModel, ConfigDict, Field
 
-from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
+from collab.compression import wire_codec
 from collab.modes import ModeContext
+from collab.modes.diloco import adamw_with_warmup
+from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
 from collab.modes.sync import CollabOptimizer
-from collab.run.gate import MembersOnly
 from collab.records import progress_records
+from collab.run.gate import MembersOnly
 
 CHUNK_BYTES = 2**20
 MAX_WAITING = 4  # received parameters not yet merged: a peer asked by everyone at once answers "busy" beyond this
@@ -400,9 +402,6 @@ class GossipOptimizer(CollabOptimizer):
 def optimizer_options(context: ModeContext) -> dict:
     """What averaging.mode gossip changes (collab.make_optimizer): hivemind's local updates (an AdamW step per
     micro-batch, no gradient averager), no state rounds, and the pairwise exchanges beside them."""
-    from collab.compression import wire_codec
-    from collab.modes.diloco import adamw_with_warmup
-
     config = context.config
     settings, training = config.averaging.gossip, config.training
     lr = settings.lr if settings.lr is not None else training.learning_rate

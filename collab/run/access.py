@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from collab.errors import UserError
+from collab.run.manifest import fingerprint
 
 INVITE_PREFIX = "collab-invite:"
 CLOCK_SKEW = 300.0  # seconds another peer's clock may be off: an invite expires that much later for everyone
@@ -56,8 +57,6 @@ class Invite(BaseModel):
 
     @property
     def fingerprint(self) -> str:
-        from collab.run.manifest import fingerprint
-
         return fingerprint(self.organizer_key.encode())
 
     def to_text(self) -> str:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from collab.data.cache import cache_dir
 from collab.errors import UserError
 from collab.identity import Identity, load_or_create_identity
+from collab.run.access import expired, read_invite
 
 
 def default_identity_path() -> Path:
-    from collab.data.cache import cache_dir
-
     return cache_dir() / "identity.key"
 
 
@@ -41,14 +41,12 @@ class Credentials:
     def authorizer(self):
         if self.invite is None:
             return None
-        from collab.run.gate import RunAuthorizer
+        from collab.run.gate import RunAuthorizer  # hivemind: not imported for `collab join --help`
 
         return RunAuthorizer(self.identity.key, self.invite)
 
 
 def credentials_from_flags(args: argparse.Namespace, run_id: str) -> Credentials:
-    from collab.run.access import expired, read_invite
-
     token, where = args.token, "--token"
     if token is not None and args.token_file is not None:
         raise UserError("pass the invite once: --token or --token-file, not both")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from collab.errors import UserError
+from collab.identity import rsa_key_from_der
 from collab.run.manifest import Manifest, SignedManifest, make_manifest, run_tokenizer, sign, verify
 
 KEY, CONFIG, TOKENIZER, MANIFEST = "organizer.key", "config.yaml", "tokenizer.json", "manifest.json"
@@ -72,7 +73,6 @@ def load_run_folder(folder: Path) -> Run:
     if not (folder / MANIFEST).is_file() or not (folder / KEY).is_file():
         raise UserError(f"{folder} is not a run folder (no {MANIFEST} or {KEY}); make one with "
                         "'collab init RUN_ID', or pass the folder it printed with --run")
-    from collab.identity import rsa_key_from_der
 
     try:
         key = rsa_key_from_der((folder / KEY).read_bytes())

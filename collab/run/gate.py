@@ -25,6 +25,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 
+from collab.identity import peer_id_of, signer_peer_id
 from collab.reply_streams import replies_in_flight
 from collab.run.access import AccessList, Invite, expired, invite_payload, newest_revocations, signed_by
 
@@ -58,8 +59,6 @@ class RunAuthorizer(TokenAuthorizerBase):
 
     def _check(self, token: AccessToken) -> str:
         from hivemind.utils.crypto import RSAPublicKey
-
-        from collab.identity import peer_id_of
 
         raw = token.SerializeToString()
         known = self._valid.get(raw)
@@ -99,8 +98,6 @@ def apply_revocations_in_dht(dht, revoked: frozenset) -> None:
 
 def read_members(found, access: AccessList) -> None:
     """Invites from a DHT get of `run_id + MEMBERS_SUFFIX` (subkey: the holder's signing key) into `access`."""
-    from collab.identity import signer_peer_id
-
     entries = found.value if found is not None and isinstance(found.value, dict) else {}
     for subkey, item in list(entries.items())[:100_000]:
         access.add_invite(getattr(item, "value", None), holder=signer_peer_id(subkey))

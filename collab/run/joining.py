@@ -18,23 +18,23 @@ from typing import Optional
 from collab.config import RunConfig
 from collab.data.cache import cache_dir, write_atomically
 from collab.errors import UserError
+from collab.run.access import AccessList, make_invite
+from collab.run.folder import REVOKED, ephemeral_run, load_run_folder
+from collab.run.gate import MEMBERS_SUFFIX
 from collab.run.manifest import Manifest, config_for_peer, contradictions
 from collab.run.sharer import SharedRun
 from collab.run.sharing import TOKENIZER_NAME, fetch_manifest, fetch_run_file
+from collab.run.watch import PrivateRun, publish
 
 ORGANIZER_INVITE_SECONDS = 10 * 365 * 86400.0  # the organizer's own peer: as long as the run lives
 
 
 def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) -> tuple[RunConfig, SharedRun]:
-    from collab.run.folder import REVOKED, load_run_folder
-
     run = load_run_folder(folder)
     _refuse_contradictions(run.manifest, user, source)
     config = config_for_peer(run.manifest, user, run.tokenizer_file)
     private = None
     if run.manifest.private:  # the organizer's peer invites itself, and publishes what 'collab revoke' writes
-        from collab.run.access import AccessList, make_invite
-        from collab.run.watch import PrivateRun
 
         invite = make_invite(run.manifest.run_id, peer_id, run.organizer_key, lifetime=ORGANIZER_INVITE_SECONDS)
         private = PrivateRun(invite, AccessList(run.manifest.run_id, run.manifest.organizer_key), folder / REVOKED)
@@ -42,8 +42,6 @@ def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) 
 
 
 def as_first_peer(run_id: str, local: RunConfig, user: dict) -> tuple[RunConfig, SharedRun]:
-    from collab.run.folder import ephemeral_run
-
     run = ephemeral_run(run_id, local)
     config = config_for_peer(run.manifest, user, run.tokenizer_file)  # user: its checkpoint dir, not shared
     return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, organizer_key=run.organizer_key)
@@ -54,8 +52,6 @@ def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str
     """`invite`: this peer's invite to a private run (its DHT node already presents it on every request)."""
     run_id = swarm.peer.run_id
     if invite is not None:  # members serve the run's files to members only: be one before asking for them
-        from collab.run.gate import MEMBERS_SUFFIX
-        from collab.run.watch import publish
 
         publish(swarm.dht, run_id + MEMBERS_SUFFIX, swarm.public_key, invite.to_text())
     manifest, signed, holders = fetch_manifest(swarm.dht, run_id, run_key, stop=stop)
@@ -76,9 +72,6 @@ def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str
     config = config_for_peer(manifest, user, tokenizer)
     private = None
     if invite is not None:
-        from collab.run.access import AccessList
-        from collab.run.watch import PrivateRun
-
         private = PrivateRun(invite, AccessList(run_id, manifest.organizer_key))
     return config, SharedRun(signed, manifest.fingerprint, tokenizer, private)
 

@@ -109,7 +109,7 @@ def run_tokenizer(config: RunConfig) -> Optional[tuple[Path, dict[str, str]]]:
     data = getattr(config.task, "data", None)
     if getattr(data, "tokenizer", None) is None:
         return None
-    from collab.data.tokenizer import run_tokenizer_file
+    from collab.data.tokenizer import run_tokenizer_file  # transformers: `collab status` reads manifests without it
 
     return run_tokenizer_file(data.tokenizer, data.vocab_size)
 

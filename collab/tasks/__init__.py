@@ -62,6 +62,8 @@ class Task(ABC):
 
 def build_task(config) -> Task:
     """Build the task named in `config.task.name` (config: collab.config.RunConfig)."""
+    # each task imports its own model code (transformers, kornia) only when it is the run's: a config is read and
+    # checked by every command without them
     if config.task.name == "albert":
         from collab.tasks.albert import AlbertTask
 

@@ -13,14 +13,14 @@ from typing import Iterator
 import torch
 from transformers import AlbertConfig, AlbertForPreTraining, DataCollatorForLanguageModeling
 
+from collab.data.text import sentence_order_example, token_windows
+from collab.data.tokenizer import load_tokenizer
 from collab.tasks import Batch, OptimizerFactory, SchedulerFactory, Task
 from collab.tasks.albert_config import AlbertTaskConfig
 
 
 class AlbertTask(Task):
     def __init__(self, config: AlbertTaskConfig, training):
-        from collab.data.tokenizer import load_tokenizer
-
         self.config, self.training = config, training
         self.tokenizer = load_tokenizer(config.data.tokenizer, config.data.vocab_size, config.data.special_tokens)
         model_config = AlbertConfig(vocab_size=len(self.tokenizer), **config.model.model_dump(),
@@ -31,8 +31,6 @@ class AlbertTask(Task):
             self.model = AlbertForPreTraining(model_config)
 
     def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
-        from collab.data.text import sentence_order_example, token_windows
-
         collator = DataCollatorForLanguageModeling(self.tokenizer, mlm_probability=self.config.data.mlm_probability,
                                                    return_tensors="pt", seed=seed)
         rng = random.Random(seed)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import ResNetConfig, ResNetModel
 
-from collab.data.images import MultiCrop
+from collab.data.images import MultiCrop, image_stream
 from collab.tasks import Batch, OptimizerFactory, SchedulerFactory, Task
 from collab.tasks.swav_config import SwavModelConfig, SwavTaskConfig
 
@@ -111,8 +111,6 @@ class SwavTask(Task):
             self.queue = torch.zeros(self.config.crops.num_global, loss.queue_length, self.config.model.projection_size)
 
     def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
-        from collab.data.images import image_stream
-
         return self.multicrop_batches(image_stream(self.config.data.dataset, self.config.data.image_size, seed),
                                       micro_batch_size, seed)
 
