@@ -13,7 +13,7 @@ import threading
 from typing import Optional, Sequence
 
 from collab.errors import InternalError, UserError
-from collab.process_defaults import set_process_defaults, timestamp_own_logs
+from collab.process_defaults import debug_loggers_from_env, set_process_defaults, timestamp_own_logs
 from collab.reaper import watch_this_process
 
 
@@ -48,6 +48,7 @@ def _remember_early_signals() -> threading.Event:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     set_process_defaults()
     timestamp_own_logs()
+    debug_loggers_from_env()
     argv = list(sys.argv[1:] if argv is None else argv)
     # `join` installs its handlers only once its command is parsed; a SIGTERM before that (a simulation
     # ending, `docker stop`) is still a request to leave, not a reason to die

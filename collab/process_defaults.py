@@ -29,3 +29,17 @@ def timestamp_own_logs() -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.WARNING)
         logger.propagate = False
+
+
+DEBUG_LOGGERS_ENV = "COLLAB_DEBUG_LOGGERS"
+
+
+def debug_loggers_from_env() -> list[str]:
+    """Loggers named in COLLAB_DEBUG_LOGGERS (comma-separated, e.g. hivemind.averaging.matchmaking) log at DEBUG in
+    this process and the averager processes it forks, while everything else stays at its level: what a peer
+    did in a rare race (a group assembled without it) can be read from its log without hivemind's whole debug
+    output. A COLLAB_ variable, so a test's forked peers may set it (collab.peers.forkserver)."""
+    names = [name.strip() for name in os.environ.get(DEBUG_LOGGERS_ENV, "").split(",") if name.strip()]
+    for name in names:
+        logging.getLogger(name).setLevel(logging.DEBUG)
+    return names
