@@ -1,0 +1,79 @@
+"""Reproduces, on real averagers, the client-mode race that fails a round beside a CPU hog (issue 38).
+
+A leader (server) and a client-mode peer average one gradient. The leader accepts the client, assembles the
+group and sends BEGIN_ALLREDUCE, but the client's first follower_assemble_group is made to fail as if that
+message came a moment after the client stopped waiting for it. Under a CPU hog the timing does it; here it is
+forced. Then:
+- the leader's all-reduce waits next_chunk_timeout for the client's part and ends with its own part only:
+  "Reducer: received 50.0% of input tensors", reported as a success (the average of itself);
+- the client, refused by a leader busy with that group, looks until its round ends: "could not find a group".
+
+Measured 2026-11-27 (2 cores): leader ok after 4.3 s with next_chunk_timeout 4; the client failed at 20 s, its
+whole timeout. In CI (hog run 22, dgc) the server's round failed instead, at its deadline.
+
+    python3 benchmarks/lab/ghost_round.py [NEXT_CHUNK_TIMEOUT] [STEP_TIMEOUT]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import hivemind  # noqa: E402
+import torch  # noqa: E402
+from hivemind.averaging.matchmaking import Matchmaking  # noqa: E402
+
+from collab.aggregation import Aggregation  # noqa: E402
+from collab.grad_averager import CollabGradientAverager  # noqa: E402
+from collab.rejections import RejectionLog  # noqa: E402
+
+
+def main(next_chunk: float, step_timeout: float) -> None:
+    prefix = f"ghost-{time.time_ns()}_grad_averager"
+    params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(2)]
+    with ExitStack() as stack:
+        averagers, first = [], None
+        for i, client in enumerate((False, True)):
+            dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                               initial_peers=first.get_visible_maddrs() if first else [])
+            stack.callback(dht.shutdown)
+            first = first or dht
+            original, calls = Matchmaking.follower_assemble_group, []
+            if client:  # the averager process is forked at start: only the client keeps this
+                async def begin_missed_once(self, leader, message):
+                    calls.append(leader)
+                    if len(calls) == 1:
+                        raise asyncio.TimeoutError()  # as if BEGIN_ALLREDUCE came after the follower gave up
+                    return await original(self, leader, message)
+                Matchmaking.follower_assemble_group = begin_missed_once
+            try:
+                averager = CollabGradientAverager(
+                    [params[i]], dht=dht, prefix=prefix, start=True, rule=Aggregation(method="mean"),
+                    findings=RejectionLog().queue, target_group_size=2, min_matchmaking_time=3.0,
+                    request_timeout=2.4, next_chunk_timeout=next_chunk, client_mode=client)
+            finally:
+                Matchmaking.follower_assemble_group = original
+            stack.callback(averager.shutdown)
+            averagers.append(averager)
+        started, controls = time.monotonic(), []
+        for i, averager in enumerate(averagers):
+            params[i].grad = torch.full((64,), float(i))  # the exact mean is 0.5
+            averager.accumulate_grads_(batch_size=1)
+            controls.append(averager.step(wait=False, timeout=step_timeout))
+        for name, averager, control in zip(("leader", "client"), averagers, controls):
+            try:
+                control.result(timeout=step_timeout + 60)
+                with averager.get_tensors() as averaged:
+                    outcome = f"averaged to {averaged[0][0].item():g} (the exact mean: 0.5)"
+            except Exception as e:
+                outcome = f"failed: {e!r}"
+            print(f"{name}: {outcome} after {time.monotonic() - started:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main(*(float(a) for a in sys.argv[1:3])) if len(sys.argv) > 2 else main(4.0, 20.0)
