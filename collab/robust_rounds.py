@@ -65,6 +65,14 @@ class RejectedRound(MatchmakingException):
     """This peer refused the average its group computed: nothing was applied."""
 
 
+def nobody_else_sent(runner, peer_id) -> bool:
+    """This peer reduced a part of the round and not one other sender of its group began sending it (hivemind bans
+    such a sender after next_chunk_timeout and returns the rest of the average as a success)."""
+    reduces = runner.peer_fractions[runner.ordered_peer_ids.index(peer_id)] > 0
+    others = set(runner.sender_peer_ids) - {peer_id}
+    return reduces and bool(others) and not others & runner.active_senders
+
+
 class _CheckedRunner(CountingRunner, WholeReplies):
     """hivemind's all-reduce runner with collab's reducer, every part other reducers return checked, its
     bytes counted (collab.traffic) and its reply streams closed by the side that is done (collab.reply_streams)."""
@@ -213,6 +221,13 @@ class CheckedRounds:
             updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
         finally:
             TrafficLog.put(self.traffic, runner, self._values_per_round(), self.total_size)
+        if self.kind == "gradients" and not phase and nobody_else_sent(runner, self.peer_id):
+            # the group held a peer that never took part: one that gave up its join request a moment before the
+            # leader's answer came (a CPU-starved peer), while the leader counted it in. The "average" is this
+            # peer's own gradient; nothing is applied, and hivemind's retry loop matches the group again while
+            # the round has time left: the missing peer is still looking for a group
+            raise AllreduceException("no groupmate sent its part of this round (one missed the group's start); "
+                                     "looking for the group again instead of averaging alone")
         if runner.lost_reducers and self.kind == "gradients" and not phase:
             # nothing applied yet, and the tensors are as they were: hivemind's retry loop matches the group's
             # survivors again (they all lost the same reducer) and averages the same values, exactly. Not within

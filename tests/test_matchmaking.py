@@ -70,3 +70,15 @@ def test_a_client_mode_peer_joins_a_leader_slow_to_answer(no_leftover_processes)
     assert LEADER_DELAY < join_request_timeout(MATCHMAKING_TIME) < MATCHMAKING_TIME  # hivemind wants it under
     results = average_with_a_slow_leader(join_request_timeout(MATCHMAKING_TIME))
     assert all(isinstance(r, torch.Tensor) and torch.allclose(r, torch.full((8,), 0.5)) for r in results), results
+
+
+def test_a_group_that_held_a_peer_that_never_joined_it_is_matched_again(no_leftover_processes):
+    """The leader counted a client-mode peer in that missed the group's start (it gave up on the leader's answer a
+    moment before it came) and looks for a group until its round ends. hivemind bans the silent sender after
+    next_chunk_timeout and returns the leader's own gradient as the group's average; collab refuses that round
+    and matches again, and both get the exact mean. (Before: the leader "averaged" to its own gradient, 1, and the
+    client's round failed, "could not find a group", after its whole timeout: checked.)"""
+    from benchmarks.lab.ghost_round import ghost_round
+
+    results = ghost_round(next_chunk=4.0, step_timeout=30.0)
+    assert [outcome for outcome, _ in results] == [1.5, 1.5], results

@@ -149,7 +149,11 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     its own gradients once moves a replica ~lr = 1e-2 away from the other. With powersgd both must apply the
     same rank-4 approximation P Q^T (two all-reduces per round, a client-mode peer in both). dgc: with the
     settings of the shipped config for home links."""
-    config = swarm_config(tmp_path, 2, {"averaging.average_state_every": 1000, **_averaging(compression)})
+    # next_chunk_timeout well under averaging_timeout, as collab advises (config.round_timeout_caution): a group
+    # that held a peer which missed its start (beside a CPU hog, the client at the run's first round) is given up
+    # after next_chunk_timeout and matched again within the round (collab.robust_rounds.nobody_else_sent)
+    config = swarm_config(tmp_path, 2, {"averaging.average_state_every": 1000, "averaging.averaging_timeout": 45.0,
+                                        "averaging.next_chunk_timeout": 15.0, **_averaging(compression)})
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
     per_peer[1].append("--client-mode")
     # matchmaking at DEBUG in both peers' logs (printed if the test fails): a rare failure beside a CPU hog, a group

@@ -8,8 +8,11 @@ forced. Then:
   "Reducer: received 50.0% of input tensors", reported as a success (the average of itself);
 - the client, refused by a leader busy with that group, looks until its round ends: "could not find a group".
 
-Measured 2026-11-27 (2 cores): leader ok after 4.3 s with next_chunk_timeout 4; the client failed at 20 s, its
-whole timeout. In CI (hog run 22, dgc) the server's round failed instead, at its deadline.
+Measured 2026-11-27 (2 cores), before collab.robust_rounds.nobody_else_sent: the leader "averaged" to its own
+gradient after 4.1 s with next_chunk_timeout 4, and the client failed at 20 s, its whole timeout. In CI (hog run
+22, dgc) the server's round failed instead, at its deadline (next_chunk_timeout = averaging_timeout = 30 s). Now the
+leader refuses a round nobody else sent to and matches again while its round has time: both get the exact mean
+(tests/test_matchmaking.py runs this).
 
     python3 benchmarks/lab/ghost_round.py [NEXT_CHUNK_TIMEOUT] [STEP_TIMEOUT]
 """
@@ -33,7 +36,9 @@ from collab.grad_averager import CollabGradientAverager  # noqa: E402
 from collab.rejections import RejectionLog  # noqa: E402
 
 
-def main(next_chunk: float, step_timeout: float) -> None:
+def ghost_round(next_chunk: float, step_timeout: float) -> list:
+    """What the leader's and the client's rounds gave: the averaged first value (the exact mean is 1.5) or the
+    exception the round ended with, and the seconds it took."""
     prefix = f"ghost-{time.time_ns()}_grad_averager"
     params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(2)]
     with ExitStack() as stack:
@@ -62,17 +67,25 @@ def main(next_chunk: float, step_timeout: float) -> None:
             averagers.append(averager)
         started, controls = time.monotonic(), []
         for i, averager in enumerate(averagers):
-            params[i].grad = torch.full((64,), float(i))  # the exact mean is 0.5
+            params[i].grad = torch.full((64,), float(i + 1))  # the exact mean: 1.5
             averager.accumulate_grads_(batch_size=1)
             controls.append(averager.step(wait=False, timeout=step_timeout))
-        for name, averager, control in zip(("leader", "client"), averagers, controls):
+        results = []
+        for averager, control in zip(averagers, controls):
             try:
                 control.result(timeout=step_timeout + 60)
                 with averager.get_tensors() as averaged:
-                    outcome = f"averaged to {averaged[0][0].item():g} (the exact mean: 0.5)"
+                    results.append((averaged[0][0].item(), time.monotonic() - started))
             except Exception as e:
-                outcome = f"failed: {e!r}"
-            print(f"{name}: {outcome} after {time.monotonic() - started:.1f} s", flush=True)
+                results.append((e, time.monotonic() - started))
+        return results
+
+
+def main(next_chunk: float, step_timeout: float) -> None:
+    for name, (outcome, seconds) in zip(("leader", "client"), ghost_round(next_chunk, step_timeout)):
+        said = (f"averaged to {outcome:g} (the exact mean: 1.5)" if isinstance(outcome, float)
+                else f"failed: {outcome!r}")
+        print(f"{name}: {said} after {seconds:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
