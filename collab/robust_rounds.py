@@ -67,10 +67,12 @@ class RejectedRound(MatchmakingException):
 
 def nobody_else_sent(runner, peer_id) -> bool:
     """This peer reduced a part of the round and not one other sender of its group began sending it (hivemind bans
-    such a sender after next_chunk_timeout and returns the rest of the average as a success)."""
-    reduces = runner.peer_fractions[runner.ordered_peer_ids.index(peer_id)] > 0
+    such a sender after next_chunk_timeout and returns the rest of the average as a success). A peer with a share
+    of the group but no part to reduce (a tensor smaller than the group's parts: all of it goes to one reducer)
+    hears from no sender, and that is no sign of anything."""
+    parts = runner.tensor_part_container.num_parts_by_peer[runner.ordered_peer_ids.index(peer_id)]
     others = set(runner.sender_peer_ids) - {peer_id}
-    return reduces and bool(others) and not others & runner.active_senders
+    return parts > 0 and bool(others) and not others & runner.active_senders
 
 
 class _CheckedRunner(CountingRunner, WholeReplies):
