@@ -29,29 +29,21 @@ def average_with_a_slow_leader(request_timeout: float) -> list:
     import hivemind
     from hivemind.averaging.matchmaking import Matchmaking
 
+    from benchmarks.lab.averager_pair import start_averager_pair
+
+    def late_answer(answer):  # only the leader (averager 0) answers late
+        async def answer_late(self, request, context):
+            await asyncio.sleep(LEADER_DELAY)
+            async for message in answer(self, request, context):
+                yield message
+        return answer_late
+
     prefix, sent = f"slow-leader-{time.time_ns()}", [torch.zeros(8), torch.ones(8)]
     with ExitStack() as stack:
-        averagers, first = [], None
-        for i, client in enumerate((False, True)):
-            dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                               initial_peers=first.get_visible_maddrs() if first else [])
-            stack.callback(dht.shutdown)
-            first = first or dht
-            answer = Matchmaking.rpc_join_group
-            if not client:  # the averager process is forked at start: only the leader keeps the delay
-                async def late_answer(self, request, context):
-                    await asyncio.sleep(LEADER_DELAY)
-                    async for message in answer(self, request, context):
-                        yield message
-                Matchmaking.rpc_join_group = late_answer
-            try:
-                averager = hivemind.DecentralizedAverager(
-                    [sent[i].clone()], dht=dht, prefix=prefix, start=True, client_mode=client, target_group_size=2,
-                    min_matchmaking_time=MATCHMAKING_TIME, request_timeout=request_timeout, next_chunk_timeout=10)
-            finally:
-                Matchmaking.rpc_join_group = answer
-            stack.callback(averager.shutdown)
-            averagers.append(averager)
+        averagers = start_averager_pair(stack, lambda dht, i: hivemind.DecentralizedAverager(
+            [sent[i].clone()], dht=dht, prefix=prefix, start=True, client_mode=i == 1, target_group_size=2,
+            min_matchmaking_time=MATCHMAKING_TIME, request_timeout=request_timeout, next_chunk_timeout=10),
+            patch=(0, Matchmaking, "rpc_join_group", late_answer))
         controls = [a.step(wait=False, timeout=3 * MATCHMAKING_TIME) for a in averagers]
         results = []
         for averager, control in zip(averagers, controls):

@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import hivemind  # noqa: E402
 import torch  # noqa: E402
 from hivemind.averaging.matchmaking import Matchmaking  # noqa: E402
 
+from benchmarks.lab.averager_pair import start_averager_pair  # noqa: E402
 from collab.aggregation import Aggregation  # noqa: E402
 from collab.grad_averager import CollabGradientAverager  # noqa: E402
 from collab.rejections import RejectionLog  # noqa: E402
@@ -42,29 +42,21 @@ def ghost_round(next_chunk: float, step_timeout: float) -> list:
     prefix = f"ghost-{time.time_ns()}_grad_averager"
     params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(2)]
     with ExitStack() as stack:
-        averagers, first = [], None
-        for i, client in enumerate((False, True)):
-            dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                               initial_peers=first.get_visible_maddrs() if first else [])
-            stack.callback(dht.shutdown)
-            first = first or dht
-            original, calls = Matchmaking.follower_assemble_group, []
-            if client:  # the averager process is forked at start: only the client keeps this
-                async def begin_missed_once(self, leader, message):
-                    calls.append(leader)
-                    if len(calls) == 1:
-                        raise asyncio.TimeoutError()  # as if BEGIN_ALLREDUCE came after the follower gave up
-                    return await original(self, leader, message)
-                Matchmaking.follower_assemble_group = begin_missed_once
-            try:
-                averager = CollabGradientAverager(
-                    [params[i]], dht=dht, prefix=prefix, start=True, rule=Aggregation(method="mean"),
-                    findings=RejectionLog().queue, target_group_size=2, min_matchmaking_time=3.0,
-                    request_timeout=2.4, next_chunk_timeout=next_chunk, client_mode=client)
-            finally:
-                Matchmaking.follower_assemble_group = original
-            stack.callback(averager.shutdown)
-            averagers.append(averager)
+        def begin_missed_once(original):
+            calls = []
+
+            async def begin(self, leader, message):
+                calls.append(leader)
+                if len(calls) == 1:
+                    raise asyncio.TimeoutError()  # as if BEGIN_ALLREDUCE came after the follower gave up
+                return await original(self, leader, message)
+            return begin
+
+        averagers = start_averager_pair(stack, lambda dht, i: CollabGradientAverager(
+            [params[i]], dht=dht, prefix=prefix, start=True, rule=Aggregation(method="mean"),
+            findings=RejectionLog().queue, target_group_size=2, min_matchmaking_time=3.0,
+            request_timeout=2.4, next_chunk_timeout=next_chunk, client_mode=i == 1),
+            patch=(1, Matchmaking, "follower_assemble_group", begin_missed_once))
         started, controls = time.monotonic(), []
         for i, averager in enumerate(averagers):
             params[i].grad = torch.full((64,), float(i + 1))  # the exact mean: 1.5

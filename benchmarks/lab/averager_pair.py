@@ -1,0 +1,36 @@
+"""Two real averagers (DHT, p2pd, hivemind's averager processes) on 127.0.0.1, one of them run with a hivemind
+method replaced: how the lab and tests/test_matchmaking.py stage a race that only CPU starvation makes by itself."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Callable, Optional
+
+import hivemind
+
+
+def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], Any],
+                        patch: Optional[tuple[int, type, str, Callable[[Callable], Callable]]] = None) -> list:
+    """Averagers 0 and 1, each on its own DHT node of one new swarm, shut down by `stack`. `make(dht, i)` builds
+    averager i (started). patch = (i, cls, name, wrap): averager i alone runs with cls.name replaced by
+    wrap(original). hivemind forks an averager's process when it starts, so a class patched only around that
+    start stays patched in that one process."""
+    averagers, first = [], None
+    for i in range(2):
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                           initial_peers=first.get_visible_maddrs() if first else [])
+        stack.callback(dht.shutdown)
+        first = first or dht
+        patched = patch is not None and patch[0] == i
+        if patched:
+            _, cls, name, wrap = patch
+            original = getattr(cls, name)
+            setattr(cls, name, wrap(original))
+        try:
+            averager = make(dht, i)
+        finally:
+            if patched:
+                setattr(cls, name, original)
+        stack.callback(averager.shutdown)
+        averagers.append(averager)
+    return averagers
