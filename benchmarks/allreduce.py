@@ -39,7 +39,7 @@ from collab.peers.report import aligned  # noqa: E402
 
 # (backend, wire, private): the last row is a private run's members (every DHT request signed and checked,
 # every averaging RPC gated on the caller's peer id); goal: <= 1.02x the same round with auth off
-# The "checked" rows are an open run's rounds (collab.robust_rounds: collab's reducer, every returned part
+# The "checked" rows are an open run's rounds (collab.averaging.robust_rounds: collab's reducer, every returned part
 # checked, the result applied at once) with the mean and with centered_clip; goal: centered_clip <= 1.1x the
 # same round through hivemind's own reducer
 # The "dgc" and "powersgd" rows are what those codecs put on the wire for this gradient: dgc, 0.1% of the

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from collab.traffic import RECENT_ROUNDS  # noqa: E402
+from collab.averaging.traffic import RECENT_ROUNDS  # noqa: E402
 from collab.peers.launcher import LocalSwarm  # noqa: E402
 from collab.peers.report import aligned  # noqa: E402
 from tests.conftest import peer_env, read_summary  # noqa: E402

@@ -10,7 +10,7 @@ and reports samples/s over its training loop; the plain loop runs in this proces
     python3 benchmarks/overhead.py --config albert-base --device cuda --precision fp16 --micro-batch-size 16
 
 On a GPU both sides compute in the same autocast precision; the plain loop uses torch's GradScaler for fp16
-(what a user would write), collab its own per-micro-batch loss scaling (collab.precision).
+(what a user would write), collab its own per-micro-batch loss scaling (collab.train.precision).
 
 Goal: ratio >= 0.95.
 """

@@ -13,8 +13,8 @@ import threading
 from typing import Optional, Sequence
 
 from collab.errors import InternalError, UserError
-from collab.process_defaults import debug_loggers_from_env, set_process_defaults, timestamp_own_logs
-from collab.reaper import watch_this_process
+from collab.process.defaults import debug_loggers_from_env, set_process_defaults, timestamp_own_logs
+from collab.process.reaper import watch_this_process
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -54,7 +54,8 @@ def shipped_config_names() -> list[str]:
 
 
 class AutoTargetConfig(Section):
-    """training.target_batch_size: auto (collab.batch_plan): the target follows the swarm's measured noise scale."""
+    """training.target_batch_size: auto (collab.adaptive.batch_plan): the target follows the swarm's measured noise
+    scale."""
     enabled: bool = Field(False, description="set by target_batch_size: auto")
     min: int = Field(64, gt=0, le=10**9, description="the smallest target the run may take")
     max: int = Field(8192, gt=0, le=10**9, description="the largest target the run may take")
@@ -123,7 +124,7 @@ class TrainingConfig(Section):
         return self
 
 
-# averaging.compression's choices (collab.compression says what each sends)
+# averaging.compression's choices (collab.averaging.compression says what each sends)
 COMPRESSIONS = ("none", "fp16", "scaled-fp16", "uniform8bit", "quantile8bit", "size-adaptive", "powersgd", "dgc")
 
 
@@ -183,7 +184,7 @@ class AveragingConfig(Section):
     next_chunk_timeout: float = Field(
         10.0, gt=0, description="exclude a peer from a round if its next chunk takes longer (busy CPUs, slow links)")
     compression: Literal[COMPRESSIONS] = Field(
-        "fp16", description="how gradients travel; see collab.compression for each choice's bytes and error")
+        "fp16", description="how gradients travel; see collab.averaging.compression for each choice's bytes and error")
     powersgd_rank: int = Field(4, ge=1, le=256, description="rank of PowerSGD's factors (compression: powersgd)")
     dgc_sparsity: float = Field(0.999, ge=0, lt=1, description="share of each matrix's values dgc leaves out")
     dgc_warmup_epochs: int = Field(4, ge=0, le=10**6, description="collaborative steps over which dgc's sparsity "

@@ -12,8 +12,8 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from collab.state import RunState
 from collab.dashboard.collector import Collector
+from collab.swarm.state import RunState
 
 STATIC = Path(__file__).resolve().parent / "static"
 

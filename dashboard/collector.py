@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from collab.state import RunState, read_run_state
-from collab.swarm import PeerConfig, Swarm
+from collab.swarm.node import PeerConfig, Swarm
+from collab.swarm.state import RunState, read_run_state
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +29,9 @@ class RunPoint:
     samples_per_second: float
     peers_online: int
     loss: Optional[float]  # median loss of the online trainers
-    noise_scale: Optional[float] = None  # B_noise (collab.noise_scale)
+    noise_scale: Optional[float] = None  # B_noise (collab.adaptive.noise_scale)
     target_batch_size: Optional[int] = None
-    goodput: Optional[float] = None  # samples/s x statistical efficiency (collab.batch_plan)
+    goodput: Optional[float] = None  # samples/s x statistical efficiency (collab.adaptive.batch_plan)
 
 
 @dataclass

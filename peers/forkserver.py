@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from collab.process_defaults import set_process_defaults
+from collab.process.defaults import set_process_defaults
 
 READY_TIMEOUT = 180.0  # the server imports torch, transformers and hivemind: a loaded CI machine is slow
 CLONE_NEWNET = 0x40000000
@@ -242,7 +242,7 @@ def _plan(command: list[str]) -> Optional[tuple]:
 # ---- the server process ---------------------------------------------------------------------------------
 
 PRELOAD = ["hivemind", "transformers.models.albert.modeling_albert", "collab.commands.join", "collab.run.gate",
-           "collab.run.joining", "collab.tasks.albert", "collab.trainer"]
+           "collab.run.joining", "collab.tasks.albert", "collab.train.trainer"]
 
 
 def _preload() -> None:

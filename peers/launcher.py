@@ -139,7 +139,7 @@ class PeerProcess:
     def session_processes(self) -> list[psutil.Process]:
         """Everything of this peer: its process and all that share its session (p2pd included).
 
-        The peer's DHT moves itself and p2pd into a process group of its own (see collab.swarm), so
+        The peer's DHT moves itself and p2pd into a process group of its own (see collab.swarm.node), so
         signalling the peer's group is not enough: the session is what they all share.
         """
         if self.popen is None:

@@ -1,7 +1,7 @@
 """A real collab peer that attacks the run, for tests and benchmarks: `python tests/attacker_peer.py ATTACK join ARGS`.
 
 Like tests/faulty_peer.py, it patches collab from outside before running the ordinary CLI: the product has no
-test switch. Each attack acts where a hostile peer can, after the honest peer's own guards (collab.guard):
+test switch. Each attack acts where a hostile peer can, after the honest peer's own guards (collab.train.guard):
 
   --sign-flip SCALE   every gradient it sends is its own times -SCALE
   --nan               every gradient it sends is NaN
@@ -21,7 +21,7 @@ import sys
 def poison_sent_gradients(transform) -> None:
     import torch
 
-    from collab.grad_averager import CollabGradientAverager
+    from collab.averaging.grad_averager import CollabGradientAverager
 
     load = CollabGradientAverager.load_accumulators_into_averager_
 
@@ -36,7 +36,7 @@ def poison_sent_gradients(transform) -> None:
 
 
 def claim_weight(weight: float) -> None:
-    from collab.grad_averager import CollabGradientAverager
+    from collab.averaging.grad_averager import CollabGradientAverager
 
     step = CollabGradientAverager.step
 
@@ -50,7 +50,7 @@ def claim_weight(weight: float) -> None:
 def reduce_garbage() -> None:
     import torch
 
-    from collab.aggregation import RobustPartReducer
+    from collab.averaging.aggregation import RobustPartReducer
 
     def garbage(self, received):
         return 1000 * torch.randn(self.part_shapes[self.current_part_index])
@@ -62,7 +62,7 @@ def serve_poisoned_state() -> None:
     """Claims the highest state-sharing priority (hivemind picks donors by it) and serves its state x 1000."""
     from hivemind.averaging import DecentralizedAverager
 
-    from collab.replica import RecordingStateAverager
+    from collab.averaging.replica import RecordingStateAverager
 
     current = RecordingStateAverager.get_current_state
 

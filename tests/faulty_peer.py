@@ -32,7 +32,7 @@ def stall_at_epoch(epoch: int, stall: float, round_fails: bool) -> None:
     from hivemind.averaging.partition import AllreduceException
 
     from collab.modes.sync import CollabOptimizer
-    from collab.records import progress_records
+    from collab.records.untrusted import progress_records
 
     schedule = CollabOptimizer._maybe_schedule_gradient_averaging
     begin = CollabOptimizer._begin_averaging_gradients

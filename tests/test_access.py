@@ -8,7 +8,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from collab.errors import UserError
-from collab.identity import peer_id_of
+from collab.records.identity import peer_id_of
 from collab.run.access import AccessList, Revocations, make_invite, parse_duration, read_invite
 from collab.run.gate import RunAuthorizer
 
@@ -108,7 +108,8 @@ def test_state_is_downloaded_from_members_only(keys):
 
     from hivemind.p2p import PeerID
 
-    from collab.run.gate import MemberGate, MembersOnly
+    from collab.averaging.members_only import MembersOnly
+    from collab.run.gate import MemberGate
 
     class Averager:
         @classmethod

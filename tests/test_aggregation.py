@@ -1,4 +1,4 @@
-"""collab.aggregation's reducer on its own: what one bad sender can and cannot do to a part's average."""
+"""collab.averaging.aggregation's reducer on its own: what one bad sender can and cannot do to a part's average."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from collab.aggregation import Aggregation, RobustPartReducer, centered_clip
-from collab.records import LATE_PART
-from collab.state import _flag_suspects
+from collab.averaging.aggregation import Aggregation, RobustPartReducer, centered_clip
+from collab.records.untrusted import LATE_PART
+from collab.swarm.state import _flag_suspects
 
 
 def reduce(parts: list[torch.Tensor], weights: list[float], rule: Aggregation, caps: dict | None = None,
@@ -64,8 +64,8 @@ def test_a_huge_claimed_weight_is_capped_and_reported():
 
 
 def test_a_weight_above_the_senders_signed_progress_is_capped_there():
-    """A sender claiming 5x the samples its own signed progress record makes plausible counts for the plausible
-    amount (collab.robust_rounds computes the caps from the run's records); within its cap, a weight stands."""
+    """A sender claiming 5x the samples its own signed progress record makes plausible counts for the plausible amount
+    (collab.averaging.robust_rounds computes the caps from the run's records); within its cap, a weight stands."""
     parts = honest(4)
     result, found = reduce(parts, [8.0, 8.0, 8.0, 40.0], Aggregation(method="mean"), caps={2: 16.0, 3: 16.0})
     expected = (8 * (parts[0] + parts[1] + parts[2]) + 16 * parts[3]) / 40
@@ -130,7 +130,7 @@ def test_weight_caps_follow_each_senders_signed_progress():
     from hivemind.p2p import PeerID
     from hivemind.utils import get_dht_time
 
-    from collab.robust_rounds import PROGRESS_SLACK, CheckedRounds
+    from collab.averaging.robust_rounds import PROGRESS_SLACK, CheckedRounds
 
     now = get_dht_time()
     record = lambda samples, rate, age: SimpleNamespace(  # noqa: E731

@@ -1,4 +1,5 @@
-"""training.target_batch_size auto and lr_scaling adascale (collab.batch_plan): the organizer's signed plan, its
+"""training.target_batch_size auto and lr_scaling adascale (collab.adaptive.batch_plan): the organizer's signed plan,
+its
 rules, and three real peers that follow one plan epoch by epoch."""
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
-from collab.batch_plan import adascale_gain_for, efficiency, first_plan, newest_plan, next_plan
+from collab.adaptive.batch_plan import adascale_gain_for, efficiency, first_plan, newest_plan, next_plan
 from collab.config import RunConfig
-from collab.records import Rejections
-from collab.state import pooled_noise_scale
-from collab.tasks.linreg_config import LinregTaskConfig
 from collab.peers.launcher import LocalSwarm
+from collab.records.untrusted import Rejections
+from collab.swarm.state import pooled_noise_scale
+from collab.tasks.linreg_config import LinregTaskConfig
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config
 
 
@@ -160,7 +161,7 @@ def test_three_peers_measure_b_noise_follow_one_plan_toward_it_and_adascale_scal
 
 def test_goodput_and_the_eta_come_from_the_records_most_peers_agree_on():
     from collab.commands.status import goodput_line
-    from collab.state import RunState, adaptive_progress
+    from collab.swarm.state import RunState, adaptive_progress
 
     def record(**changes):
         return SimpleNamespace(**{**dict(lr_gain=2.0, progress_steps=100.0, total_steps=1100, base_batch_size=256),

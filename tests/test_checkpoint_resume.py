@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AlbertForPreTraining
 
-from collab.checkpoint import list_checkpoints
 from collab.peers.launcher import LocalSwarm
+from collab.train.checkpoint import list_checkpoints
 from tests.conftest import fork_server, peer_env, read_summary, scaled
 
 pytestmark = pytest.mark.swarm

@@ -1,4 +1,5 @@
-"""The compression menu: each codec within its stated error and bytes (collab.compression), PowerSGD's seeded start."""
+"""The compression menu: each codec within its stated error and bytes (collab.averaging.compression), PowerSGD's
+seeded start."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-from collab.compression import wire_codec
+from collab.averaging.compression import wire_codec
 from collab.config import COMPRESSIONS
 
 # name -> (relative L2 error at most, fp32 bytes / wire bytes at least) for a large Gaussian part; the table in
-# collab.compression states the same
+# collab.averaging.compression states the same
 STATED = {"none": (0.0, 1.0), "fp16": (1e-3, 1.99), "scaled-fp16": (1e-3, 1.99), "uniform8bit": (5e-2, 3.9),
           "quantile8bit": (5e-2, 3.9), "size-adaptive": (5e-2, 3.9), "powersgd": (0.0, 0.99),
           "dgc": (1e-3, 1.99)}  # a vector: fp16; a matrix's selection travels exactly (test_dgc), its saving
@@ -40,7 +41,7 @@ def test_powersgd_peers_start_with_identical_projections():
     """hivemind draws PowerSGD's starting Q unseeded: two peers of one run began in different subspaces."""
     from hivemind import DHT
 
-    from collab.grad_averager import CollabPowerSGDAverager
+    from collab.averaging.grad_averager import CollabPowerSGDAverager
 
     def model(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

@@ -17,11 +17,11 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 from prometheus_client.parser import text_string_to_metric_families
 
-from collab.identity import load_or_create_identity
-from collab.records import Rejections
-from collab.state import read_run_state
 from collab.dashboard.app import create_app
 from collab.dashboard.collector import Collector
+from collab.records.identity import load_or_create_identity
+from collab.records.untrusted import Rejections
+from collab.swarm.state import read_run_state
 
 GOOD = dict(role="trainer", version="0.1.0", epoch=4, loss=6.5, samples_per_second=20.0,
             samples_contributed=900, target_batch_size=256, client_mode=False, bandwidth_mbps=None,
@@ -114,7 +114,7 @@ def test_api_before_the_first_snapshot_and_unknown_routes():
 
 def test_the_trainers_progress_tracker_ignores_untrusted_records_before_hivemind_reads_them(keys):
     """hivemind's tracker takes the highest epoch it reads as the swarm's: a forged record must not reach it."""
-    from collab.tracker import trusted_progress
+    from collab.modes.tracker import trusted_progress
 
     now = time.time()
     (a, a_id), (b, b_id), (c, c_id), (thief, _), (fake, fake_id) = keys[:5]
@@ -132,7 +132,7 @@ def test_the_trainers_progress_tracker_ignores_untrusted_records_before_hivemind
 def test_history_forgets_gone_peers_so_1000_short_lived_peers_do_not_grow_memory():
     import tracemalloc
 
-    from collab.state import PeerState, RunState
+    from collab.swarm.state import PeerState, RunState
 
     def state_at(t: float, peer_index: int) -> RunState:
         peer = PeerState(peer_id=f"fake{peer_index}", role="trainer", client_mode=False, samples_per_second=1.0,

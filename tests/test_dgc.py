@@ -1,4 +1,5 @@
-"""Deep Gradient Compression (collab.dgc): error feedback, masking, clipping, warm-up, selection, and its wire."""
+"""Deep Gradient Compression (collab.averaging.dgc): error feedback, masking, clipping, warm-up, selection, and its
+wire."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-from collab.compression import SparseParts, wire_codec
-from collab.dgc import DGCMemory, DGCSettings, top_mask
+from collab.averaging.compression import SparseParts, wire_codec
+from collab.averaging.dgc import DGCMemory, DGCSettings, top_mask
 
 
 def test_warm_up_follows_the_papers_exponential_schedule_then_holds():
@@ -106,10 +107,10 @@ def test_two_peers_average_their_sparse_selections_exactly_through_hivemind(no_l
     (checked value by value, not by hivemind's success flag), at most twice as dense, in far fewer bytes."""
     from hivemind import DHT
 
-    from collab.aggregation import Aggregation
-    from collab.compression import wire_codec
-    from collab.grad_averager import CollabDGCAverager
-    from collab.traffic import TrafficLog
+    from collab.averaging.aggregation import Aggregation
+    from collab.averaging.compression import wire_codec
+    from collab.averaging.grad_averager import CollabDGCAverager
+    from collab.averaging.traffic import TrafficLog
 
     torch.manual_seed(0)
     first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

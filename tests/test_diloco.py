@@ -94,7 +94,7 @@ def test_three_diloco_peers_survive_a_kill_and_a_late_joiner_and_apply_the_exact
         if missing:
             # the one way a member may miss its group's average: a reducer's reply stream broke for it alone, so
             # it ran the round again with the swarm's next one - and must then have caught up by downloading the
-            # swarm's state. (Here, 2 of 24 runs lost a stream's tail in p2pd before collab.reply_streams)
+            # swarm's state. (Here, 2 of 24 runs lost a stream's tail in p2pd before collab.averaging.reply_streams)
             for peer in missing:
                 assert _lost_a_part_then_downloaded(logs_by_id[peer]), (group, by_id[peer]["outer_steps"],
                                                                         logs_by_id[peer])

@@ -1,11 +1,11 @@
 """A leaving donor's patience follows the swarm's measured pace and the peer behind's own rate
-(collab.donor_patience)."""
+(collab.averaging.donor_patience)."""
 
 from __future__ import annotations
 
 import pytest
 
-from collab.donor_patience import MOST_COMPUTE_SECONDS, MOST_SLOWER, Behind, EpochPace, donor_patience
+from collab.averaging.donor_patience import MOST_COMPUTE_SECONDS, MOST_SLOWER, Behind, EpochPace, donor_patience
 
 TIMEOUTS = dict(averaging_timeout=30.0, matchmaking_time=5.0, load_state_timeout=30.0)
 WAITS = 30.0 + 3 * 5.0 + 30.0  # its last round, its state round's matchmaking, a download

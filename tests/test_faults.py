@@ -2,7 +2,7 @@
 in two. The short, strict versions: the faults last longer than every timeout of their config (the freeze 20 s
 against a 5 s chunk, 12 s averaging and 10 s state download timeout; the split 40 s against 10 s, 15 s and 20 s;
 a DHT request 3 s) - and 60 s with the longer timeouts in benchmarks/faults.py, the long versions. (A 20 s split
-was too short: in a CI run the DHT had not yet dropped the other half, so collab.rejoin had nothing to find back;
+was too short: in a CI run the DHT had not yet dropped the other half, so collab.swarm.rejoin had nothing to find back;
 with a 30 s split and the freeze's timeouts, on a loaded machine, each half made one epoch while split and the
 replicas still differed by 0.03 three epochs after the heal: its rounds broke at the 5 s chunk timeout) The target
 batch is smaller than the micro config's, for ~6 s epochs on 2 cores.
@@ -49,7 +49,7 @@ def test_a_frozen_peer_does_not_stop_the_run_and_catches_up(tmp_path, run_id, no
                     reason=f"no network namespaces here: {namespaces_skip_reason()}")
 def test_a_split_swarm_heals_and_its_replicas_agree_again(tmp_path, run_id, no_leftover_processes):
     """Each half trains on as a run of its own while split: two lineages. After the heal the DHT finds the
-    other half again (collab.rejoin: hivemind's DHT had deleted it for good - without it, the halves were still
+    other half again (collab.swarm.rejoin: hivemind's DHT had deleted it for good - without it, the halves were still
     0.17 apart at the end of a run here) and within 3 epochs all four replicas are one model."""
     # from epoch 1 (not 2), and it stops at the first epoch 3-5 after the heal that all four checkpointed (not at 5)
     config = swarm_config(tmp_path, 4, {**SPLIT, "checkpoint.every_epochs": 1, "checkpoint.keep": 200})
@@ -60,4 +60,4 @@ def test_a_split_swarm_heals_and_its_replicas_agree_again(tmp_path, run_id, no_l
     assert result.apart > 10 * PARAM_TOLERANCE, f"the halves did not train apart (no split?): {result}"
     assert result.first_common_epoch is not None, f"no epoch 3-5 after the heal that all four checkpointed: {result}"
     assert result.difference_after < PARAM_TOLERANCE, f"3 epochs after the heal the replicas differ: {result}"
-    assert sum(result.found_back) >= 1, f"the halves found each other without collab.rejoin: {result}"
+    assert sum(result.found_back) >= 1, f"the halves found each other without collab.swarm.rejoin: {result}"

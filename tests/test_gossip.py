@@ -14,8 +14,8 @@ import pytest
 from safetensors.torch import load_file
 
 from collab.config import load_config
-from collab.tasks import build_task
 from collab.peers.launcher import LocalSwarm
+from collab.tasks import build_task
 from tests.conftest import fork_server, peer_env, read_summary, scaled, status_json, swarm_config, wait_for
 
 pytestmark = pytest.mark.swarm

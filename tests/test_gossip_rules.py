@@ -105,7 +105,7 @@ def test_a_peer_that_stopped_publishing_leaves_the_spread():
     the replicas still merging (a CI gossip run showed one)."""
     from types import SimpleNamespace
 
-    from collab.state import PeerState, _estimate_spread
+    from collab.swarm.state import PeerState, _estimate_spread
 
     generator = torch.Generator().manual_seed(2)
     base = [torch.randn(400, generator=generator)]

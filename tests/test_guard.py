@@ -1,4 +1,4 @@
-"""A peer never sends what it should not (collab.guard), and a failed round steps on what it did send."""
+"""A peer never sends what it should not (collab.train.guard), and a failed round steps on what it did send."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import time
 
 import torch
 
-from collab.guard import RELOAD_AFTER, BatchGuard
-from collab.metrics import PeerMetricsRecord
-from collab.rejections import RejectionLog
-from collab.state import PeerState, _flag_suspects
+from collab.records.metrics import PeerMetricsRecord
+from collab.records.rejections import RejectionLog
+from collab.swarm.state import PeerState, _flag_suspects
+from collab.train.guard import RELOAD_AFTER, BatchGuard
 
 
 def test_nonfinite_loss_and_gradients_are_dropped_counted_and_many_in_a_row_mean_reload():
@@ -34,7 +34,7 @@ def test_a_failed_round_keeps_the_gradients_this_peer_sent(no_leftover_processes
     steps on (before, its fallback loaded zeros: a step of momentum and weight decay alone)."""
     import hivemind
 
-    from collab.grad_averager import CollabGradientAverager
+    from collab.averaging.grad_averager import CollabGradientAverager
 
     model = torch.nn.Linear(8, 2)
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -109,7 +109,7 @@ def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer
     import hivemind
     from hivemind.p2p import PeerID
 
-    from collab.replica import RecordingStateAverager
+    from collab.averaging.replica import RecordingStateAverager
 
     prefix = f"donors-{time.time_ns()}"
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -147,8 +147,8 @@ def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer
 
 
 def test_a_straggler_is_flagged_with_its_reason_compute_or_link():
-    from collab.records import LATE_PART
-    from collab.state import _flag_stragglers
+    from collab.records.untrusted import LATE_PART
+    from collab.swarm.state import _flag_stragglers
 
     peers = {name: peer_state(name) for name in ("fast", "fast2", "slow", "late", "once")}
     for p in peers.values():

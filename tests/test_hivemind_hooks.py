@@ -70,7 +70,7 @@ def test_every_override_in_collab_is_listed():
     # and the list holds nothing collab no longer overrides (a stale entry would hide nothing, but says too much)
     assert set(OVERRIDDEN) <= set(found), sorted(set(OVERRIDDEN) - set(found))
     # the scan does see the mixins and the optimizer (a scan that found nothing would pass the check above)
-    assert {"collab.robust_rounds.CheckedRounds", "collab.run.gate.MembersOnly"} <= \
+    assert {"collab.averaging.robust_rounds.CheckedRounds", "collab.averaging.members_only.MembersOnly"} <= \
         found["hivemind.averaging.averager.DecentralizedAverager.rpc_join_group"]
     assert "collab.modes.sync.CollabOptimizer" in found["hivemind.optim.optimizer.Optimizer._update_global_epoch"]
 

@@ -10,9 +10,9 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from collab.aggregation import Aggregation, RobustPartReducer
-from collab.grad_averager import CollabGradientAverager
-from collab.rejections import RejectionLog
+from collab.averaging.aggregation import Aggregation, RobustPartReducer
+from collab.averaging.grad_averager import CollabGradientAverager
+from collab.records.rejections import RejectionLog
 
 pytestmark = pytest.mark.swarm
 SIZE = 4096  # gradient entries, sent in parts of PART_BYTES: butterfly all-reduce gives each of 4 peers one

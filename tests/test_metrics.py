@@ -9,9 +9,9 @@ import pytest
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic import v1
 
-from collab.metrics import PeerMetricsRecord, metrics_key, publish
-from collab.state import read_run_state
-from collab.swarm import PeerConfig, Swarm
+from collab.records.metrics import PeerMetricsRecord, metrics_key, publish
+from collab.swarm.node import PeerConfig, Swarm
+from collab.swarm.state import read_run_state
 from tests.conftest import wait_for
 
 GOOD = dict(peer_id="12D3KooWTest", role="trainer", epoch=3, loss=5.2, samples_per_second=12.5,
@@ -31,7 +31,7 @@ def test_schema_rejects_absurd_values(field, value):
 
 
 def test_a_loss_outside_the_records_bounds_is_published_as_missing_and_said_once(capsys):
-    from collab import metrics
+    from collab.records import metrics
 
     metrics._said_out_of_bounds.clear()
     assert metrics.loss_for_record(5.25) == 5.25 and metrics.loss_for_record(None) is None

@@ -8,12 +8,12 @@ import typing
 import pytest
 from hivemind import Optimizer
 
-from collab.aggregation import Aggregation
+from collab.averaging.aggregation import Aggregation
+from collab.averaging.traffic import TrafficLog
 from collab.config import AveragingConfig, load_config
 from collab.modes import MODES, AveragingMode, ModeContext, optimizer_options
-from collab.rejections import RejectionLog
+from collab.records.rejections import RejectionLog
 from collab.tasks import build_task
-from collab.traffic import TrafficLog
 from tests.conftest import write_config
 
 

@@ -1,4 +1,4 @@
-"""The gradient noise scale (collab.noise_scale), AdaScale's gain and Adasum, against known answers."""
+"""The gradient noise scale (collab.adaptive.noise_scale), AdaScale's gain and Adasum, against known answers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from collab.aggregation import Aggregation, adasum
-from collab.noise_scale import NoiseScale, adascale_gain, two_batch_estimate
-from collab.state import pooled_noise_scale
+from collab.adaptive.noise_scale import NoiseScale, adascale_gain, two_batch_estimate
+from collab.averaging.aggregation import Aggregation, adasum
 from collab.peers.launcher import LocalSwarm
+from collab.swarm.state import pooled_noise_scale
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config
 from tests.test_aggregation import reduce
 

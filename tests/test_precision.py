@@ -1,4 +1,4 @@
-"""Where and in what precision a peer computes (collab.precision): fp16's loss scaling, the choices' errors."""
+"""Where and in what precision a peer computes (collab.train.precision): fp16's loss scaling, the choices' errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from collab.config import load_config
 from collab.errors import UserError
-from collab.precision import GROW_AFTER, INITIAL_SCALE, Precision
+from collab.train.precision import GROW_AFTER, INITIAL_SCALE, Precision
 from tests.conftest import run_cli
 
 

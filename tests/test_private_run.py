@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
-from collab.identity import peer_id_of
+from collab.peers.launcher import LocalSwarm, free_ports
+from collab.records.identity import peer_id_of
 from collab.run.access import make_invite
 from collab.run.folder import load_run_folder
-from collab.peers.launcher import LocalSwarm, free_ports
 from tests.conftest import fork_server, peer_env, read_summary, run_cli, wait_for, write_config
 
 pytestmark = pytest.mark.swarm

@@ -1,4 +1,5 @@
-"""How a peer reads the swarm's progress (collab.tracker.HonestProgressTracker): a peer about to step alone reads it
+"""How a peer reads the swarm's progress (collab.modes.tracker.HonestProgressTracker): a peer about to step alone
+reads it
 again (refresh), and hivemind's forecast of the epoch's end does not count a pause as training. On a real DHT, two
 trackers with their own signing identities."""
 
@@ -12,8 +13,8 @@ import pytest
 from hivemind import DHT
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from collab.identity import load_or_create_identity
-from collab.tracker import REPORT_EVERY, HonestProgressTracker, forecastable
+from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker, forecastable
+from collab.records.identity import load_or_create_identity
 
 
 @contextlib.contextmanager

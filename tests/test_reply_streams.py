@@ -1,4 +1,4 @@
-"""collab.reply_streams: the sender closes a reply stream once it has every part it expects (the reducer
+"""collab.averaging.reply_streams: the sender closes a reply stream once it has every part it expects (the reducer
 closing first lost a stream's tail in p2pd); a leaving averager waits, bounded, for the replies it holds."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from collab import reply_streams
+from collab.averaging import reply_streams
 
 
 def _stream(messages: int, closed: list):

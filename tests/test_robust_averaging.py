@@ -64,7 +64,7 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
     # a clean run falls by ~0.13 in these epochs; with the mean, this attack made the loss rise by 0.16.
     # Once (1 of 4 runs, Nov 24) the honest loss rose instead (7.60 -> 7.63, every replica at once between epochs
     # 1 and 2), and this outcome was an expected failure until a cause was found. The likely one, fixed since in
-    # collab/tracker.py: epochs ended on a forecast that counted pauses (state rounds, here every epoch) as
+    # collab/modes/tracker.py: epochs ended on a forecast that counted pauses (state rounds, here every epoch) as
     # training, so a round could hold a fraction of its target and LAMB still took a full-size step on it. Four
     # runs each, this test's honest loss fell by 0.09-0.22 before that fix (one round of 120 samples for 384)
     # and by 0.18-0.21 after it

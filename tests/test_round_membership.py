@@ -1,11 +1,12 @@
-"""collab.robust_rounds.nobody_else_sent: when a round's average would be this peer's own gradient counted as a
+"""collab.averaging.robust_rounds.nobody_else_sent: when a round's average would be this peer's own gradient counted
+as a
 group's (a groupmate that never joined the group), and when hearing from nobody is normal."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from collab.robust_rounds import nobody_else_sent
+from collab.averaging.robust_rounds import nobody_else_sent
 
 ME, A, B, CLIENT = "me", "a", "b", "client"
 

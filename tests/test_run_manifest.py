@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from transformers import AutoTokenizer
 
-from collab.checkpoint import list_checkpoints
 from collab.data.tokenizer import load_tokenizer
-from collab.run.folder import load_run_folder
 from collab.peers.launcher import LocalSwarm
+from collab.run.folder import load_run_folder
+from collab.train.checkpoint import list_checkpoints
 from tests.conftest import MICRO_CONFIG, fork_server, peer_env, read_summary, run_cli, swarm_config, write_config
 
 pytestmark = pytest.mark.swarm

@@ -11,10 +11,10 @@ import threading
 import pytest
 from transformers import AlbertForPreTraining
 
-from collab.checkpoint import list_checkpoints
 from collab.peers.netns import namespaces_skip_reason, netem_available
 from collab.peers.profiles import load_profile
 from collab.peers.simulation import Simulation, SimulationSpec
+from collab.train.checkpoint import list_checkpoints
 from tests.conftest import fork_server, peer_env, run_cli, swarm_config, wait_for, write_config
 from tests.test_swarm_training import PARAM_TOLERANCE
 

@@ -1,4 +1,5 @@
-"""A catch-up's donors (collab.state_download) on hivemind's own download loop, with the network replaced by stubs: a
+"""A catch-up's donors (collab.averaging.state_download) on hivemind's own download loop, with the network replaced by
+stubs: a
 donor whose stream never opens (across a network split, frozen, behind NAT) is given up after DIAL_TIMEOUT and the
 next donor serves the state. hivemind awaits that stream unbounded: a peer asked the same unreachable donor for
 minutes and never trained again (CI, the split test)."""
@@ -18,7 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration
 
-import collab.state_download as state_download
+import collab.averaging.state_download as state_download
 
 UNREACHABLE, REACHABLE, ME = (PeerID(bytes([0x12, 0x20, n]) + bytes(31)) for n in (1, 2, 3))
 STATE = torch.arange(6, dtype=torch.float32)

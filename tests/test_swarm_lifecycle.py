@@ -128,7 +128,7 @@ def _running(p: psutil.Process) -> bool:
 
 SIGNAL_WHILE_LOCKED = """
 import os, signal, sys, threading
-from collab.lifecycle import StopOnSignal
+from collab.process.lifecycle import StopOnSignal
 
 lock, done, stop = threading.Lock(), threading.Event(), threading.Event()
 def abort_rounds():  # as hivemind's cancel: it needs a lock the interrupted main thread may hold
@@ -162,7 +162,7 @@ def test_a_round_cancelled_by_two_threads_at_once_is_cancelled_once_without_an_e
     from hivemind.averaging.control import StepControl
     from hivemind.utils.mpfuture import MPFuture
 
-    from collab.replica import cancel_round
+    from collab.averaging.replica import cancel_round
 
     trigger, cancel = MPFuture(), MPFuture()  # first: hivemind sets up a process's MPFuture backend on MPFuture
     control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=False, weight=1.0,

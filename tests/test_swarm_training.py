@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from transformers import AlbertForPreTraining, AutoTokenizer
 
-from collab.checkpoint import list_checkpoints
 from collab.config import load_config
-from collab.tasks import build_task
 from collab.peers.forkserver import ForkedProcess
 from collab.peers.launcher import LocalSwarm
+from collab.tasks import build_task
+from collab.train.checkpoint import list_checkpoints
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config, swarm_logs, train_swarm_to_epoch
 
 pytestmark = pytest.mark.swarm
@@ -151,7 +151,7 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
     settings of the shipped config for home links."""
     # next_chunk_timeout well under averaging_timeout, as collab advises (config.round_timeout_caution): a group
     # that held a peer which missed its start (beside a CPU hog, the client at the run's first round) is given up
-    # after next_chunk_timeout and matched again within the round (collab.robust_rounds.nobody_else_sent)
+    # after next_chunk_timeout and matched again within the round (collab.averaging.robust_rounds.nobody_else_sent)
     config = swarm_config(tmp_path, 2, {"averaging.average_state_every": 1000, "averaging.averaging_timeout": 45.0,
                                         "averaging.next_chunk_timeout": 15.0, **_averaging(compression)})
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}

@@ -87,7 +87,7 @@ def run_hivemind(args, vector) -> list[dict]:
         maddr = next(str(a) for a in dht.get_visible_maddrs() if args.host in str(a))
         Path(args.rendezvous).write_text(maddr)
     if args.wire == "dgc":
-        from collab.compression import wire_codec
+        from collab.averaging.compression import wire_codec
 
         compression = wire_codec("dgc")
     else:
@@ -140,11 +140,11 @@ def _no_file():
 
 
 def _checked_averager(method: str):
-    """What an open run's peers average with: collab's reducer and checks (collab.robust_rounds)."""
+    """What an open run's peers average with: collab's reducer and checks (collab.averaging.robust_rounds)."""
     import hivemind
 
-    from collab.aggregation import Aggregation
-    from collab.robust_rounds import CheckedRounds
+    from collab.averaging.aggregation import Aggregation
+    from collab.averaging.robust_rounds import CheckedRounds
 
     class CheckedAverager(CheckedRounds, hivemind.DecentralizedAverager):
         rule = Aggregation(method=method)
@@ -158,9 +158,10 @@ def _private_member(organizer_key_path: str) -> dict:
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from collab.identity import load_or_create_identity, rsa_key_from_der
+    from collab.averaging.members_only import MembersOnly
+    from collab.records.identity import load_or_create_identity, rsa_key_from_der
     from collab.run.access import make_invite
-    from collab.run.gate import MemberGate, MembersOnly, RunAuthorizer
+    from collab.run.gate import MemberGate, RunAuthorizer
 
     organizer = rsa_key_from_der(Path(organizer_key_path).read_bytes())
     identity = load_or_create_identity(None)

@@ -101,7 +101,7 @@ class SplitResult:
     apart: float  # largest parameter difference across the halves at one epoch number while split (0: none)
     first_common_epoch: Optional[int]  # the first epoch >= 3 after the heal that all four checkpointed
     difference_after: float  # largest parameter difference among all four there (inf: none)
-    found_back: list[int] = field(default_factory=list)  # peers each one reached again (collab.rejoin)
+    found_back: list[int] = field(default_factory=list)  # peers each one reached again (collab.swarm.rejoin)
 
 
 def split_scenario(workdir: Path, run_id: str, config: Path, seconds: float, env: Optional[dict] = None,
@@ -158,7 +158,7 @@ def _common_epochs(workdir: Path, target: int) -> list[int]:
 
 
 def _checkpoints(directory: Path) -> dict[int, Path]:
-    from collab.checkpoint import list_checkpoints
+    from collab.train.checkpoint import list_checkpoints
 
     return {int(path.name.split("-")[1]): path for path in list_checkpoints(directory)}
 

@@ -8,7 +8,7 @@ forced. Then:
   "Reducer: received 50.0% of input tensors", reported as a success (the average of itself);
 - the client, refused by a leader busy with that group, looks until its round ends: "could not find a group".
 
-Measured 2026-11-27 (2 cores), before collab.robust_rounds.nobody_else_sent: the leader "averaged" to its own
+Measured 2026-11-27 (2 cores), before collab.averaging.robust_rounds.nobody_else_sent: the leader "averaged" to its own
 gradient after 4.1 s with next_chunk_timeout 4, and the client failed at 20 s, its whole timeout. In CI (hog run
 22, dgc) the server's round failed instead, at its deadline (next_chunk_timeout = averaging_timeout = 30 s). Now the
 leader refuses a round nobody else sent to and matches again while its round has time: both get the exact mean
@@ -31,9 +31,9 @@ import torch  # noqa: E402
 from hivemind.averaging.matchmaking import Matchmaking  # noqa: E402
 
 from benchmarks.lab.averager_pair import start_averager_pair  # noqa: E402
-from collab.aggregation import Aggregation  # noqa: E402
-from collab.grad_averager import CollabGradientAverager  # noqa: E402
-from collab.rejections import RejectionLog  # noqa: E402
+from collab.averaging.aggregation import Aggregation  # noqa: E402
+from collab.averaging.grad_averager import CollabGradientAverager  # noqa: E402
+from collab.records.rejections import RejectionLog  # noqa: E402
 
 
 def ghost_round(next_chunk: float, step_timeout: float) -> list:

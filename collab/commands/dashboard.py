@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from collab.errors import UserError
-    from collab.ports import require_free_port
+    from collab.process.ports import require_free_port
 
     # flags first: a mistake is answered before hivemind and torch import (seconds)
     if args.fd is None:
@@ -40,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.forget_after) and args.forget_after > 0):
         raise UserError(f"--forget-after {args.forget_after} must be a positive number of seconds, e.g. 3600")
 
-    from collab.lifecycle import reap_children
-    from collab.swarm import peer_config_from_flags
     from collab.dashboard.collector import Collector
     from collab.dashboard.server import serve_forever
+    from collab.process.lifecycle import reap_children
+    from collab.swarm.node import peer_config_from_flags
 
     from functools import partial
 

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.identity import load_or_create_identity
+    from collab.records.identity import load_or_create_identity
     from collab.run.credentials import default_identity_path
 
     path = args.identity if args.identity is not None else default_identity_path()

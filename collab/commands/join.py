@@ -91,7 +91,7 @@ def raise_internal_error(error: Exception):
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.lifecycle import StopOnSignal, reap_children
+    from collab.process.lifecycle import StopOnSignal, reap_children
 
     # first: a SIGTERM while torch and hivemind are still importing must be a graceful leave, not a kill
     stop = getattr(args, "early_stop", None) or threading.Event()  # set if a signal came during start-up
@@ -136,7 +136,7 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     if args.max_epochs is not None and args.max_epochs < 0:
         raise UserError(f"--max-epochs {args.max_epochs} is negative; pass a whole number >= 0")
     if args.dashboard_port is not None:
-        from collab.ports import require_free_port
+        from collab.process.ports import require_free_port
 
         require_free_port(args.dashboard_port, "--dashboard-port")
     if args.wait_peers < 1:
@@ -148,7 +148,7 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     _check_data_flags(args, config.task.name)
     source = f"--config {args.config}" if args.config is not None else None
 
-    from collab.swarm import peer_config_from_flags
+    from collab.swarm.node import peer_config_from_flags
 
     peer_flags = dict(run_id=run_id, initial_peers=args.initial_peers, announce_maddrs=args.announce_maddrs,
                       client_mode=args.client_mode, identity=args.identity)
@@ -156,17 +156,17 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
         peer_flags["host_maddrs"] = args.host_maddrs
     peer = peer_config_from_flags(**peer_flags)
 
-    from collab import trainer
     from collab.run import joining
+    from collab.train import trainer
 
     options = trainer.JoinOptions(max_epochs=args.max_epochs, summary_path=args.summary_json,
                                   live_display=False if args.no_live else None, wait_peers=args.wait_peers,
                                   dashboard_port=args.dashboard_port)
     swarm = None
     try:
-        from collab.identity import load_or_create_identity
+        from collab.records.identity import load_or_create_identity
         from collab.run.credentials import credentials_from_flags
-        from collab.swarm import Swarm
+        from collab.swarm.node import Swarm
 
         if args.run_dir is not None:
             identity = load_or_create_identity(args.identity)

@@ -57,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
 def _publish_now(folder, initial_peers: list[str], listed) -> None:
     """A short-lived client peer, invited by the organizer key on the spot, stores the list in the swarm."""
     from collab.errors import UserError
-    from collab.identity import load_or_create_identity
-    from collab.lifecycle import reap_children
+    from collab.process.lifecycle import reap_children
+    from collab.records.identity import load_or_create_identity
     from collab.run.access import make_invite
     from collab.run.gate import REVOKED_SUFFIX, RunAuthorizer
     from collab.run.watch import publish
-    from collab.swarm import Swarm, peer_config_from_flags
+    from collab.swarm.node import Swarm, peer_config_from_flags
 
     run_id = folder.manifest.run_id
     identity = load_or_create_identity(None)

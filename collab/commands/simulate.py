@@ -40,13 +40,13 @@ def run(args: argparse.Namespace) -> int:
 
     from collab.config import load_config, resolve_config_path
     from collab.errors import UserError
-    from collab.lifecycle import StopOnSignal
-    from collab.ports import require_free_port
     from collab.peers.churn import ChurnSpec
     from collab.peers.launcher import LaunchError
     from collab.peers.netns import NetworkError
     from collab.peers.profiles import load_profile
     from collab.peers.simulation import Simulation, SimulationSpec
+    from collab.process.lifecycle import StopOnSignal
+    from collab.process.ports import require_free_port
 
     if args.peers < 1:
         raise UserError(f"--peers {args.peers} must be at least 1")

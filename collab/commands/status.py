@@ -33,7 +33,7 @@ def add_watcher_flags(p) -> None:
 def watcher_swarm(args: argparse.Namespace, peer):
     """The reader's client peer, with its invite if it has one; --run-key checked against the run's manifest."""
     from collab.run.credentials import credentials_from_flags
-    from collab.swarm import Swarm
+    from collab.swarm.node import Swarm
 
     credentials = credentials_from_flags(args, args.run_id)
     swarm = Swarm(peer, credentials.identity, authorizer=credentials.authorizer())
@@ -49,9 +49,9 @@ def watcher_swarm(args: argparse.Namespace, peer):
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.lifecycle import reap_children
-    from collab.state import read_run_state
-    from collab.swarm import PeerConfig, peer_config_from_flags
+    from collab.process.lifecycle import reap_children
+    from collab.swarm.node import PeerConfig, peer_config_from_flags
+    from collab.swarm.state import read_run_state
 
     peer: PeerConfig = peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers, client_mode=True,
                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -131,7 +131,7 @@ def format_state(state) -> str:
 
 
 def noise_scale_line(b_noise: float, target, peers: int) -> str:
-    """B_noise against the target, and what it means (collab.noise_scale)."""
+    """B_noise against the target, and what it means (collab.adaptive.noise_scale)."""
     if target:
         ratio = b_noise / target
         advice = ("the target is well below it: a larger one would need fewer steps for nearly the same samples" if ratio > 2 else "the target is well above it: a smaller one would reach "
@@ -144,7 +144,7 @@ def noise_scale_line(b_noise: float, target, peers: int) -> str:
 
 
 def goodput_line(state) -> str:
-    """Goodput and the schedule's progress in scale-invariant steps (collab.batch_plan)."""
+    """Goodput and the schedule's progress in scale-invariant steps (collab.adaptive.batch_plan)."""
     parts = []
     if state.goodput is not None:
         parts.append(f"goodput {state.goodput:.1f} samples/s ({state.samples_per_second:.1f} samples/s x "

@@ -1,5 +1,5 @@
 """averaging.mode: how one peer's training meets the swarm's. One module per mode, one interface for all, so the
-trainer's loop (collab.trainer) is the same whichever the run's manifest fixes.
+trainer's loop (collab.train.trainer) is the same whichever the run's manifest fixes.
 
 | mode   | module              | what is averaged, and when                                                   |
 |--------|---------------------|------------------------------------------------------------------------------|
@@ -11,7 +11,7 @@ trainer's loop (collab.trainer) is the same whichever the run's manifest fixes.
 
 Each mode is a hivemind.Optimizer (diloco and gossip subclass sync's CollabOptimizer: the swarm's epoch, state
 downloads, members-only rules and the round log are shared) and each module says what it changes in the optimizer
-collab.make_optimizer builds: `optimizer_options(ModeContext) -> dict` of hivemind.Optimizer keywords.
+collab.train.make_optimizer builds: `optimizer_options(ModeContext) -> dict` of hivemind.Optimizer keywords.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class ModeContext:
     optimizer shares with its averagers (rejections and traffic are logged per peer, whatever the mode)."""
     config: Any  # collab.config.RunConfig
     task: Any  # collab.tasks.Task
-    rule: Any  # collab.aggregation.Aggregation: the gradient rounds' reduction
+    rule: Any  # collab.averaging.aggregation.Aggregation: the gradient rounds' reduction
     gate: Any = None  # collab.run.gate.MemberGate in a private run
-    rejections: Any = None  # collab.rejections.RejectionLog
-    traffic: Any = None  # collab.traffic.TrafficLog
+    rejections: Any = None  # collab.records.rejections.RejectionLog
+    traffic: Any = None  # collab.averaging.traffic.TrafficLog
     averager_opts: dict = field(default_factory=dict)  # bandwidth, request timeout, group size
-    plan: Any = None  # collab.plan_keeper's plan (sync only: target and lr gain per epoch)
+    plan: Any = None  # collab.train.plan_keeper's plan (sync only: target and lr gain per epoch)
 
 
 class AveragingMode(Protocol):
@@ -42,10 +42,10 @@ class AveragingMode(Protocol):
     local_epoch: int  # this replica's epoch (the swarm's, once in sync)
     tracker: Any  # hivemind's progress tracker: the swarm's epoch and samples
     state_averager: Any  # parameters and optimizer state, served to peers behind
-    rejections: Any  # contributions refused, and why (collab.rejections)
-    traffic: Any  # bytes sent and received per round (collab.traffic)
+    rejections: Any  # contributions refused, and why (collab.records.rejections)
+    traffic: Any  # bytes sent and received per round (collab.averaging.traffic)
     load_state_timeout: float
-    own_step: Any  # the last step taken on this peer's own gradients, if any (collab.replica.OwnStep)
+    own_step: Any  # the last step taken on this peer's own gradients, if any (collab.averaging.replica.OwnStep)
     leave_at_epoch: Optional[int]
 
     def step(self, *args, **kwargs) -> Any: ...  # after each micro-batch's backward

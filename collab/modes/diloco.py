@@ -28,12 +28,13 @@ import torch
 
 from hivemind.optim.grad_averager import GradientAverager
 
-from collab.aggregation import Aggregation
-from collab.grad_averager import OwnGradients
+from collab.averaging.aggregation import Aggregation
+from collab.averaging.grad_averager import OwnGradients
+from collab.averaging.members_only import MembersOnly
+from collab.averaging.robust_rounds import CheckedRounds
 from collab.modes import ModeContext
 from collab.modes.sync import CollabOptimizer
-from collab.robust_rounds import CheckedRounds
-from collab.run.gate import MemberGate, MembersOnly
+from collab.run.gate import MemberGate
 
 
 class PseudoGradients:
@@ -79,7 +80,7 @@ class PseudoGradients:
 
 
 class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, GradientAverager):
-    measures_noise = False  # (collab.noise_scale) a pseudo-gradient is no per-sample mean gradient
+    measures_noise = False  # (collab.adaptive.noise_scale) a pseudo-gradient is no per-sample mean gradient
     def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  traffic=None, target_batch_size: int = 1, **kwargs):
         # as CollabGradientAverager: before hivemind's constructor starts the averager process
@@ -222,8 +223,8 @@ def outer_optimizer(config) -> Callable[[list], torch.optim.Optimizer]:
 
 
 def optimizer_options(context: ModeContext) -> dict:
-    """What averaging.mode diloco changes (collab.make_optimizer): the optimizer hivemind wraps is the outer one (no
-    schedule, no weight decay: those are the inner optimizer's), rounds carry pseudo-gradients, and nothing
+    """What averaging.mode diloco changes (collab.train.make_optimizer): the optimizer hivemind wraps is the outer one
+    (no schedule, no weight decay: those are the inner optimizer's), rounds carry pseudo-gradients, and nothing
     overlaps (the outer step replaces the parameters the inner steps work on)."""
     config, task = context.config, context.task
     return dict(

@@ -7,7 +7,7 @@ peer never stops training: the parameters it received are merged at its next ste
 The exchange is a bidirectional stream: the asking peer sends a `Hello` (its clock, recent loss, the exchange's
 random split u) and its parameters; the answering peer replies with its own. Both sides check what they got
 (collab.modes.gossip_rules.check_peer_model: shapes, finite, not far off) and the claims (clock, loss) before merging;
-what they refuse is counted and attributed like a bad averaging part (collab.rejections), and a peer caught with
+what they refuse is counted and attributed like a bad averaging part (collab.records.rejections), and a peer caught with
 hard evidence is never picked again. In a private run only members may ask or be asked (MembersOnly). Client-mode
 (NAT'd) peers ask but are never asked: nobody can dial them.
 
@@ -38,13 +38,13 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import BaseModel, ConfigDict, Field
 
-from collab.compression import wire_codec
+from collab.averaging.compression import wire_codec
+from collab.averaging.members_only import MembersOnly
 from collab.modes import ModeContext
 from collab.modes.diloco import adamw_with_warmup
 from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
 from collab.modes.sync import CollabOptimizer
-from collab.records import progress_records
-from collab.run.gate import MembersOnly
+from collab.records.untrusted import progress_records
 
 CHUNK_BYTES = 2**20
 MAX_WAITING = 4  # received parameters not yet merged: a peer asked by everyone at once answers "busy" beyond this
@@ -400,7 +400,7 @@ class GossipOptimizer(CollabOptimizer):
 
 
 def optimizer_options(context: ModeContext) -> dict:
-    """What averaging.mode gossip changes (collab.make_optimizer): hivemind's local updates (an AdamW step per
+    """What averaging.mode gossip changes (collab.train.make_optimizer): hivemind's local updates (an AdamW step per
     micro-batch, no gradient averager), no state rounds, and the pairwise exchanges beside them."""
     config = context.config
     settings, training = config.averaging.gossip, config.training

@@ -23,18 +23,18 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from collab.metrics import AveragingLog
-from collab.modes import ModeContext
-from collab.aggregation import Aggregation
-from collab.noise_scale import NOISE_INPUTS_KEPT, NoiseScale
-from collab.rejections import RejectionLog
-from collab.traffic import TrafficLog
-from collab.run.gate import MemberGate
-from collab.donor_patience import EpochPace, donor_patience
-from collab.state_download import download_with_retries
-from collab.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
+from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale
+from collab.averaging.aggregation import Aggregation
+from collab.averaging.donor_patience import EpochPace, donor_patience
+from collab.averaging.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
                             swarm_finished_without)
-from collab.tracker import HonestProgressTracker
+from collab.averaging.state_download import download_with_retries
+from collab.averaging.traffic import TrafficLog
+from collab.modes import ModeContext
+from collab.modes.tracker import HonestProgressTracker
+from collab.records.metrics import AveragingLog
+from collab.records.rejections import RejectionLog
+from collab.run.gate import MemberGate
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 ALONE_READ_AGE = 1.0  # a peer about to step alone reads the swarm's progress again if its view is older than this
@@ -78,13 +78,13 @@ class CollabOptimizer(Optimizer):
     """hivemind.Optimizer that records each gradient-averaging round, refuses averages it cannot trust, and knows
     whether its replica is the swarm's.
 
-    hivemind applies whatever the group returned. Here the averagers check every round (collab.robust_rounds)
+    hivemind applies whatever the group returned. Here the averagers check every round (collab.averaging.robust_rounds)
     and a refused round fails. A failed round (refused, a timeout, no group) makes this epoch's step one on this
-    peer's own gradients: the ones it sent into the round, kept by collab.grad_averager (hivemind's fallback
+    peer's own gradients: the ones it sent into the round, kept by collab.averaging.grad_averager (hivemind's fallback
     loaded its zeroed accumulators instead, a step of momentum and weight decay alone). Why a step and not
     none: when a whole group fails (a network blip), each of its peers still learns from its own batch, and the
     next state round averages those steps, as local SGD does. Either way the replica is one update away from
-    the swarm: it is recorded as an `OwnStep` (collab.replica), published as the epoch before (so a leaving
+    the swarm: it is recorded as an `OwnStep` (collab.averaging.replica), published as the epoch before (so a leaving
     peer waits to be its state donor), and undone by a state-averaging round that gathered the whole swarm or
     by downloading the swarm's state at the next step, or before leaving.
     """
@@ -102,9 +102,10 @@ class CollabOptimizer(Optimizer):
         # groupmates' epoch) starts no round for the next one: a CI peer bumped to its last epoch went into a round
         # the others had left, and waited 90 s for a group and a donor that never came
         self.leave_at_epoch: Optional[int] = None
-        self.noise_scale = NoiseScale()  # the gradient noise scale, from this peer's rounds (collab.noise_scale)
+        # the gradient noise scale, from this peer's rounds (collab.adaptive.noise_scale)
+        self.noise_scale = NoiseScale()
         self.noise_inputs: deque = deque(maxlen=NOISE_INPUTS_KEPT)  # each measured round's inputs to it
-        self.plan_keeper = plan_keeper  # the run's target and lr gain per epoch (collab.plan_keeper), or None
+        self.plan_keeper = plan_keeper  # the run's target and lr gain per epoch (collab.train.plan_keeper), or None
         self._plan_followed = None
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
@@ -141,8 +142,8 @@ class CollabOptimizer(Optimizer):
             self.pace.observe(self.local_epoch)
 
     def _follow_the_plan(self) -> None:
-        """The run's target for this epoch (collab.batch_plan); and, for a plan read after the schedule stepped
-        into this epoch, this epoch's learning rate again (the schedule reads the plan: collab.plan_keeper)."""
+        """The run's target for this epoch (collab.adaptive.batch_plan); and, for a plan read after the schedule stepped
+        into this epoch, this epoch's learning rate again (the schedule reads the plan: collab.train.plan_keeper)."""
         if self.plan_keeper is None:
             return
         plan = self.plan_keeper.plan
@@ -156,7 +157,7 @@ class CollabOptimizer(Optimizer):
                     group["lr"] = base * lr_lambda(scheduler.last_epoch)
 
     def _adopt_the_swarms_epoch(self) -> bool:
-        """Heal a lineage split (collab.replica.RecordingStateAverager.epoch_ahead): this peer made its
+        """Heal a lineage split (collab.averaging.replica.RecordingStateAverager.epoch_ahead): this peer made its
         groupmates' step under an epoch number one lower, so it takes their epoch and learning-rate schedule."""
         ahead = self.state_averager.epoch_ahead(self.local_epoch)
         if ahead is None:
@@ -463,7 +464,7 @@ class CollabOptimizer(Optimizer):
         self.grad_averager.take_own_gradients()  # used: a later failure must not step on them again
 
     def drop_micro_batch(self) -> None:
-        """The last backward pass gave non-finite gradients (collab.guard): make sure they are never sent. With
+        """The last backward pass gave non-finite gradients (collab.train.guard): make sure they are never sent. With
         reuse_grad_buffers they were added into the epoch's accumulator in .grad, which is then unusable too:
         it is reset, and the samples it held are un-counted from this peer's progress."""
         if self.grad_averager.reuse_grad_buffers:
@@ -486,7 +487,7 @@ class CollabOptimizer(Optimizer):
             # leaving at --max-epochs: finish the delayed step (with overlap=full it holds our last gradient
             # round, still running). Our round may be over while we still stream a client-mode (NAT'd or slow)
             # groupmate its share: each averager's shutdown waits for the replies it still holds to be read
-            # (collab.run.gate, REPLY_DRAIN) - a fixed 3-s linger here cost every leave, needed or not
+            # (collab.averaging.members_only, REPLY_DRAIN) - a fixed 3-s linger here cost every leave, needed or not
             if self.tracker.global_progress.num_peers > 1:
                 self.state_averager.step(wait_for_delayed_updates=True)
             # whatever this peer's view of the swarm says (it may be a minute old): the records say who is behind
@@ -511,8 +512,8 @@ class CollabOptimizer(Optimizer):
 
     def _serve_peers_behind(self) -> None:
         """A peer behind ours (it missed the last step, its lineage split, or it has not noticed our step yet) will
-        want our state to leave in sync with the swarm: stay its donor while it is behind, for as long as it
-        needs at the swarm's measured pace (collab.donor_patience), rather than leave it with nobody to ask."""
+        want our state to leave in sync with the swarm: stay its donor while it is behind, for as long as it needs at
+        the swarm's measured pace (collab.averaging.donor_patience), rather than leave it with nobody to ask."""
         if self.client_mode:
             # it serves no state (nobody can dial it), so it would wait for nothing: the NAT'd peer of a CI test,
             # left alone with its only server's last record cached, waited out that record's 60-s life
@@ -551,7 +552,8 @@ class CollabOptimizer(Optimizer):
             self.stop.wait(0.5)
 
     def apply_revocations(self, revocations) -> None:
-        """A private run's newer revocation list, into both averager processes (collab.run.gate.MembersOnly)."""
+        """A private run's newer revocation list, into both averager processes
+        (collab.averaging.members_only.MembersOnly)."""
         averagers = [self.state_averager, *([self.grad_averager] if self.use_gradient_averaging else [])]
         for averager in averagers:
             if averager.is_alive():
@@ -592,6 +594,6 @@ def round_is_stale(seconds_left: float, averaging_timeout: float) -> bool:
 
 
 def optimizer_options(context: ModeContext) -> dict:
-    """What averaging.mode sync sets beyond collab.make_optimizer's defaults: only the batch plan, when the run's
-    target or learning rate follows the noise scale (collab.plan_keeper)."""
+    """What averaging.mode sync sets beyond collab.train.make_optimizer's defaults: only the batch plan, when the run's
+    target or learning rate follows the noise scale (collab.train.plan_keeper)."""
     return dict(optimizer_class=CollabOptimizer, plan_keeper=context.plan)

@@ -146,8 +146,9 @@ def signed_record(record: BaseModel, organizer_key):
 
 
 def newest_signed(model, entries: Iterable, run_id: str, organizer_key: str, max_bytes: int, rejected=None):
-    """The newest (by `issued_at`) record of `model` validly signed with the organizer's key among (signer, blob)
-    DHT entries; the others (old copies aside) are counted in `rejected` (collab.records.Rejections) if given."""
+    """The newest (by `issued_at`) record of `model` validly signed with the organizer's key among (signer, blob) DHT
+    entries; the others (old copies aside) are counted in `rejected` (collab.records.untrusted.Rejections) if
+    given."""
     best = None
     for signer, blob in entries:
         candidate = None

@@ -13,7 +13,7 @@ from typing import Optional
 
 from collab.data.cache import cache_dir
 from collab.errors import UserError
-from collab.identity import Identity, load_or_create_identity
+from collab.records.identity import Identity, load_or_create_identity
 from collab.run.access import expired, read_invite
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from collab.errors import UserError
-from collab.identity import rsa_key_from_der
+from collab.records.identity import rsa_key_from_der
 from collab.run.manifest import Manifest, SignedManifest, make_manifest, run_tokenizer, sign, verify
 
 KEY, CONFIG, TOKENIZER, MANIFEST = "organizer.key", "config.yaml", "tokenizer.json", "manifest.json"

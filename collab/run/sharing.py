@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from collab.errors import UserError
-from collab.identity import signer_peer_id
+from collab.records.identity import signer_peer_id
 from collab.run.manifest import Manifest, verify
 
 MANIFEST_SUFFIX = "_manifest"

@@ -1,6 +1,6 @@
 """Tasks: what a peer trains. Each task owns its model, data, loss, optimizer and export format.
 
-The daemon (collab.trainer), the optimizer wrapper, metrics and checkpoints only speak to this
+The daemon (collab.train.trainer), the optimizer wrapper, metrics and checkpoints only speak to this
 interface, so a new task (SwAV, ...) needs no second copy of the training loop.
 """
 

@@ -1,5 +1,5 @@
 """Linear regression on Gaussian data (collab.tasks.linreg_config): a task with a known gradient noise scale, to
-check what the swarm measures (collab.noise_scale) and to calibrate a run's tooling without a download."""
+check what the swarm measures (collab.adaptive.noise_scale) and to calibrate a run's tooling without a download."""
 
 from __future__ import annotations
 

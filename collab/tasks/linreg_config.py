@@ -16,7 +16,7 @@ class LinregDataConfig(Section):
 class LinregTaskConfig(Section):
     """Linear regression y = x.w* + N(0, noise_sd^2), x ~ N(0, I_dim), started at |w - w*| = distance. At any w the
     gradient's signal is |G|^2 = |e|^2 and its noise tr(Sigma) = dim (|e|^2 + noise_sd^2) + |e|^2 (e = w - w*), so
-    a swarm's measured B_noise (collab.noise_scale) can be checked against the truth: with a learning rate too
+    a swarm's measured B_noise (collab.adaptive.noise_scale) can be checked against the truth: with a learning rate too
     small to move w, B_noise stays at `true_noise_scale()`."""
 
     name: Literal["linreg"] = "linreg"

@@ -48,7 +48,7 @@ function renderRun(run) {
   text($("noise-scale"), finite(noise) ? `${fmt(noise, 0)} samples` : "not measured yet");
   $("noise-scale").title = finite(noise) && finite(target) && target > 0
     ? `${fmt(noise / target, 2)}x the target batch of ${target}; from ${run.noise_scale_peers} peer(s)` : "";
-  // goodput (Pollux) and the schedule in scale-invariant steps (collab.batch_plan)
+  // goodput (Pollux) and the schedule in scale-invariant steps (collab.adaptive.batch_plan)
   text($("goodput"), finite(run.goodput) ? `${fmt(run.goodput)} samples/s` : "not measured yet");
   $("goodput").title = finite(run.efficiency)
     ? `${fmt(run.samples_per_second)} samples/s x efficiency ${fmt(run.efficiency, 2)} at target ${target} (base batch ${run.base_batch_size})` : "";

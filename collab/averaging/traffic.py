@@ -77,8 +77,8 @@ class RoundTraffic:
     bytes_sent: int = 0
     bytes_received: int = 0
     fp32_bytes: float = 0.0  # the same round uncompressed (see the module's docstring)
-    # collab.noise_scale's inputs, from a gradient round this peer accepted: its own gradient's squared norm and
-    # samples, the average's and the samples it stands for (None where this peer reduced no part: client mode)
+    # collab.adaptive.noise_scale's inputs, from a gradient round this peer accepted: its own gradient's squared norm
+    # and samples, the average's and the samples it stands for (None where this peer reduced no part: client mode)
     norms: Optional[tuple[float, float, float, Optional[float]]] = None
 
     @property

@@ -3,7 +3,7 @@
 Every peer's tracker reads every other peer's progress record and takes the highest epoch as the
 swarm's: one forged record (another peer's id, an epoch of a million, a time far in the future)
 would make every honest peer think it is behind and reload state, or stop it from ever stepping.
-Here each record passes collab.records' checks before hivemind sees it, and what is dropped is
+Here each record passes collab.records.untrusted' checks before hivemind sees it, and what is dropped is
 counted and said once per signer.
 
 hivemind also ends an epoch on a forecast: when its ETA passes, whatever the swarm has counted. The forecast
@@ -28,8 +28,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from collab.identity import signer_peer_id
-from collab.records import Rejections, accept, drop_implausible_epochs
+from collab.records.identity import signer_peer_id
+from collab.records.untrusted import Rejections, accept, drop_implausible_epochs
 
 logger = get_logger(__name__)
 
@@ -162,7 +162,7 @@ def forecastable(metadata: dict, now: float, micro_batch_size: Optional[int],
 
 def trusted_progress(metadata: dict, rejected: Rejections, said: set,
                      members: Optional[Callable[[str], bool]] = None) -> dict:
-    """The entries of hivemind's progress key that pass collab.records' checks (and, in a private run, whose
+    """The entries of hivemind's progress key that pass collab.records.untrusted' checks (and, in a private run, whose
     signer is a member); the others are added to `rejected`, and each signer not yet in `said` is named once
     in the log."""
     now = get_dht_time()

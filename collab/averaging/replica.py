@@ -23,12 +23,13 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from collab.aggregation import Aggregation
-from collab.donor_patience import Behind
-from collab.robust_rounds import CheckedRounds
-from collab.state_download import CheckedDownloads
-from collab.run.gate import MemberGate, MembersOnly
-from collab.records import progress_records
+from collab.averaging.aggregation import Aggregation
+from collab.averaging.donor_patience import Behind
+from collab.averaging.members_only import MembersOnly
+from collab.averaging.robust_rounds import CheckedRounds
+from collab.averaging.state_download import CheckedDownloads
+from collab.records.untrusted import progress_records
+from collab.run.gate import MemberGate
 
 KEEP_ROUNDS = 8
 
@@ -57,7 +58,7 @@ class _RecordOutcomes(DecentralizedAverager):
 
     def load_state_from_peers(self, *args, **kwargs):
         loaded = super().load_state_from_peers(*args, **kwargs)
-        if loaded is not None and not self.check_download(loaded, self.local_epoch):  # collab.state_download
+        if loaded is not None and not self.check_download(loaded, self.local_epoch):  # collab.averaging.state_download
             return None
         if loaded is not None and isinstance(loaded[0], dict) and isinstance(loaded[0].get("epoch"), int):
             self.downloaded_epoch = loaded[0]["epoch"]
@@ -65,15 +66,15 @@ class _RecordOutcomes(DecentralizedAverager):
 
 
 class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, TrainingStateAverager, _RecordOutcomes):
-    """hivemind's TrainingStateAverager, which also says whether a round or a download really happened, checks
-    its rounds (collab.robust_rounds) and downloads (collab.state_download) and, in a private run, averages with
-    and serves its state to members only."""
+    """hivemind's TrainingStateAverager, which also says whether a round or a download really happened, checks its
+    rounds (collab.averaging.robust_rounds) and downloads (collab.averaging.state_download) and, in a private run,
+    averages with and serves its state to members only."""
 
     def __init__(self, *, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
         self.gate, self.rule, self.kind, self.findings = gate, rule, "state", findings
-        self.upload_mbit = kwargs.get("bandwidth")  # orders donors of one epoch (collab.state_download)
+        self.upload_mbit = kwargs.get("bandwidth")  # orders donors of one epoch (collab.averaging.state_download)
         super().__init__(**kwargs)
 
     def round_controls(self) -> list:

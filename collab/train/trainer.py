@@ -12,24 +12,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from collab.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.config import RunConfig
 from collab.dashboard.collector import Collector
 from collab.dashboard.server import BackgroundDashboard
-from collab.guard import RELOAD_AFTER, BatchGuard
-from collab.identity import load_or_create_identity
-from collab.lifecycle import StopOnSignal
-from collab.make_optimizer import build_optimizer
-from collab.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.modes import AveragingMode
-from collab.plan_keeper import plan_fields, plan_in_force, start_plan_keeper
-from collab.precision import Precision
-from collab.progress import ProgressDisplay, Snapshot
+from collab.process.lifecycle import StopOnSignal
+from collab.records.identity import load_or_create_identity
+from collab.records.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.run.gate import MemberGate
 from collab.run.sharer import RunSharer, SharedRun
-from collab.state import read_run_state
-from collab.swarm import PeerConfig, Swarm
+from collab.swarm.node import PeerConfig, Swarm
+from collab.swarm.state import read_run_state
 from collab.tasks import build_task
+from collab.train.checkpoint import load_model_weights, restore_training_state, save_checkpoint
+from collab.train.guard import RELOAD_AFTER, BatchGuard
+from collab.train.make_optimizer import build_optimizer
+from collab.train.plan_keeper import plan_fields, plan_in_force, start_plan_keeper
+from collab.train.precision import Precision
+from collab.train.progress import ProgressDisplay, Snapshot
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
 METRICS_RECORD_LIFETIME = 300.0  # seconds a peer's metrics record lives in the DHT unless republished
@@ -61,25 +61,26 @@ class Summary:
     # samples_contributed when each epoch closed: the swarm's samples through epoch e are the peers' sum (a target
     # is a floor; the micro-batches in flight when it is reached count too)
     samples_by_epoch: dict[int, int] = field(default_factory=dict)
-    # training.target_batch_size auto / lr_scaling adascale (collab.batch_plan): per epoch [target, gain,
+    # training.target_batch_size auto / lr_scaling adascale (collab.adaptive.batch_plan): per epoch [target, gain,
     # scale-invariant progress, learning rate] as this peer used them, and the plans it issued (the organizer)
     plan_by_epoch: dict[int, list] = field(default_factory=dict)
     plans_issued: int = 0
-    plans_read_late: int = 0  # plans read after their first epoch began here (collab.plan_keeper)
+    plans_read_late: int = 0  # plans read after their first epoch began here (collab.train.plan_keeper)
     loaded_state_from_peers: bool = False
     catch_up: str = ""  # what the catch-up at the start did, and why (a late peer that trained from its own replica)
     swarm_epoch_at_join: int = 0  # the swarm's epoch when this peer came in (0: nothing to catch up on yet)
     checkpoint: Optional[str] = None
     nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
-    batches_dropped: dict[str, int] = field(default_factory=dict)  # micro-batches not sent (collab.guard), by why
-    peers_found_back: int = 0  # lost peers that answered again (collab.rejoin: a network split healed)
+    batches_dropped: dict[str, int] = field(default_factory=dict)  # micro-batches not sent (collab.train.guard), by why
+    peers_found_back: int = 0  # lost peers that answered again (collab.swarm.rejoin: a network split healed)
     reloads: int = 0  # times the replica was reloaded from the swarm after many dropped micro-batches
     rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> what this peer refused from it
-    # its gradient rounds' bytes, as its all-reduce counted them, and the same rounds uncompressed (collab.traffic)
+    # its gradient rounds' bytes, as its all-reduce counted them, and the same rounds uncompressed
+    # (collab.averaging.traffic)
     allreduce_bytes_sent: int = 0
     allreduce_bytes_received: int = 0
     allreduce_fp32_bytes: float = 0.0
-    # the same over the last rounds only (collab.traffic.RECENT_ROUNDS): what a codec costs once warmed up
+    # the same over the last rounds only (collab.averaging.traffic.RECENT_ROUNDS): what a codec costs once warmed up
     allreduce_recent_mb_per_round: Optional[float] = None
     allreduce_recent_fewer_than_fp32: Optional[float] = None
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
@@ -90,13 +91,14 @@ class Summary:
     outer_steps: dict[int, dict] = field(default_factory=dict)
     # gossip: exchanges asked, answered, failed and refused, the recent merges, this replica's norm and sketch
     gossip: dict = field(default_factory=dict)
-    # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds (collab.noise_scale)
+    # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds (collab.adaptive.noise_scale)
     noise_scale: dict = field(default_factory=dict)
     # and each round's inputs to it, the last NOISE_INPUTS_KEPT: [epoch, |g_i|^2, B_i, |g|^2, B] (what to check an
     # estimate against, round by round, on a task whose B_noise is known)
     noise_inputs: list = field(default_factory=list)
-    device: str = ""  # where and in what precision this peer computed (collab.precision)
-    fp16_overflows: int = 0  # micro-batches skipped by fp16 loss scaling (not dropped: collab.guard never saw them)
+    device: str = ""  # where and in what precision this peer computed (collab.train.precision)
+    # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
+    fp16_overflows: int = 0
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
 
 

@@ -12,27 +12,27 @@ from typing import Optional
 from hivemind.compression import NoCompression
 from hivemind.utils.logging import get_logger
 
-from collab.aggregation import Aggregation
-from collab.compression import wire_codec
+from collab.averaging.aggregation import Aggregation
+from collab.averaging.compression import wire_codec
+from collab.averaging.dgc import DGCSettings, sparsified
+from collab.averaging.grad_averager import CollabDGCAverager, CollabGradientAverager, CollabPowerSGDAverager
+from collab.averaging.robust_rounds import quiet_rejections
+from collab.averaging.traffic import TrafficLog
 from collab.config import RunConfig, join_request_timeout, round_timeout_caution
-from collab.dgc import DGCSettings, sparsified
-from collab.grad_averager import CollabDGCAverager, CollabGradientAverager, CollabPowerSGDAverager
-from collab.metrics import AveragingLog
 from collab.modes import ModeContext, optimizer_options
 from collab.modes.sync import CollabOptimizer
-from collab.plan_keeper import scheduled_by_plan
-from collab.precision import uses_precision
-from collab.rejections import RejectionLog
-from collab.robust_rounds import quiet_rejections
+from collab.records.metrics import AveragingLog
+from collab.records.rejections import RejectionLog
 from collab.run.gate import MemberGate
 from collab.tasks import Task
-from collab.traffic import TrafficLog
+from collab.train.plan_keeper import scheduled_by_plan
+from collab.train.precision import uses_precision
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
                     client_mode: bool = False, stop: Optional[threading.Event] = None,
                     gate: Optional[MemberGate] = None, plan=None) -> CollabOptimizer:
     """`gate`: in a private run, the members check every averager applies (collab.run.gate); `plan`: the run's
-    batch plan (collab.plan_keeper) when its target or learning rate follows the noise scale (sync mode only)."""
+    batch plan (collab.train.plan_keeper) when its target or learning rate follows the noise scale (sync mode only)."""
     avg = config.averaging
     compression = wire_codec(avg.compression)
     # the manifest says mean or centered_clip; "auto" only reaches here from a config that skipped it
@@ -75,7 +75,7 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         offload_optimizer=True,
         # accumulate micro-batches in the model's own .grad: no copy and no zeroing per micro-batch
         # (2% of a CPU peer's time); the delayed all-reduce of overlap=full needs a separate buffer, and fp16's
-        # loss scaling one micro-batch's gradients alone (collab.precision)
+        # loss scaling one micro-batch's gradients alone (collab.train.precision)
         reuse_grad_buffers=avg.overlap != "full" and uses_precision(config.training) != "fp16",
         delay_optimizer_step=avg.overlap in ("optimizer", "full"),
         delay_grad_averaging=avg.overlap == "full",
@@ -114,7 +114,7 @@ def _gradient_averager(config: RunConfig, **options):
 
 def _parameter_groups(config: RunConfig, task: Task) -> list[dict]:
     """The task's groups; under dgc each is split, and the optimizer's momentum is off for the matrices DGC sends
-    (their momentum is DGC's velocity: collab.dgc)."""
+    (their momentum is DGC's velocity: collab.averaging.dgc)."""
     groups = task.parameter_groups()
     if config.averaging.compression != "dgc":
         return groups

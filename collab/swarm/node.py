@@ -1,6 +1,6 @@
 """Joining the swarm: identity, the DHT with signed and schema-checked records, the join command.
 
-A peer's identity is one RSA key (collab.identity): its libp2p key, from which its peer id derives
+A peer's identity is one RSA key (collab.records.identity): its libp2p key, from which its peer id derives
 (`--identity PATH` keeps it across restarts: same peer id, and its old metrics record is overwritten,
 not duplicated), and the key that signs its DHT records, so that no record can claim another's id.
 """
@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
-from collab.identity import Identity, load_or_create_identity
-from collab.lifecycle import quiet_orphaned_requests
-from collab.metrics import MetricsSchema
-from collab.rejoin import Rejoiner
+from collab.process.lifecycle import quiet_orphaned_requests
+from collab.records.identity import Identity, load_or_create_identity
+from collab.records.metrics import MetricsSchema
 from collab.run.sharing import ask_about_access
+from collab.swarm.rejoin import Rejoiner
 
 
 class PeerConfig(BaseModel):
@@ -77,7 +77,7 @@ class OwnGroupDHT(hivemind.DHT):
 
     Ctrl-C sends SIGINT to the whole foreground group; p2pd would die at once and the peer could
     not say goodbye to the swarm. In a group of its own it stays up until this peer shuts it down.
-    It is still our child: collab.lifecycle and collab.peers.launcher reap it by parentage and session.
+    It is still our child: collab.process.lifecycle and collab.peers.launcher reap it by parentage and session.
     """
 
     def run(self) -> None:
@@ -142,7 +142,8 @@ class Swarm:
         self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
 
     def rejoin(self) -> int:
-        """Ask again for peers the DHT lost (collab.rejoin), at most every REJOIN_EVERY s; how many answered so far."""
+        """Ask again for peers the DHT lost (collab.swarm.rejoin), at most every REJOIN_EVERY s; how many answered so
+        far."""
         before = self._rejoiner.found_back
         self._rejoiner.maybe_run()
         if self._rejoiner.found_back > before:

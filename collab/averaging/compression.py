@@ -14,11 +14,11 @@
 (error: relative, of one part of Gaussian-like values; tests/test_compression.py holds each codec to it.)
 All but powersgd are hivemind's codecs applied to the parts of an ordinary round. powersgd is hivemind's
 PowerSGDGradientAverager (two all-reduces per round: P, then Q; vectors travel whole in the second), with every
-peer's starting projections Q drawn from the run's seed (collab.grad_averager). Its factors travel in fp32: in
+peer's starting projections Q drawn from the run's seed (collab.averaging.grad_averager). Its factors travel in fp32: in
 fp16 the reducer of a part keeps its exact average while the others get it rounded, and PowerSGD's
 orthogonalisation and error feedback amplified that: two replicas drifted 2.3e-3 apart in 4 steps without state
 averaging (fp16 dense rounds: 2-3e-4), which only state averaging would repair. dgc is Deep
-Gradient Compression (collab.dgc): its loss is in what each peer selects; the selection travels losslessly.
+Gradient Compression (collab.averaging.dgc): its loss is in what each peer selects; the selection travels losslessly.
 The vectors DGC leaves dense (biases, LayerNorm: 0.6% of ALBERT-tiny's values) travel in fp16 as in the default
 run: in fp32 they were three quarters of a dgc round's bytes.
 """
@@ -112,8 +112,8 @@ class SparseParts(CompressionBase):
 
 class DGCWire(AdaptiveCompressionBase):
     """dgc's codec per tensor: a matrix's parts through SparseParts (exact), a vector's in fp16. A vector is not
-    sparsified (collab.dgc.sparsified), so no error feedback rests on it; the reducer sends each part's average
-    back with the codec it came in, so a vector's average returns in fp16 and a matrix's exactly."""
+    sparsified (collab.averaging.dgc.sparsified), so no error feedback rests on it; the reducer sends each part's
+    average back with the codec it came in, so a vector's average returns in fp16 and a matrix's exactly."""
 
     def __init__(self):
         self.sparse, self.dense = SparseParts(), Float16Compression()

@@ -7,7 +7,7 @@ gracefully), and none of them watches its parent. A main process killed by the O
 the peer's ports. A parent-death signal set in each child would miss p2pd (hivemind starts it, not
 us), so one small watcher process does the job for all of them:
 
-- `watch_this_process()` starts `python -m collab.reaper PID` once per process, before hivemind;
+- `watch_this_process()` starts `python -m collab.process.reaper PID` once per process, before hivemind;
 - every process forked from the main one (hivemind's DHT and averagers) writes its pid to the
   watcher's stdin the moment it is born (an at-fork hook), and the watcher also notes the main
   process's descendants every half second (what it spawned otherwise, e.g. simulated peers): once
@@ -43,7 +43,7 @@ def watch_this_process() -> None:
     if _watched_pid == os.getpid():
         return
     _watched_pid = os.getpid()
-    _watcher = subprocess.Popen([sys.executable, "-m", "collab.reaper", str(os.getpid())],
+    _watcher = subprocess.Popen([sys.executable, "-m", "collab.process.reaper", str(os.getpid())],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     os.register_at_fork(after_in_child=_announce_fork)
 

@@ -4,10 +4,10 @@ hivemind's TensorPartReducer adds each sender's part into a running sum with wha
 claims, so one NaN makes everyone's average NaN, one weight of 1e9 makes a sender's part the average, and
 one part scaled by 1000 moves it a thousandfold. This reducer keeps the parts until every sender's has
 arrived, then:
-- leaves out the parts of senders banned here (collab.robust_rounds), and drops a part that is not finite, or whose weight is not a finite number >= 0 (the others' mean stays
-  exact), and reports the sender;
+- leaves out the parts of senders banned here (collab.averaging.robust_rounds), and drops a part that is
+  not finite, or whose weight is not a finite number >= 0 (the others' mean stays exact), and reports the sender;
 - caps each weight at what the sender's own signed progress record makes plausible (`caps`, from
-  collab.robust_rounds: a weight must be backed by a public claim that carries its name), or, for a sender
+  collab.averaging.robust_rounds: a weight must be backed by a public claim that carries its name), or, for a sender
   without a record, at `max_weight_ratio` times the group's median weight (a peer's weight is the samples it
   accumulated; fast peers legitimately bring several times the median, not hundreds);
 - combines what is left by the weighted mean or by CenteredClip (Karimireddy et al. 2021, as used in BTARD,
@@ -30,7 +30,7 @@ from typing import Callable, Collection, Optional, Sequence
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
-from collab.records import LATE_PART
+from collab.records.untrusted import LATE_PART
 
 AGGREGATIONS = ("mean", "centered_clip", "adasum")
 DROP_BEYOND = 5.0  # clip radii: a part further than this from the coordinate-wise median is not taken at all
@@ -183,7 +183,7 @@ class RobustPartReducer(TensorPartReducer):
                 self._found(sender, "weight above the group's bound")
                 w[i] = self.rule.max_weight_ratio * median
         stacked = torch.stack(parts)
-        # the samples this average stands for (collab.noise_scale's B): its variance is that of a mean of
+        # the samples this average stands for (collab.adaptive.noise_scale's B): its variance is that of a mean of
         # (sum w)^2 / sum(w^2 / claimed) samples, which is sum w unless a weight was capped below its claim
         claimed = torch.tensor(weights)
         self.group_weight = float(w.sum() ** 2 / (w ** 2 / claimed).sum())

@@ -1,7 +1,7 @@
 """Averaging rounds that another peer cannot poison: a DecentralizedAverager mixin for both of collab's averagers.
 
 Three things hivemind leaves unchecked (see docs/design.md, "hivemind hooks"), checked here:
-- what this peer reduces for others: collab.aggregation's reducer (non-finite parts dropped, weights bounded
+- what this peer reduces for others: collab.averaging.aggregation's reducer (non-finite parts dropped, weights bounded
   by the group's median and by each sender's signed progress, read here in the background; mean or
   CenteredClip), in place of hivemind's running sum;
 - what other peers' reducers send back: every returned part must be finite and of a plausible size, or the
@@ -19,7 +19,7 @@ its parts are left out of what this peer reduces and this peer's parts are not s
 reduced stays this peer's own for that round, as with any reducer that fails in hivemind (refusing whole groups
 that hold it would fail the honest peers' rounds too). Every finding
 goes to `findings` (a multiprocessing queue: the averager runs in its own process) for the trainer to count,
-attribute and publish (collab.rejections).
+attribute and publish (collab.records.rejections).
 """
 
 from __future__ import annotations
@@ -41,23 +41,18 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from collab.aggregation import Aggregation, RobustPartReducer
-from collab.reply_streams import WholeReplies
-from collab.traffic import CountingRunner, TrafficLog
-from collab.records import progress_records
+from collab.averaging.aggregation import Aggregation, RobustPartReducer
+from collab.averaging.reply_streams import WholeReplies
+from collab.averaging.traffic import CountingRunner, TrafficLog
+from collab.records.rejections import HARD_EVIDENCE
+from collab.records.untrusted import progress_records
 
 GRADIENT_BOUND = 10.0
 PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's signed progress makes plausible
 PROGRESS_REFRESH = 5.0  # seconds: the signed progress records are re-read (in the background) at most this often
-FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the records (collab.state, ~0.1-1 s)
+FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the records (collab.swarm.state, ~0.1-1 s)
 STATE_BOUND = 1.0
 BAN_SECONDS = 600.0
-# what only a broken or hostile peer does. Not an implausible returned average: an honest reducer returns one
-# when a poisoned part outweighs the rest (a group of two, where no rule can tell which part is honest)
-# when the parts a reducer combined were three or more and it clipped them, though, an honest reducer's result
-# lies within the honest parts' spread, and one far outside it is evidence
-HARD_EVIDENCE = ("part not finite", "weight not a finite number >= 0", "part of the wrong shape",
-                 "returned a non-finite average", "returned an implausible average of a clipped group")
 _step_in_progress: contextvars.ContextVar = contextvars.ContextVar("collab_step_in_progress", default=None)
 
 
@@ -77,7 +72,8 @@ def nobody_else_sent(runner, peer_id) -> bool:
 
 class _CheckedRunner(CountingRunner, WholeReplies):
     """hivemind's all-reduce runner with collab's reducer, every part other reducers return checked, its
-    bytes counted (collab.traffic) and its reply streams closed by the side that is done (collab.reply_streams)."""
+    bytes counted (collab.averaging.traffic) and its reply streams closed by the side that is done
+    (collab.averaging.reply_streams)."""
 
     def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, report_clipping: bool,
                  weight_caps: dict, **kwargs):
@@ -135,7 +131,7 @@ class CheckedRounds:
     kind: str = "gradients"
     findings = None
     traffic = None  # a TrafficLog's queue: each run's bytes (gradient rounds)
-    # whether a round's tensors are this peer's mean gradient and the group's (collab.noise_scale): not DGC's
+    # whether a round's tensors are this peer's mean gradient and the group's (collab.adaptive.noise_scale): not DGC's
     # selections, PowerSGD's factors or diloco's pseudo-gradients
     measures_noise = True
 
@@ -246,7 +242,7 @@ class CheckedRounds:
             raise RejectedRound(why)
         for tensor, update in zip(tensors, updates):
             tensor.add_(update, alpha=self._averaging_alpha)
-        # collab.noise_scale's inputs, exact here; not under adasum, whose result is no weighted mean
+        # collab.adaptive.noise_scale's inputs, exact here; not under adasum, whose result is no weighted mean
         if averaged_norm is not None and not phase and self.measures_noise and self.rule.method != "adasum":
             TrafficLog.put_norms(self.traffic, own_sq=own_norm ** 2, own_samples=kwargs.get("weight"),
                                  average_sq=averaged_norm ** 2,
@@ -313,7 +309,7 @@ class CheckedRounds:
         return caps
 
     def _signed_progress(self) -> dict:
-        """The run's progress records (hivemind's tracker, signed; collab.state drops untrusted ones) as last
+        """The run's progress records (hivemind's tracker, signed; collab.swarm.state drops untrusted ones) as last
         read; a read older than PROGRESS_REFRESH starts another in the background, so no round waits for one."""
         cache = self.__dict__.setdefault("_progress_cache", {"read_at": float("-inf"), "records": {}, "task": None})
         if (cache["task"] is None or cache["task"].done()) and time.monotonic() - cache["read_at"] > PROGRESS_REFRESH:

@@ -1,6 +1,6 @@
 """What this peer refused from others, counted and attributed, and who it thinks is suspect.
 
-The averager processes (collab.robust_rounds) put each finding - (peer id, reason, "gradients" | "state") -
+The averager processes (collab.averaging.robust_rounds) put each finding - (peer id, reason, "gradients" | "state") -
 on a multiprocessing queue; the trainer drains it when it publishes its metrics record, which carries the
 counts (bounded: the most-reported peers and reasons only) for `collab status` and the dashboard. A peer's
 own word about others is untrusted too, so "suspect" is decided by the reader (collab.dashboard.collector) from
@@ -13,8 +13,14 @@ import multiprocessing as mp
 import queue
 from typing import Optional
 
-from collab.metrics import MAX_PEERS_IN_RECORD, MAX_REASONS_PER_PEER
-from collab.robust_rounds import HARD_EVIDENCE
+from collab.records.metrics import MAX_PEERS_IN_RECORD, MAX_REASONS_PER_PEER
+
+# what only a broken or hostile peer does. Not an implausible returned average: an honest reducer returns one
+# when a poisoned part outweighs the rest (a group of two, where no rule can tell which part is honest)
+# when the parts a reducer combined were three or more and it clipped them, though, an honest reducer's result
+# lies within the honest parts' spread, and one far outside it is evidence
+HARD_EVIDENCE = ("part not finite", "weight not a finite number >= 0", "part of the wrong shape",
+                 "returned a non-finite average", "returned an implausible average of a clipped group")
 
 
 class RejectionLog:

@@ -16,7 +16,7 @@ import threading
 
 import psutil
 
-from collab.reaper import end_processes, watcher_pid
+from collab.process.reaper import end_processes, watcher_pid
 
 GRACE_SECONDS = 7.0
 
@@ -24,7 +24,7 @@ GRACE_SECONDS = 7.0
 def descendants() -> list[psutil.Process]:
     """Our process tree, less torch_shm_manager (killing it breaks torch's pipe to it and aborts this
     process with std::system_error; it exits by itself once its last client is gone) and less our
-    watcher (collab.reaper), which must outlive us and exits by itself once we are gone."""
+    watcher (collab.process.reaper), which must outlive us and exits by itself once we are gone."""
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:

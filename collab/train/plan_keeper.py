@@ -1,4 +1,4 @@
-"""Keeping the run's batch plan (collab.batch_plan) while a peer trains: a thread with a stop event.
+"""Keeping the run's batch plan (collab.adaptive.batch_plan) while a peer trains: a thread with a stop event.
 
 Every peer reads the newest plan signed with the run's key every few seconds and re-publishes it under its own
 key (so it outlives the organizer's peer). The organizer's peer also plans: from the run's state as any reader
@@ -14,11 +14,11 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from collab.batch_plan import MIN_NOISE_ROUNDS, PLAN_SUFFIX, BatchPlan, first_plan, newest_plan, next_plan
-from collab.records import Rejections, signed_values
+from collab.adaptive.batch_plan import MIN_NOISE_ROUNDS, PLAN_SUFFIX, BatchPlan, first_plan, newest_plan, next_plan
+from collab.records.untrusted import Rejections, signed_values
 from collab.run.manifest import verify
 from collab.run.sharing import store_own_copy
-from collab.state import read_run_state
+from collab.swarm.state import read_run_state
 
 READ_SECONDS = 1.0  # one small DHT get a second, as hivemind's progress tracker does at its fastest
 PLAN_SECONDS = 2.0
@@ -117,7 +117,7 @@ class PlanKeeper:
 
 def scheduled_by_plan(factory, keeper: PlanKeeper):
     """The task's schedule (a LambdaLR) run on the plan's scale-invariant progress, times its gain: AdaScale
-    (collab.batch_plan). Without lr_scaling adascale the gain is 1 and the progress the epoch."""
+    (collab.adaptive.batch_plan). Without lr_scaling adascale the gain is 1 and the progress the epoch."""
     def make(optimizer):
         scheduler = factory(optimizer)
         if not hasattr(scheduler, "lr_lambdas"):

@@ -1,7 +1,7 @@
 """The run's batch plan: the target batch and AdaScale's learning-rate gain for every epoch, the same on every peer.
 
 `training.target_batch_size: auto` lets the target follow the gradient noise scale B_noise the swarm measures
-(collab.noise_scale): training far below B_noise wastes steps, far above it wastes samples.
+(collab.adaptive.noise_scale): training far below B_noise wastes steps, far above it wastes samples.
 `training.lr_scaling: adascale` multiplies the learning rate by AdaScale's gain (Johnson et al. 2020)
 
     r = (B_noise / B0 + 1) / (B_noise / T + 1)      (= (var + sqr) / (var / S + sqr), S = T / B0)
@@ -31,11 +31,11 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from collab.noise_scale import adascale_gain
+from collab.adaptive.noise_scale import adascale_gain
 from collab.run.access import _payload, newest_signed, signature_holds, signed_record
 
 PLAN_SUFFIX = "_plan"
-# the least time between issuing a plan and its first epoch: every peer reads it first (collab.plan_keeper reads
+# the least time between issuing a plan and its first epoch: every peer reads it first (collab.train.plan_keeper reads
 # every second). It was 10 s: on a benchmark of 1-s epochs AdaScale's gain came 10 epochs after the estimate
 LEAD_SECONDS = 4.0
 MIN_LEAD_EPOCHS = 2
@@ -132,5 +132,5 @@ def next_plan(plan: BatchPlan, epoch: int, b_noise: Optional[float], training, s
 
 def newest_plan(entries, run_id: str, organizer_key: str, rejected=None) -> Optional[BatchPlan]:
     """The newest plan signed with the run's key among (signer, blob) DHT entries; others (forged, malformed,
-    another run's) are counted in `rejected` (collab.records.Rejections) when given."""
+    another run's) are counted in `rejected` (collab.records.untrusted.Rejections) when given."""
     return newest_signed(BatchPlan, entries, run_id, organizer_key, 4096, rejected)

@@ -1,6 +1,6 @@
 """collab's gradient averagers: hivemind's GradientAverager (and its PowerSGD variant), members-only in a private
-run (collab.run.gate), with checked rounds (collab.robust_rounds), and this peer's own gradients kept until the
-round's outcome is known.
+run (collab.run.gate), with checked rounds (collab.averaging.robust_rounds), and this peer's own gradients kept until
+the round's outcome is known.
 
 hivemind zeroes the accumulators when a round starts (GradientAverager.step(reset_accumulators=True)), and its
 all-reduce overwrites the averaged buffers in place, so after a failed round its "proceed with local gradients"
@@ -16,10 +16,11 @@ import torch
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 
-from collab.aggregation import Aggregation
-from collab.dgc import DGCMemory, DGCSettings
-from collab.robust_rounds import CheckedRounds
-from collab.run.gate import MemberGate, MembersOnly
+from collab.averaging.aggregation import Aggregation
+from collab.averaging.dgc import DGCMemory, DGCSettings
+from collab.averaging.members_only import MembersOnly
+from collab.averaging.robust_rounds import CheckedRounds
+from collab.run.gate import MemberGate
 
 
 class OwnGradients:
@@ -46,7 +47,7 @@ class OwnGradients:
 
 
 class DGCSelection:
-    """A GradientAverager mixin: what is loaded for a round is DGC's selection (collab.dgc), not the gradient.
+    """A GradientAverager mixin: what is loaded for a round is DGC's selection (collab.averaging.dgc), not the gradient.
     Placed after OwnGradients, so the copy a failed round steps on is what this peer sent."""
 
     dgc: Optional[DGCMemory] = None
@@ -82,7 +83,7 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, PowerSGDG
     restored when a round fails: the trainer then steps on this peer's own gradients, and the same gradient left
     in the feedback would be sent again in the next round and applied twice.
     """
-    measures_noise = False  # (collab.noise_scale) its rounds carry no whole gradients
+    measures_noise = False  # (collab.adaptive.noise_scale) its rounds carry no whole gradients
 
     def __init__(self, parameters, averager_rank: int, *, seed: int, gate: Optional[MemberGate] = None,
                  rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):
@@ -113,8 +114,9 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, PowerSGDG
 
 
 class CollabDGCAverager(MembersOnly, CheckedRounds, OwnGradients, DGCSelection, GradientAverager):
-    """Deep Gradient Compression (collab.dgc); its sparse parts travel losslessly (collab.compression.SparseParts)."""
-    measures_noise = False  # (collab.noise_scale) its rounds carry no whole gradients
+    """Deep Gradient Compression (collab.averaging.dgc); its sparse parts travel losslessly
+    (collab.averaging.compression.SparseParts)."""
+    measures_noise = False  # (collab.adaptive.noise_scale) its rounds carry no whole gradients
 
     def __init__(self, *args, settings: DGCSettings, seed: int, gate: Optional[MemberGate] = None,
                  rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):

@@ -16,7 +16,7 @@ counts on its own scale as the gradients shrink), and B_noise = tr(Sigma) / |G|^
 at which the gradient's noise and its signal are equal. Training at targets well below B_noise wastes steps, well
 above it wastes samples.
 
-The norms are what each peer's averager measured on the tensors it really all-reduced (collab.robust_rounds);
+The norms are what each peer's averager measured on the tensors it really all-reduced (collab.averaging.robust_rounds);
 B, the group's samples, is the sum of the weights its reducer combined (after the robust caps).
 """
 

@@ -3,10 +3,10 @@ run's. The averaged gradients and the optimizer stay fp32 on the CPU (hivemind's
 forward and backward passes run in the chosen precision.
 
 fp16 needs loss scaling (its gradients underflow below 6e-8). hivemind's GradScaler is built around torch's
-and the optimizer's own step; collab checks and drops micro-batches itself (collab.guard), so the scaling is
+and the optimizer's own step; collab checks and drops micro-batches itself (collab.train.guard), so the scaling is
 done here, per micro-batch: the loss is multiplied by the scale, the micro-batch's gradients divided by it
 before the optimizer accumulates them, and an overflow halves the scale and skips the micro-batch (it is not
-a bad batch: collab.guard never sees it, and it never counts toward reloading the replica).
+a bad batch: collab.train.guard never sees it, and it never counts toward reloading the replica).
 """
 
 from __future__ import annotations

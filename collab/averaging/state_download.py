@@ -10,7 +10,7 @@ highest), and loads whatever that donor sends. Here:
 - among donors at the same epoch, fast uplinks come first: each declares its epoch plus a fraction that grows
   with its announced upload (--bandwidth), so a 40 MB state is not fetched through a 2 Mbit/s uplink (160 s,
   past load_state_timeout) while a 100 Mbit/s peer (3 s) has it too;
-- "caught up" is claimed only when a state was actually loaded (collab.replica).
+- "caught up" is claimed only when a state was actually loaded (collab.averaging.replica).
 The download runs in the averager's process, the check in the trainer's (which holds the optimizer); the
 donor's id travels in the state's metadata, and a bad donor goes back to the averager through hivemind's pipe.
 """
@@ -26,9 +26,9 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
-from collab.records import progress_records
-from collab.robust_rounds import run_id_of
-from collab.run.gate import _NoState  # a donor that is not asked: hivemind hears "no state"
+from collab.averaging.members_only import _NoState  # a donor that is not asked: hivemind hears "no state"
+from collab.averaging.robust_rounds import run_id_of
+from collab.records.untrusted import progress_records
 
 FAR_APART = 1.0  # a state further than this (relative to the replica's norm) from ours is not a near-peer's
 NOT_FAR_BEHIND = 2  # epochs: within these, an honest donor's parameters are close to ours

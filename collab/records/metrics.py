@@ -43,9 +43,9 @@ class PeerMetricsRecord(pydantic.BaseModel):
     rounds_failed: pydantic.conint(ge=0, strict=True)
     last_group_size: pydantic.conint(ge=0, le=100_000, strict=True)
     time: pydantic.confloat(ge=0, strict=True)
-    # what this peer kept from the swarm (collab.guard) and refused from others (collab.rejections)
+    # what this peer kept from the swarm (collab.train.guard) and refused from others (collab.records.rejections)
     batches_dropped: pydantic.conint(ge=0, le=10**15, strict=True) = 0
-    # gradient rounds' traffic as this peer's all-reduce counted it (collab.traffic), over its recent rounds
+    # gradient rounds' traffic as this peer's all-reduce counted it (collab.averaging.traffic), over its recent rounds
     mb_per_round: Optional[pydantic.confloat(ge=0, le=1e6, strict=True)] = None
     fewer_bytes_than_fp32: Optional[pydantic.confloat(gt=0, le=1e6, strict=True)] = None
     # averaging.mode diloco (collab.modes.diloco): inner steps this outer step, and the last pseudo-gradient's norm
@@ -59,11 +59,11 @@ class PeerMetricsRecord(pydantic.BaseModel):
     param_norm: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     param_sketch: Optional[pydantic.conlist(pydantic.confloat(ge=-1e12, le=1e12, strict=True), max_items=64)] = None
     # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds, each per unit of its rounds'
-    # averaged |g|^2 (collab.noise_scale): readers pool the peers' (their ratio is B_noise)
+    # averaged |g|^2 (collab.adaptive.noise_scale): readers pool the peers' (their ratio is B_noise)
     noise_signal: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     noise_trace: Optional[pydantic.confloat(ge=-1e12, le=1e12, strict=True)] = None
     noise_rounds: Optional[pydantic.conint(ge=0, le=10**12, strict=True)] = None  # rounds behind the two
-    # the run's batch plan as this peer follows it (collab.batch_plan): AdaScale's gain, the schedule's
+    # the run's batch plan as this peer follows it (collab.adaptive.batch_plan): AdaScale's gain, the schedule's
     # scale-invariant progress, and the base batch and length it is measured in (readers: goodput and the ETA)
     lr_gain: Optional[pydantic.confloat(ge=1, le=1e6, strict=True)] = None
     progress_steps: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None

@@ -13,11 +13,11 @@ from typing import Optional
 
 from pydantic import BaseModel
 
-from collab.batch_plan import efficiency
-from collab.metrics import PeerMetricsRecord, metrics_key
+from collab.adaptive.batch_plan import efficiency
+from collab.adaptive.noise_scale import WINDOW
 from collab.modes.gossip_rules import SKETCH_SIZE, spread_from_mean
-from collab.noise_scale import WINDOW
-from collab.records import LATE_PART, Rejections, accept, drop_implausible_epochs, read_progress, signed_values
+from collab.records.metrics import PeerMetricsRecord, metrics_key
+from collab.records.untrusted import LATE_PART, Rejections, accept, drop_implausible_epochs, read_progress, signed_values
 
 
 class PeerState(BaseModel):
@@ -46,7 +46,7 @@ class PeerState(BaseModel):
     merge_update_norm: Optional[float] = None  # gossip: how far its last merge moved its replica
     distance_to_mean: Optional[float] = None  # gossip: its replica's distance to the replicas' mean, relative to
     # the mean's norm, estimated from the peers' sketches (collab.modes.gossip_rules.spread_from_mean)
-    contributions_rejected: int = 0  # what other peers refused from it (collab.rejections), summed over them
+    contributions_rejected: int = 0  # what other peers refused from it (collab.records.rejections), summed over them
     rejected_by_reason: dict[str, int] = {}
     reported_by: int = 0  # how many other peers refused something from it
     suspect: bool = False  # reported by at least half of the other peers (one peer's word is not enough)
@@ -57,11 +57,11 @@ class RunState(BaseModel):
     mode: str = "sync"  # averaging.mode, as the peers' records say (an epoch is an outer step in diloco)
     replica_spread: Optional[float] = None  # gossip: the largest distance_to_mean among online peers
     # the gradient noise scale B_noise, in samples: the online peers' smoothed tr(Sigma) over their |G|^2 (pooled:
-    # collab.noise_scale), and how many peers measured it
+    # collab.adaptive.noise_scale), and how many peers measured it
     noise_scale: Optional[float] = None
     noise_scale_peers: int = 0
     noise_scale_rounds: int = 0  # the rounds behind it, summed over those peers
-    # the run's batch plan (collab.batch_plan), as most online peers follow it: AdaScale's learning-rate gain,
+    # the run's batch plan (collab.adaptive.batch_plan), as most online peers follow it: AdaScale's learning-rate gain,
     # the schedule's scale-invariant progress (steps of base_batch_size) and its length; goodput (Pollux): the
     # samples/s times their statistical efficiency (B_noise + base) / (B_noise + target), i.e. samples/s as
     # worth at the base batch; and the time until the schedule's end, at the swarm's current pace
@@ -79,7 +79,7 @@ class RunState(BaseModel):
     eta_seconds: Optional[float]
     num_peers: int
     num_clients: int
-    rejected_records: int  # other peers' records dropped as untrusted input (collab.records)
+    rejected_records: int  # other peers' records dropped as untrusted input (collab.records.untrusted)
     rejected_by_reason: dict[str, int] = {}
     rejected_by_signer: dict[str, int] = {}  # the 20 signers with the most, by the peer id of their key
     peers: list[PeerState]
@@ -186,7 +186,7 @@ def adaptive_progress(records, noise_scale: Optional[float], target: Optional[in
 def pooled_noise_scale(records) -> tuple[Optional[float], int]:
     """B_noise from the peers' smoothed estimates: their tr(Sigma) over their |G|^2, each averaged over the peers
     weighted by the rounds behind it, up to the smoothing's window (each peer's own ratio is much noisier:
-    collab.noise_scale), and how many peers had one."""
+    collab.adaptive.noise_scale), and how many peers had one."""
     measured = [(r.noise_signal, r.noise_trace, _rounds(r))
                 for r in records if r.noise_signal is not None and r.noise_trace is not None]
     if not measured:

@@ -1,7 +1,7 @@
 """Other peers' DHT records, read as untrusted input: who signed each one, and whether its numbers can be true.
 
 A record is kept only if the key that signed it is the key its peer id derives from
-(collab.identity: a fresh key cannot take over another peer's row), its time is not in the future
+(collab.records.identity: a fresh key cannot take over another peer's row), its time is not in the future
 beyond clock skew (a fake peer cannot stay "online" forever), its counts are within bounds, and its
 epoch is not far beyond the other peers' (one fake record cannot drag the run's epoch). What is
 dropped is counted by reason and by signer, and shown (`collab status`, the dashboard, Prometheus).
@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
 
-from collab.identity import signer_peer_id
-from collab.metrics import PROGRESS_SUFFIX
+from collab.records.identity import signer_peer_id
+from collab.records.metrics import PROGRESS_SUFFIX
 
 CLOCK_SKEW_SECONDS = 300.0  # clocks of volunteers' machines disagree by this much at most
 EPOCH_LEAD = 3  # an honest peer is at most an epoch or two ahead of the others' median
@@ -27,7 +27,7 @@ VOTER_FRESH_SECONDS = 120.0  # only peers heard from this recently vote on what 
 MAX_SAMPLES = 10**12
 MAX_RATE = 1e9  # samples per second
 # what a peer's record may say it refused from another that is no sign of foul play: a slow link, not an attack
-# (collab.aggregation reports it; collab.state shows it but does not count it toward "suspect")
+# (collab.averaging.aggregation reports it; collab.swarm.state shows it but does not count it toward "suspect")
 LATE_PART = "part not in time (left out of the round)"
 
 
