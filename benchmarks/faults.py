@@ -1,6 +1,6 @@
-"""A frozen peer and a split swarm, for the full 60 s: the long versions of tests/test_faults.py's scenarios.
+"""A frozen peer and a split swarm, for the full 60 s: the long versions of tests/swarm/test_faults.py's scenarios.
 
-tests/test_faults.py runs them short: a 15 s freeze (with a 5 s chunk, 12 s averaging and 10 s state download
+tests/swarm/test_faults.py runs them short: a 15 s freeze (with a 5 s chunk, 12 s averaging and 10 s state download
 timeout) and a 40 s split, both from epoch 1, the split run stopped at the first epoch 3-5 after the heal that all
 four checkpointed. Here both faults last 60 s with the split's timeouts (10 s, 15 s, 20 s), from epoch 2, and the
 split run goes on to 5 epochs past the heal.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.lab.faults import freeze_scenario, split_scenario  # noqa: E402
 from collab.peers.netns import namespaces_unavailable_reason  # noqa: E402
 from tests.conftest import peer_env, write_config  # noqa: E402
-from tests.test_swarm_training import PARAM_TOLERANCE  # noqa: E402
+from tests.swarm.test_swarm_training import PARAM_TOLERANCE  # noqa: E402
 
 FAST = {"training.target_batch_size": 512, "averaging.next_chunk_timeout": 10.0,
         "averaging.averaging_timeout": 15.0, "averaging.load_state_timeout": 20.0}

@@ -9,7 +9,7 @@ peer >= 90% of its rounds and >= 80% computing.
 
     sudo python3 benchmarks/home_links.py [--configs albert-tiny,albert-tiny-home] [--duration 150] [--repeats 2]
 
-The long version of tests/test_simulate_network.py's NAT scenario (there: 4 micro peers, one NAT'd with 20 Mbit/s
+The long version of tests/netns/test_simulate_network.py's NAT scenario (there: 4 micro peers, one NAT'd with 20 Mbit/s
 up, for 5 epochs, with `collab status` and the final replicas checked): here a NAT'd peer trains for the whole
 --duration among slower and faster links.
 """

@@ -1,6 +1,6 @@
 """Honest peers' learning under attack, with mean against centered_clip, on this machine.
 
-For each attack (tests/attacker_peer.py) and each aggregation, --honest ALBERT-micro peers and one attacker
+For each attack (tests/swarm/attacker_peer.py) and each aggregation, --honest ALBERT-micro peers and one attacker
 (two for nan+sign-flip) train on 127.0.0.1 to --epochs; a clean run (no attacker, --honest + 1 honest peers) is
 the reference. For each run it prints the honest peers' mean loss at epoch 0 and at the last epoch, the loss
 decrease against the clean run's with the same aggregation (goal with centered_clip: >= 0.95), their gradient
@@ -11,7 +11,7 @@ rounds ok and failed, and the contributions they refused.
 
 With --repeats N each cell is run N times: the table shows the median and, in brackets, the range of the ratio.
 
-Both attackers of tests/test_robust_averaging.py::test_nan_and_sign_flip_attackers_are_excluded_and_clipped
+Both attackers of tests/swarm/test_robust_averaging.py::test_nan_and_sign_flip_attackers_are_excluded_and_clipped
 together (4 honest peers, one NaN sender and one sign-flipper x1000, the test's target batch of 384), with
 centered_clip against a clean run:
 
@@ -40,7 +40,7 @@ from tests.conftest import peer_env, read_summary, write_config  # noqa: E402
 # each attack: the attacker peers' arguments, one list per attacker
 ATTACKS = {"clean": [], "sign-flip": [["--sign-flip", "1000"]], "nan": [["--nan"]], "weight": [["--weight", "1e9"]],
            "garbage-reducer": [["--garbage-reducer"]], "nan+sign-flip": [["--nan"], ["--sign-flip", "1000"]]}
-ATTACKER = [sys.executable, str(ROOT / "tests" / "attacker_peer.py")]
+ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker_peer.py")]
 
 
 def run(workdir: Path, config: Path, honest: int, epochs: int, attackers: list[list[str]]) -> list[dict]:

@@ -242,7 +242,7 @@ def join_request_timeout(matchmaking_time: float) -> float:
     """How long a peer asking another to lead its group waits for the answer. hivemind wants it under
     matchmaking_time (it breaks a rare deadlock of peers asking each other). Not much under: an asker that gives
     up asks again, with the same result, until its round ends, so a leader slower to answer than this (a peer
-    whose CPU is busy training) is never joined and both lose the round (tests/test_matchmaking.py). Likely in
+    whose CPU is busy training) is never joined and both lose the round (tests/swarm/test_matchmaking.py). Likely in
     CI: a CPU-starved server and its client-mode peer (which can join no one else) failed a round, the client's
     "could not find a group", under collab's old min(3, matchmaking_time / 2)."""
     return 0.8 * matchmaking_time

@@ -1,7 +1,7 @@
 """Every hivemind internal collab depends on, in one list: the methods collab's classes override, with the
 parameters they were written against, and the private names collab patches or reads at run time.
 
-tests/test_hivemind_hooks.py checks this list against the installed hivemind, and finds every override in collab's
+tests/unit/test_hivemind_hooks.py checks this list against the installed hivemind, and finds every override in collab's
 own classes: a hivemind upgrade that renames, removes or re-signs one of these fails there, loudly, in one place,
 and an override added to collab without an entry here fails too. Why each hook exists: docs/design.md,
 "hivemind hooks". Imports nothing: the test resolves the names.

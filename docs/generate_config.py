@@ -3,7 +3,7 @@
 Every section and field of a run config, with its type, default, CLI flag and description. The description is the
 field's `Field(description=...)`; a field without one gets the comment written next to it in the code (on its line,
 or on the comment lines right above it), read with `tokenize`, so the page says what the code says. Run
-`python3 docs/generate_config.py` after changing a config model: tests/test_docs.py fails while the page is stale.
+`python3 docs/generate_config.py` after changing a config model: tests/unit/test_docs.py fails while the page is stale.
 """
 
 from __future__ import annotations

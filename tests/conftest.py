@@ -1,9 +1,20 @@
-"""Shared fixtures: a micro ALBERT config, an isolated cache, and swarms that are always reaped."""
+"""What every test shares: the test kinds (one folder each), a micro ALBERT config, an isolated cache, the machine's
+pace, and swarms that are always reaped.
+
+A test's folder says what it may do, and its marker comes from the folder (`-m unit`, `-m swarm`...):
+- tests/unit: in this process only. A unit test that starts a process or opens a network socket fails, saying
+  so (unit_tests_stay_in_process): the whole folder runs in two workers in under two minutes.
+- tests/process: processes of their own, no swarm: the CLI's errors, the wheel, the fork server, import contracts.
+- tests/swarm: real peers (hivemind's DHT, p2pd, averagers) on 127.0.0.1, one test at a time: their rounds and
+  timeouts are measured against a machine that runs nothing else, and scaled by its pace.
+- tests/netns: real peers in network namespaces with shaped links (root only; skipped with the reason otherwise).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +48,12 @@ MICRO_CONFIG = {
                   "load_state_timeout": 30.0, "average_state_every": 1},
     "checkpoint": {"every_epochs": 100, "keep": 1},
 }
+
+
+# a valid metrics record, for tests that change one field or sign it under another key
+METRICS_RECORD = dict(peer_id="12D3KooWTest", role="trainer", epoch=3, loss=5.2, samples_per_second=12.5,
+                      samples_contributed=4096, target_batch_size=2048, client_mode=False, bandwidth_mbps=None,
+                      rounds_joined=2, rounds_failed=0, last_group_size=3, time=1.7e9)
 
 
 # The time of a fixed torch workload (1000 small forward/backward passes, one thread) run in as many processes at
@@ -105,10 +122,48 @@ def pytest_terminal_summary(terminalreporter) -> None:
                                     "(swarm tests' bounds are scaled by it)")
 
 
+KINDS = ("unit", "process", "swarm", "netns")  # the folders under tests/, and their markers
+TIMED_KINDS = ("swarm", "netns")  # run one at a time, bounds scaled by the machine's pace
+
+
+def kind_of(item) -> str:
+    return Path(str(item.fspath)).parent.name
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        kind = kind_of(item)
+        assert kind in KINDS, f"{item.nodeid}: a test lives in one of tests/{{{','.join(KINDS)}}}/, by what it starts"
+        item.add_marker(kind)
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"a unit test {what}: tests/unit stays in this process; move the test to "
+                             "tests/process (processes of its own) or tests/swarm (real peers)")
+    return refused
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_stay_in_process(request, monkeypatch) -> None:
+    if kind_of(request.node) != "unit":
+        return
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", _refuse("started a process"))  # every Popen path
+    monkeypatch.setattr(os, "fork", _refuse("forked a process"))  # multiprocessing's fork start method
+    for method in ("bind", "connect", "connect_ex"):
+        original = getattr(socket.socket, method)
+
+        def network_only(self, *args, _original=original, _method=method, **kwargs):
+            if self.family in (socket.AF_INET, socket.AF_INET6):
+                _refuse(f"opened a network socket ({_method})")()
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(socket.socket, method, network_only)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def measure_the_pace_first(request) -> None:
-    """A session with swarm tests measures the machine's pace before its first peer starts."""
-    if any(item.get_closest_marker("swarm") for item in request.session.items):
+    """A session with swarm or netns tests measures the machine's pace before its first peer starts."""
+    if any(kind_of(item) in TIMED_KINDS for item in request.session.items):
         machine_pace()
 
 

@@ -1,5 +1,5 @@
 """Two real averagers (DHT, p2pd, hivemind's averager processes) on 127.0.0.1, one of them run with a hivemind
-method replaced: how the lab and tests/test_matchmaking.py stage a race that only CPU starvation makes by itself."""
+method replaced: how the lab and tests/swarm/test_matchmaking.py stage a race that only CPU starvation makes by itself."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Two faults on real local peers, measured: a peer frozen mid-run (SIGSTOP), and a swarm split in two.
 
-Shared by tests/test_faults.py (short faults, strict checks) and benchmarks/faults.py (the full 60 s).
+Shared by tests/swarm/test_faults.py (short faults, strict checks) and benchmarks/faults.py (the full 60 s).
 Each scenario returns what happened; it judges nothing. Every wait is bounded (FaultTimeout).
 """
 

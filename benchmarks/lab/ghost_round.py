@@ -12,7 +12,7 @@ Measured 2026-11-27 (2 cores), before collab.averaging.robust_rounds.nobody_else
 gradient after 4.1 s with next_chunk_timeout 4, and the client failed at 20 s, its whole timeout. In CI (hog run
 22, dgc) the server's round failed instead, at its deadline (next_chunk_timeout = averaging_timeout = 30 s). Now the
 leader refuses a round nobody else sent to and matches again while its round has time: both get the exact mean
-(tests/test_matchmaking.py runs this).
+(tests/swarm/test_matchmaking.py runs this).
 
     python3 benchmarks/lab/ghost_round.py [NEXT_CHUNK_TIMEOUT] [STEP_TIMEOUT]
 """

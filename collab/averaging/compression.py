@@ -11,7 +11,7 @@
 | powersgd      | a rank-r factorisation P Q^T of each matrix, error feedback     | 10x+ fewer    | see below   |
 | dgc           | the top 0.1% of each matrix's velocity, exactly; vectors fp16   | 100x+ fewer   | see below   |
 
-(error: relative, of one part of Gaussian-like values; tests/test_compression.py holds each codec to it.)
+(error: relative, of one part of Gaussian-like values; tests/unit/test_compression.py holds each codec to it.)
 All but powersgd are hivemind's codecs applied to the parts of an ordinary round. powersgd is hivemind's
 PowerSGDGradientAverager (two all-reduces per round: P, then Q; vectors travel whole in the second), with every
 peer's starting projections Q drawn from the run's seed (collab.averaging.grad_averager). Its factors travel in fp32: in

@@ -1,0 +1,128 @@
+"""How a peer reads the swarm's progress (collab.modes.tracker.HonestProgressTracker): a peer about to step alone
+reads it
+again (refresh), and hivemind's forecast of the epoch's end does not count a pause as training. On a real DHT, two
+trackers with their own signing identities."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+
+from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
+from collab.records.identity import load_or_create_identity
+
+
+@contextlib.contextmanager
+def two_trackers(tmp_path, target_batch_size: int):
+    identities = [load_or_create_identity(tmp_path / f"peer{i}.identity") for i in (0, 1)]
+    dhts, trackers = [], []
+    try:
+        for identity in identities:
+            initial = dhts[0].get_visible_maddrs() if dhts else None
+            dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial,
+                            identity_path=str(identity.path)))
+        for dht, identity in zip(dhts, identities):
+            trackers.append(HonestProgressTracker(dht=dht, prefix="refresh-test", target_batch_size=target_batch_size,
+                                                  start=True, private_key=identity.key, min_refresh_period=0.5,
+                                                  max_refresh_period=600))
+        yield trackers
+    finally:
+        for tracker in trackers:
+            tracker.shutdown(timeout=5)
+        for dht in dhts:
+            dht.shutdown()
+
+
+def wait_for_read(tracker: HonestProgressTracker, reads: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while tracker.reads == reads:
+        assert time.monotonic() < deadline, "no read of the swarm's progress"
+        time.sleep(0.02)
+
+
+def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_would_see_later(tmp_path,
+                                                                                             no_leftover_processes):
+    with two_trackers(tmp_path, target_batch_size=100) as (ours, theirs):
+        ours.report_local_progress(0, 40)
+        wait_for_read(ours, 0)  # the read that the first micro-batch asks for
+        # what hivemind does when this peer's own ETA is far: the next read is scheduled that far ahead
+        ours.global_progress.next_fetch_time = get_dht_time() + 600
+        ours.global_state_updated.set()
+        theirs.report_local_progress(0, 70)  # the other peer's record: stored at once
+        time.sleep(1.5)
+        assert ours.global_progress.num_peers <= 1, "hivemind read the swarm before its schedule: nothing to show"
+        reads = ours.reads
+        assert ours.refresh(timeout=5.0)
+        assert ours.reads > reads
+        assert ours.global_progress.num_peers == 2, ours.global_progress
+        assert ours.global_progress.samples_accumulated == 110, ours.global_progress
+        assert ours.ready_to_update_epoch  # the target is the swarm's now, with the other peer in it
+
+
+def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no_leftover_processes):
+    with two_trackers(tmp_path, target_batch_size=2000) as (ours, theirs):
+        ours.micro_batch_size = 16
+        ours.report_local_progress(1, 16)  # this peer's first micro-batch of epoch 1: it asks for a read of its own
+        wait_for_read(ours, 0)
+        # the other peer stepped to epoch 1 and sits in a state round or a checkpoint: a record of no samples at
+        # 1000/s. hivemind extrapolates it through the pause: 3 s later it counts 3000 and calls the epoch done
+        theirs.report_local_progress(0, 32)
+        time.sleep(0.5)  # hivemind stores a peer's records only once it has reported samples
+        theirs.performance_ema.samples_per_second = 1000.0
+        theirs.report_local_progress(1, 0)
+        time.sleep(3.0)
+        assert ours.refresh(timeout=5.0)
+        assert ours.global_progress.num_peers == 2, ours.global_progress
+        assert ours.global_progress.samples_accumulated == 16, ours.global_progress
+        assert ours.global_progress.eta_next_epoch > get_dht_time() + 1.0, "the pause was extrapolated as training"
+        assert not ours.ready_to_update_epoch
+
+        # a forecast that passes while this peer is not computing (its step, then a pause) does not end its epoch
+        ours.report_local_progress(1, 0)
+        ours.global_progress.eta_next_epoch = get_dht_time() - 1.0
+        assert not ours.ready_to_update_epoch
+        ours.global_progress.samples_accumulated = 2000  # what was counted still does
+        assert ours.ready_to_update_epoch
+
+
+def test_a_computing_peer_stores_its_progress_every_half_second_mid_epoch_and_every_micro_batch_at_the_end(
+        tmp_path, no_leftover_processes):
+    """hivemind stored a record after every micro-batch (each store signed, and validated whole by every node it
+    reached: a quarter of 2 cores for 3 micro peers). Mid-epoch at most one per REPORT_EVERY now; what the others
+    read is still at most that old; an epoch's first micro-batch and every one past the target are stored."""
+    with two_trackers(tmp_path, target_batch_size=10**6) as (ours, theirs):
+        stores = []
+        store = ours.dht.store
+
+        def counted(*args, **kwargs):  # the real store, counted
+            value = kwargs.get("value")
+            if isinstance(value, dict):  # (at shutdown hivemind stores None: no record)
+                stores.append(value.get("samples_accumulated"))
+            return store(*args, **kwargs)
+        ours.dht.store = counted
+        for i in range(1, 41):  # 20 micro-batches a second for 2 s, the ETA far away
+            ours.report_local_progress(0, 8 * i)
+            time.sleep(0.05)
+        time.sleep(0.2)
+        mid_epoch = len(stores)
+        assert 2 <= mid_epoch <= 2 / REPORT_EVERY + 2, stores  # hivemind's: 40
+        reads = theirs.reads
+        theirs.refresh(timeout=5)
+        wait_for_read(theirs, reads)
+        seen = theirs.global_progress.samples_accumulated
+        assert seen >= 8 * 40 - 8 * 20 * REPORT_EVERY - 8, (seen, stores)  # at most REPORT_EVERY behind
+
+        ours.report_local_progress(1, 8)  # a new epoch: stored at once
+        time.sleep(0.2)
+        assert stores[-1] == 8, stores
+        ours.target_batch_size = 16  # past the target: every micro-batch is stored
+        before = len(stores)
+        for i in range(2, 12):
+            ours.report_local_progress(1, 8 * i)
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert len(stores) - before >= 8 and stores[-1] == 88, stores

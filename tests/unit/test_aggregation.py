@@ -1,0 +1,193 @@
+"""collab.averaging.aggregation's reducer on its own: what one bad sender can and cannot do to a part's average."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from collab.averaging.aggregation import Aggregation, RobustPartReducer, centered_clip
+from collab.records.untrusted import LATE_PART
+from collab.swarm.state import _flag_suspects
+
+
+def reduce(parts: list[torch.Tensor], weights: list[float], rule: Aggregation, caps: dict | None = None,
+           own: int | None = None) -> tuple[torch.Tensor, dict]:
+    """One part, sent by every sender at once, through the real reducer (hivemind's waiting and all)."""
+    found: dict[int, list[str]] = {}
+
+    async def run():
+        reducer = RobustPartReducer([parts[0].shape], len(parts), rule, caps=caps, own=own,
+                                    report=lambda sender, why: found.setdefault(sender, []).append(why))
+        results = await asyncio.gather(*(reducer.accumulate_part(i, 0, part, weight)
+                                         for i, (part, weight) in enumerate(zip(parts, weights))))
+        assert all(torch.equal(r, results[0]) for r in results)  # every sender gets the same average
+        reducer.finalize()
+        return results[0]
+
+    return asyncio.run(run()), found
+
+
+def honest(n: int, d: int = 1000, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    signal = torch.randn(d, generator=g)
+    return [signal + 0.5 * torch.randn(d, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("method", ["mean", "centered_clip"])
+def test_honest_parts_give_their_exact_weighted_mean(method):
+    parts, weights = honest(4), [8.0, 16.0, 8.0, 32.0]
+    result, found = reduce(parts, weights, Aggregation(method=method))
+    expected = sum(w * p for w, p in zip(weights, parts)) / sum(weights)
+    assert torch.allclose(result, expected, atol=1e-5), (result - expected).abs().max()
+    assert found == {}
+
+
+def test_a_nonfinite_part_is_excluded_and_the_others_mean_is_exact():
+    parts = honest(4)
+    poisoned = parts[:3] + [torch.full_like(parts[0], float("nan"))]
+    result, found = reduce(poisoned, [1.0] * 4, Aggregation(method="mean"))
+    assert torch.allclose(result, sum(parts[:3]) / 3, atol=1e-6)
+    assert found == {3: ["part not finite"]}
+
+
+def test_a_huge_claimed_weight_is_capped_and_reported():
+    parts = honest(4)
+    attacker = parts[:3] + [torch.full_like(parts[0], 100.0)]
+    result, found = reduce(attacker, [8.0, 8.0, 8.0, 1e9], Aggregation(method="mean", max_weight_ratio=10))
+    # capped at 10 x the median weight (8): 80 of 104, not 1e9 of 1e9
+    expected = (8 * sum(parts[:3]) + 80 * attacker[3]) / 104
+    assert torch.allclose(result, expected, atol=1e-4)
+    assert "weight above the group's bound" in found[3]
+    assert list(found) == [3]
+
+
+def test_a_weight_above_the_senders_signed_progress_is_capped_there():
+    """A sender claiming 5x the samples its own signed progress record makes plausible counts for the plausible amount
+    (collab.averaging.robust_rounds computes the caps from the run's records); within its cap, a weight stands."""
+    parts = honest(4)
+    result, found = reduce(parts, [8.0, 8.0, 8.0, 40.0], Aggregation(method="mean"), caps={2: 16.0, 3: 16.0})
+    expected = (8 * (parts[0] + parts[1] + parts[2]) + 16 * parts[3]) / 40
+    assert torch.allclose(result, expected, atol=1e-5)
+    assert found == {3: ["weight above its signed progress"]}
+    # the reducer's own part: its weight is what it counted itself, and stands above any bound
+    result, found = reduce(parts, [8.0, 8.0, 8.0, 400.0], Aggregation(method="mean"), caps={3: 16.0}, own=3)
+    assert torch.allclose(result, (8 * (parts[0] + parts[1] + parts[2]) + 400 * parts[3]) / 424, atol=1e-5)
+    assert found == {}
+
+
+def test_centered_clip_bounds_a_sign_flipped_x1000_part():
+    parts = honest(5)
+    clean = sum(parts[:4]) / 4
+    attacked = parts[:4] + [-1000 * parts[4]]
+    mean, _ = reduce(attacked, [1.0] * 5, Aggregation(method="mean"))
+    clipped, found = reduce(attacked, [1.0] * 5, Aggregation(method="centered_clip"))
+    spread = torch.stack([(p - clean).norm() for p in parts[:4]]).mean()
+    assert (mean - clean).norm() > 100 * spread  # the mean is the attacker's
+    # that far beyond the honest spread, the part is left out: the honest parts' exact mean, not a pull of
+    # tau / n in the attacker's direction at every round
+    assert torch.allclose(clipped, clean, atol=1e-5), (clipped - clean).norm()
+    assert found == {4: ["part dropped (over 5 clip radii from the others')"]}
+
+
+def test_a_part_somewhat_beyond_the_spread_is_clipped_not_dropped():
+    parts = torch.stack(honest(5))
+    center = parts[:4].median(dim=0).values
+    radius = 2.0 * (parts[:4] - center).norm(dim=1).median()
+    direction = torch.randn(parts.shape[1], generator=torch.Generator().manual_seed(1))
+    parts[4] = parts[:4].mean(dim=0) + 3 * radius * direction / direction.norm()  # 3 radii out: odd, not absurd
+    result, coefficients = centered_clip(parts, torch.ones(5), tau=2.0, iterations=5)
+    assert 0.2 < float(coefficients[4]) < 1.0 and bool((coefficients[:4] == 1).all()), coefficients
+    pull = (result - parts[:4].mean(dim=0)).norm()
+    # at the fixed point its pull is radius / (honest parts); from the median, 5 iterations get near it
+    assert 0 < pull <= radius / 3, (pull, radius)
+
+
+def test_centered_clip_is_the_mean_when_nothing_is_far():
+    parts = torch.stack(honest(6))
+    weights = torch.ones(6)
+    result, coefficients = centered_clip(parts, weights, tau=2.0, iterations=5)
+    assert torch.allclose(result, parts.mean(dim=0), atol=1e-5) and bool((coefficients == 1).all())
+
+
+def test_every_part_bad_fails_the_part_for_everyone():
+    from hivemind.averaging.partition import AllreduceException
+
+    nan = torch.full((10,), float("nan"))
+    with pytest.raises(AllreduceException, match="no sender's part"):
+        reduce([nan, nan, nan], [1.0] * 3, Aggregation())
+
+
+def test_weight_caps_follow_each_senders_signed_progress():
+    """What a sender's signed progress makes plausible now: its samples plus its rate (at least the run's median
+    rate: a peer's first rates are underestimates) times the record's age (records lag the round), times a slack of
+    2; a peer that reported nothing yet gets the floor of 1 sample, one with no rate yet (just started) no cap.
+    (This peer's own record counts toward the median rate; the reducer never caps its own part: below)"""
+    import time
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils import get_dht_time
+
+    from collab.averaging.robust_rounds import PROGRESS_SLACK, CheckedRounds
+
+    now = get_dht_time()
+    record = lambda samples, rate, age: SimpleNamespace(  # noqa: E731
+        samples_accumulated=samples, samples_per_second=rate, time=now - age)
+    rounds = CheckedRounds()
+    rounds.peer_id = PeerID(b"collab-test-peer")
+    rounds._progress_cache = {"read_at": time.monotonic(), "task": None,
+                              "records": {"fast": record(100, 10.0, 2.0), "idle": record(0, 0.1, 0.0),
+                                          "ramping": record(0, 1.0, 3.0), "new": record(0, 1e-30, 30.0),
+                                          rounds.peer_id.to_base58(): record(0, 10.0, 60.0)}}
+    caps = rounds._weight_caps()
+    median_rate = (1.0 + 10.0) / 2  # of 0.1, 1, 10, 10
+    assert abs(caps["fast"] - PROGRESS_SLACK * (100 + 10.0 * 2.0)) < 1.0, caps
+    assert abs(caps["ramping"] - PROGRESS_SLACK * median_rate * 3.0) < 1.0, caps
+    assert caps["idle"] == 1.0 and set(caps) == {"fast", "idle", "ramping", rounds.peer_id.to_base58()}, caps
+
+
+def test_a_part_from_few_samples_is_noisy_not_an_outlier():
+    """An honest peer that brought 2 samples where the others brought 512 strays ~16x further (noise ~ 1/sqrt(w)):
+    it is clipped by its distance but neither dropped nor reported; a sign-flipped part of full weight is."""
+    g = torch.Generator().manual_seed(3)
+    signal = torch.randn(1000, generator=g)
+    full = [signal + 0.5 * torch.randn(1000, generator=g) for _ in range(4)]
+    few = signal + 0.5 * 16 * torch.randn(1000, generator=g)
+    result, found = reduce(full + [few], [512.0] * 4 + [2.0], Aggregation(method="centered_clip"))
+    assert found == {}, found
+    flipped, found = reduce(full + [few, -1000 * full[0]], [512.0] * 4 + [2.0, 512.0], Aggregation())
+    assert found == {5: ["part dropped (over 5 clip radii from the others')"]}, found
+
+
+def test_a_sender_whose_parts_never_came_is_named_and_a_called_off_round_blames_nobody():
+    """Two parts per sender; sender 2 sends none (a slow uplink past next_chunk_timeout): hivemind's reducer is
+    finalized with the round, and only sender 2 is reported late. A reducer finalized before anyone's parts came
+    (the round was called off) names nobody."""
+    shape = torch.Size([4])
+
+    async def run(senders_that_send):
+        found: dict[int, list[str]] = {}
+        reducer = RobustPartReducer([shape, shape], 3, Aggregation(method="mean"),
+                                    report=lambda sender, why: found.setdefault(sender, []).append(why))
+        tasks = [asyncio.ensure_future(reducer.accumulate_part(i, part, torch.ones(shape)))
+                 for i in senders_that_send for part in (0, 1)]
+        await asyncio.sleep(0.05)  # the first part waits for sender 2, which never comes
+        reducer.finalize()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return found
+
+    assert asyncio.run(run([0, 1])) == {2: [LATE_PART]}
+    assert asyncio.run(run([])) == {}
+
+
+def test_a_late_peer_is_shown_but_not_suspect():
+    from tests.unit.test_guard import peer_state, record
+
+    late = {f"{LATE_PART} (gradients)": 5}
+    records = {"a": record("a", {"x": late}), "b": record("b", {"x": late}), "x": record("x", {})}
+    peers = [peer_state(p) for p in "abx"]
+    _flag_suspects(peers, records)
+    x = next(p for p in peers if p.peer_id == "x")
+    assert not x.suspect and x.reported_by == 0 and x.rejected_by_reason == {f"{LATE_PART} (gradients)": 10}

@@ -1,0 +1,38 @@
+"""The compression menu: each codec within its stated error and bytes (collab.averaging.compression), PowerSGD's
+seeded start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+from collab.averaging.compression import wire_codec
+from collab.config import COMPRESSIONS
+
+# name -> (relative L2 error at most, fp32 bytes / wire bytes at least) for a large Gaussian part; the table in
+# collab.averaging.compression states the same
+STATED = {"none": (0.0, 1.0), "fp16": (1e-3, 1.99), "scaled-fp16": (1e-3, 1.99), "uniform8bit": (5e-2, 3.9),
+          "quantile8bit": (5e-2, 3.9), "size-adaptive": (5e-2, 3.9), "powersgd": (0.0, 0.99),
+          "dgc": (1e-3, 1.99)}  # a vector: fp16; a matrix's selection travels exactly (test_dgc), its saving
+
+
+@pytest.mark.parametrize("name", COMPRESSIONS)
+def test_each_codec_round_trips_within_its_stated_bound(name):
+    torch.manual_seed(0)
+    error_bound, ratio_bound = STATED[name]
+    for size in (1000, 200_000):
+        x = torch.randn(size) * 3e-3 + 1e-4  # a gradient's scale, not centred
+        wire = wire_codec(name).compress(x, CompressionInfo.from_tensor(x))
+        # decoded as a receiving averager does: by hivemind's table, from the part's compression type
+        y = deserialize_torch_tensor(wire)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        error = ((y - x).norm() / x.norm()).item()
+        assert error <= error_bound, f"{name}: relative error {error:.2e} > {error_bound:.0e} ({size} values)"
+        if size == 200_000:  # an 8-bit part carries a 1 KB codebook; size-adaptive sends small tensors in fp16
+            ratio = x.numel() * 4 / len(wire.buffer)
+            assert ratio >= ratio_bound, f"{name}: {ratio:.2f}x fewer bytes than fp32, stated {ratio_bound}x"
+    if name == "size-adaptive":
+        small = torch.randn(1000)
+        assert len(wire_codec(name).compress(small, CompressionInfo.from_tensor(small)).buffer) == 2 * 1000
+

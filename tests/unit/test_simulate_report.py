@@ -1,0 +1,45 @@
+"""The simulation's report: per-peer incarnations added up, churn hits counted."""
+
+from __future__ import annotations
+
+import json
+
+from collab.peers.launcher import PeerProcess
+from collab.peers.report import PeerReport, SwarmReport, peer_report
+
+
+def test_report_table_counts_churn_hits_and_the_peers_they_hit():
+    def peer(index: int, last_loss: float = 9.6, loss_epochs: int = 3) -> PeerReport:
+        return PeerReport(index=index, peer_id=f"peer{index}", link="-", incarnations=1, start_epoch=0, final_epoch=3,
+                          samples_contributed=100, rounds_joined=3, rounds_failed=0, mean_group_size=3.0,
+                          first_loss=9.7, last_loss=last_loss, loaded_state_from_peers=False, bytes_sent=None,
+                          bytes_received=None, nonfinite_parameters=[], exit="exit 0 (stopped by signal)",
+                          loss_epochs=loss_epochs)
+    # peer 1 frozen twice, peer 0 once: three hits on two of the three peers, all brought back
+    events = [dict(at=at, peer=index, action=action) for at, index, action in
+              [(25, 1, "stop"), (35, 1, "continue"), (50, 1, "stop"), (60, 1, "continue"), (75, 0, "stop"),
+               (85, 0, "continue")]]
+    # peer 2 restarted at the end: two losses from a few micro-batches, not a sign of training going wrong
+    report = SwarmReport("run", "127.0.0.1, no shaping", 100.0, 3, 1.95,
+                         [peer(0), peer(1), peer(2, last_loss=9.8, loss_epochs=2)], churn_events=events)
+    table = report.to_table()
+    assert "churn: 3 hits on 2 of 3 peers, 3 brought back" in table, table
+    assert "loss fell on every peer that trained 3+ epochs: yes" in table and "NaN/inf parameters: none" in table
+    rising = SwarmReport("run", "-", 100.0, 3, 1.95, [peer(0), peer(1, last_loss=9.8)])
+    assert not rising.loss_fell
+    assert json.loads(report.to_json())["churn_events"] == events
+
+
+def test_peer_report_adds_up_incarnations_and_keeps_the_furthest_epoch(tmp_path):
+    peer = PeerProcess(index=0, args=[], workdir=tmp_path, starts=2, peer_id="peer0")
+    # trained to epoch 10, was hit by the churn, and its restart was stopped while it was still starting up
+    first, restart = peer.summary_paths()
+    first.write_text(json.dumps(dict(start_epoch=0, final_epoch=10, samples_contributed=648, rounds_joined=10,
+                                     group_sizes=[2, 3], loss_by_epoch={"1": 9.7, "10": 9.4})))
+    restart.write_text(json.dumps(dict(start_epoch=0, final_epoch=0, samples_contributed=0,
+                                       exit_reason="stopped by signal")))
+    report = peer_report(peer, "-", None, hits=1)
+    assert (report.start_epoch, report.final_epoch, report.samples_contributed) == (0, 10, 648), report
+    assert (report.rounds_joined, report.mean_group_size, report.first_loss, report.last_loss) == (10, 2.5, 9.7, 9.4)
+    assert report.loss_epochs == 2
+    assert report.exit == "not started; hit by churn 1x, started 2x"  # no process handle in this test
