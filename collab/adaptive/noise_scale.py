@@ -126,3 +126,11 @@ def adascale_gain(noise: float, signal: float, scale: float) -> float:
     if noise + signal == 0:
         return 1.0
     return (noise + signal) / (noise / scale + signal)
+
+
+def noise_fields(noise: NoiseScale) -> dict:
+    """The estimate as a metrics record carries it (noise_signal, noise_trace, noise_rounds), or nothing while there
+    is none or it is out of the record's bounds."""
+    if noise.signal is None or not all(math.isfinite(v) and abs(v) <= 1e12 for v in (noise.signal, noise.noise)):
+        return {}
+    return dict(noise_signal=float(noise.signal), noise_trace=float(noise.noise), noise_rounds=noise.updates)

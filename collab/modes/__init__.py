@@ -37,6 +37,18 @@ class ModeContext:
     plan: Any = None  # collab.train.plan_keeper's plan (sync only: target and lr gain per epoch)
 
 
+@dataclass
+class ModeReport:
+    """What a mode says about its own rounds, for the exit summary and the metrics record (every mode answers; a
+    field a mode has nothing for stays empty)."""
+    noise: dict = field(default_factory=dict)  # the noise scale's record fields (collab.adaptive.noise_scale)
+    noise_inputs: list = field(default_factory=list)  # each measured round's inputs to it, the last ones
+    outer_steps: dict = field(default_factory=dict)  # diloco: each outer step as this peer saw it
+    inner_steps: Optional[int] = None  # diloco: this outer step's local steps so far
+    pseudo_gradient_norm: Optional[float] = None  # diloco: the last averaged pseudo-gradient's norm
+    gossip: dict = field(default_factory=dict)  # gossip: exchanges, merges, this replica's norm and sketch
+
+
 class AveragingMode(Protocol):
     """What the trainer's loop uses of a mode's optimizer, every mode alike."""
     local_epoch: int  # this replica's epoch (the swarm's, once in sync)
@@ -46,8 +58,11 @@ class AveragingMode(Protocol):
     traffic: Any  # bytes sent and received per round (collab.averaging.traffic)
     load_state_timeout: float
     own_step: Any  # the last step taken on this peer's own gradients, if any (collab.averaging.replica.OwnStep)
-    leave_at_epoch: Optional[int]
+    plan_keeper: Any  # the run's batch plan it follows (collab.train.plan_keeper), or None
 
+    def leave_at(self, epoch: Optional[int]) -> None: ...  # --max-epochs: no round starts for a later epoch
+    def count_only_members(self, allows) -> None: ...  # a private run: others' progress records are ignored
+    def mode_report(self) -> ModeReport: ...
     def step(self, *args, **kwargs) -> Any: ...  # after each micro-batch's backward
     def zero_grad(self, set_to_none: bool = True) -> None: ...
     def observe_loss(self, loss: float) -> None: ...  # gossip's loss rule, the noise guard
@@ -69,4 +84,4 @@ def optimizer_options(mode: str, context: ModeContext) -> dict:
     return importlib.import_module(f"collab.modes.{mode}").optimizer_options(context)
 
 
-__all__ = ["MODES", "ModeContext", "AveragingMode", "optimizer_options"]
+__all__ = ["MODES", "ModeContext", "ModeReport", "AveragingMode", "optimizer_options"]

@@ -21,6 +21,7 @@ What this borrows from the sync mode, and why it makes DiLoCo elastic where Open
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Optional
 
@@ -32,7 +33,7 @@ from collab.averaging.aggregation import Aggregation
 from collab.averaging.grad_averager import OwnGradients
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
-from collab.modes import ModeContext
+from collab.modes import ModeContext, ModeReport
 from collab.modes.sync import CollabOptimizer
 from collab.run.gate import MemberGate
 
@@ -181,6 +182,10 @@ class DiLoCoOptimizer(CollabOptimizer):
     @property
     def last_pseudo_gradient_norm(self) -> Optional[float]:
         return self.grad_averager.last_norm
+
+    def mode_report(self) -> ModeReport:
+        return replace(super().mode_report(), outer_steps=dict(self.outer_steps), inner_steps=self.inner_steps,
+                       pseudo_gradient_norm=self.last_pseudo_gradient_norm)
 
 
 def _claim(gathered) -> tuple[Optional[int], Optional[float]]:

@@ -26,6 +26,7 @@ import random
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from typing import AsyncIterator, Optional
 
@@ -40,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from collab.averaging.compression import wire_codec
 from collab.averaging.members_only import MembersOnly
-from collab.modes import ModeContext
+from collab.modes import ModeContext, ModeReport
 from collab.modes.diloco import adamw_with_warmup
 from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
 from collab.modes.sync import CollabOptimizer
@@ -388,6 +389,9 @@ class GossipOptimizer(CollabOptimizer):
     def merges_per_minute(self) -> float:
         now = time.monotonic()
         return float(sum(1 for t in self._merge_times if now - t < 60.0))
+
+    def mode_report(self) -> ModeReport:
+        return replace(super().mode_report(), gossip=self.report())
 
     def report(self) -> dict:
         """For the summary and the metrics record: counts, the recent merges, and this replica's sketch."""

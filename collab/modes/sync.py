@@ -23,14 +23,14 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale
+from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace, donor_patience
 from collab.averaging.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
                             swarm_finished_without)
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
-from collab.modes import ModeContext
+from collab.modes import ModeContext, ModeReport
 from collab.modes.tracker import HonestProgressTracker
 from collab.records.metrics import AveragingLog
 from collab.records.rejections import RejectionLog
@@ -114,6 +114,15 @@ class CollabOptimizer(Optimizer):
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
         _QuietLeave.install(self.stop)
         super().__init__(**kwargs)
+
+    def leave_at(self, epoch: Optional[int]) -> None:
+        self.leave_at_epoch = epoch
+
+    def count_only_members(self, allows) -> None:
+        self.tracker.members = allows
+
+    def mode_report(self) -> ModeReport:
+        return ModeReport(noise=noise_fields(self.noise_scale), noise_inputs=list(self.noise_inputs))
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
         tracker = HonestProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,

@@ -3,33 +3,31 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from collab.config import RunConfig
-from collab.dashboard.collector import Collector
-from collab.dashboard.server import BackgroundDashboard
 from collab.modes import AveragingMode
 from collab.process.lifecycle import StopOnSignal
 from collab.records.identity import load_or_create_identity
 from collab.records.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.run.gate import MemberGate
-from collab.run.sharer import RunSharer, SharedRun
+from collab.run.sharer import SharedRun
 from collab.swarm.node import PeerConfig, Swarm
 from collab.swarm.state import read_run_state
-from collab.tasks import build_task
+from collab.tasks import Task, build_task
 from collab.train.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.train.guard import RELOAD_AFTER, BatchGuard
 from collab.train.make_optimizer import build_optimizer
-from collab.train.plan_keeper import plan_fields, plan_in_force, start_plan_keeper
+from collab.train.plan_keeper import plan_fields, plan_in_force
 from collab.train.precision import Precision
 from collab.train.progress import ProgressDisplay, Snapshot
+from collab.train.services import PeerServices
+from collab.train.summary import EpochLoss, Summary, harvest, write_summary
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
 METRICS_RECORD_LIFETIME = 300.0  # seconds a peer's metrics record lives in the DHT unless republished
@@ -45,93 +43,6 @@ class JoinOptions:
     dashboard_port: Optional[int] = None  # serve the dashboard from this peer's own DHT node
 
 
-@dataclass
-class Summary:
-    peer_id: str = ""
-    start_epoch: int = 0
-    final_epoch: int = 0
-    samples_contributed: int = 0
-    train_seconds: float = 0.0  # time in the training loop (excludes start-up and shutdown)
-    compute_seconds: float = 0.0  # of that, computing micro-batches (data, forward, backward); the rest is waiting
-    rounds_joined: int = 0
-    rounds_failed: int = 0
-    group_sizes: list[int] = field(default_factory=list)
-    groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
-    loss_by_epoch: dict[int, float] = field(default_factory=dict)
-    # samples_contributed when each epoch closed: the swarm's samples through epoch e are the peers' sum (a target
-    # is a floor; the micro-batches in flight when it is reached count too)
-    samples_by_epoch: dict[int, int] = field(default_factory=dict)
-    # training.target_batch_size auto / lr_scaling adascale (collab.adaptive.batch_plan): per epoch [target, gain,
-    # scale-invariant progress, learning rate] as this peer used them, and the plans it issued (the organizer)
-    plan_by_epoch: dict[int, list] = field(default_factory=dict)
-    plans_issued: int = 0
-    plans_read_late: int = 0  # plans read after their first epoch began here (collab.train.plan_keeper)
-    loaded_state_from_peers: bool = False
-    catch_up: str = ""  # what the catch-up at the start did, and why (a late peer that trained from its own replica)
-    swarm_epoch_at_join: int = 0  # the swarm's epoch when this peer came in (0: nothing to catch up on yet)
-    checkpoint: Optional[str] = None
-    nonfinite_parameters: list[str] = field(default_factory=list)  # names of tensors holding NaN or inf
-    batches_dropped: dict[str, int] = field(default_factory=dict)  # micro-batches not sent (collab.train.guard), by why
-    peers_found_back: int = 0  # lost peers that answered again (collab.swarm.rejoin: a network split healed)
-    reloads: int = 0  # times the replica was reloaded from the swarm after many dropped micro-batches
-    rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # peer -> what this peer refused from it
-    # its gradient rounds' bytes, as its all-reduce counted them, and the same rounds uncompressed
-    # (collab.averaging.traffic)
-    allreduce_bytes_sent: int = 0
-    allreduce_bytes_received: int = 0
-    allreduce_fp32_bytes: float = 0.0
-    # the same over the last rounds only (collab.averaging.traffic.RECENT_ROUNDS): what a codec costs once warmed up
-    allreduce_recent_mb_per_round: Optional[float] = None
-    allreduce_recent_fewer_than_fp32: Optional[float] = None
-    # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
-    # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
-    final_replica: str = ""
-    mode: str = "sync"  # averaging.mode
-    # diloco: each outer step as this peer saw it (outer step -> norm, weight, probe, applied; collab.modes.diloco)
-    outer_steps: dict[int, dict] = field(default_factory=dict)
-    # gossip: exchanges asked, answered, failed and refused, the recent merges, this replica's norm and sketch
-    gossip: dict = field(default_factory=dict)
-    # the gradient noise scale's smoothed |G|^2 and tr(Sigma) from this peer's rounds (collab.adaptive.noise_scale)
-    noise_scale: dict = field(default_factory=dict)
-    # and each round's inputs to it, the last NOISE_INPUTS_KEPT: [epoch, |g_i|^2, B_i, |g|^2, B] (what to check an
-    # estimate against, round by round, on a task whose B_noise is known)
-    noise_inputs: list = field(default_factory=list)
-    device: str = ""  # where and in what precision this peer computed (collab.train.precision)
-    # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
-    fp16_overflows: int = 0
-    exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
-
-
-def write_summary(summary: Summary, path: Optional[Path]) -> None:
-    """Atomically: a peer killed while writing leaves the previous summary, never half of one."""
-    if path is None:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(summary), indent=1))
-    tmp.replace(path)
-
-
-def nonfinite_parameters(model) -> list[str]:
-    return [name for name, param in model.named_parameters() if not bool(param.detach().isfinite().all())]
-
-
-class EpochLoss:
-    """Mean local loss over the micro-batches of each epoch."""
-
-    def __init__(self):
-        self.total, self.count, self.last_mean = 0.0, 0, None
-
-    def add(self, loss: float) -> None:
-        self.total += loss
-        self.count += 1
-
-    def close(self) -> Optional[float]:
-        if self.count:
-            self.last_mean = self.total / self.count
-        self.total, self.count = 0.0, 0
-        return self.last_mean
-
-
 def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threading.Event,
         shared: Optional[SharedRun] = None, swarm: Optional[Swarm] = None) -> Summary:
     """Train until --max-epochs or a signal. `shared`: the run's manifest and files, which this peer passes on;
@@ -143,9 +54,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         return _write_exit_summary(summary, options, "stopped by signal")
     precision = Precision.from_config(config.training)  # a missing GPU fails here, before anything starts
     task = build_task(config)
-    ckpt_dir = config.checkpoint.dir
-    resume = load_model_weights(ckpt_dir, task) if ckpt_dir else None  # before the optimizer copies the weights
-
+    # read before the optimizer copies the weights
+    resume = load_model_weights(config.checkpoint.dir, task) if config.checkpoint.dir else None
     # the data source is opened before joining: a bad --dataset fails here, before any process starts.
     # Each peer draws its own data order: the seed comes from its signing key, i.e. from who it is.
     identity = swarm.identity if swarm is not None else load_or_create_identity(peer.identity)
@@ -153,50 +63,79 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     batches = task.batches(config.training.micro_batch_size, seed)
     # the DHT's process is forked before this one initialises CUDA (as in hivemind's own examples): a fork of a
     # CUDA process must never touch the GPU, and nothing then depends on the DHT's code never doing so
-    swarm = swarm if swarm is not None else Swarm(peer, identity)
+    services = PeerServices(swarm if swarm is not None else Swarm(peer, identity))
     try:
-        precision.attach(task.model)
-        summary.device = precision.describe()
-        # one throw-away forward/backward: the first step of a process is several times slower (allocator, data
-        # pipeline, CUDA kernels), and a peer that announced itself before it would look stalled to the swarm
-        with precision.autocast():
-            warm_up = task.loss(precision.to_device(next(batches)))
-        precision.backward(warm_up)
-        task.model.zero_grad(set_to_none=True)
-    except BaseException:  # out of GPU memory, a signal: the DHT process started above must not outlive us
-        swarm.shutdown()
-        raise
+        with services:
+            _warm_up(task, precision, batches)
+            if stop.is_set():
+                summary.exit_reason = "stopped by signal"
+                return summary
+            loop = TrainingLoop(config, options, stop, task, precision, batches, services, summary)
+            loop.start(peer, shared, resume)
+            loop.train()
+            if stop.is_set():
+                lost = shared.private.lost if shared is not None and shared.private is not None else None
+                summary.exit_reason = "stopped by signal" if lost is None else "no longer a member of the private run"
+    finally:
+        if services.keeper is not None:
+            summary.plans_issued, summary.plans_read_late = services.keeper.issued, services.keeper.late
+        if summary.exit_reason == "running":
+            summary.exit_reason = "failed"  # an exception is on its way up
+        write_summary(summary, options.summary_path)
+    return summary
 
-    if stop.is_set():
-        swarm.shutdown()
-        return _write_exit_summary(summary, options, "stopped by signal")
-    display = ProgressDisplay(live=options.live_display)
-    summary.peer_id = swarm.peer_id
-    log = AveragingLog()
-    opt = dashboard = sharer = keeper = None
-    try:
+
+def _warm_up(task: Task, precision: Precision, batches) -> None:
+    """One throw-away forward/backward: the first step of a process is several times slower (allocator, data
+    pipeline, CUDA kernels), and a peer that announced itself before it would look stalled to the swarm."""
+    precision.attach(task.model)
+    with precision.autocast():
+        warm_up = task.loss(precision.to_device(next(batches)))
+    precision.backward(warm_up)
+    task.model.zero_grad(set_to_none=True)
+
+
+class TrainingLoop:
+    """One peer's training: compute a micro-batch, step, end an epoch, publish. It owns the loop's own state; the
+    services it trains beside (DHT node, sharer, dashboard, plan keeper, optimizer) are PeerServices'."""
+
+    def __init__(self, config: RunConfig, options: JoinOptions, stop: threading.Event, task: Task,
+                 precision: Precision, batches, services: PeerServices, summary: Summary):
+        self.config, self.options, self.stop, self.task = config, options, stop, task
+        self.precision, self.batches, self.services, self.summary = precision, batches, services, summary
+        self.swarm = services.swarm
+        self.display = ProgressDisplay(live=options.live_display)
+        self.log = AveragingLog()
+        self.guard = BatchGuard(task.model.parameters())
+        self.epoch_loss = EpochLoss()
+        self.opt: Optional[AveragingMode] = None
+        summary.device, summary.peer_id = precision.describe(), self.swarm.peer_id
+
+    def start(self, peer: PeerConfig, shared: Optional[SharedRun], resume) -> None:
+        """Start the services in order, then catch up with the swarm and announce this peer."""
+        services, options, summary = self.services, self.options, self.summary
+
         def leave(_why: str) -> None:  # this peer's invite was revoked or expired: leave as on a signal
-            stop.set()
-            if opt is not None:
-                opt.abort_rounds()
+            self.stop.set()
+            if services.opt is not None:
+                services.opt.abort_rounds()
 
-        sharer = RunSharer(swarm, shared, on_lost=leave).start() if shared is not None else None
-        if options.dashboard_port is not None:
-            dashboard = _start_dashboard(swarm, options.dashboard_port)
-            print(f"Dashboard: {dashboard.url}", flush=True)
+        services.start_sharer(shared, on_lost=leave)
+        services.start_dashboard(options.dashboard_port)
+        if services.dashboard is not None:
+            print(f"Dashboard: {services.dashboard.url}", flush=True)
         if not peer.initial_peers:
-            line = swarm.join_command(shared.fingerprint if shared is not None else None)
+            line = self.swarm.join_command(shared.fingerprint if shared is not None else None)
             if shared is not None and shared.private is not None:
                 line += (" --token-file INVITE\nThis run is private: each volunteer sends you their peer id ('collab "
                          "id'), you run 'collab invite --run DIR --peer ID' and send back the invite it prints")
             print(f"Started a new swarm. Others join with:\n{line}", flush=True)
-        # the run's target and learning-rate gain for each epoch, when they follow the noise scale
-        keeper = start_plan_keeper(config, swarm, shared, lambda: opt.local_epoch if opt is not None else 0)
-        opt = _build_optimizer(config, task, swarm, log, stop, shared, keeper)
-        opt.leave_at_epoch = options.max_epochs
-        if sharer is not None and sharer.watch is not None:  # a private run: non-members' progress is not counted
-            opt.tracker.members = shared.private.access.allows
-            sharer.watch.on_revoked.append(opt.apply_revocations)
+        services.start_plan_keeper(self.config, shared)
+        self.opt = opt = services.start_optimizer(lambda: self._build_optimizer(shared), self._leave)
+        opt.leave_at(options.max_epochs)
+        if services.sharer is not None and services.sharer.watch is not None:  # a private run: members only
+            opt.count_only_members(shared.private.access.allows)
+            services.sharer.watch.on_revoked.append(opt.apply_revocations)
         StopOnSignal.reinstall()  # starting hivemind's averagers made this process ignore Ctrl-C
         StopOnSignal.on_stop(opt.abort_rounds)
         StopOnSignal.before_force_exit(lambda reason: _write_exit_summary(summary, options, f"forced exit: {reason}"))
@@ -204,121 +143,171 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             restore_training_state(opt, resume)
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
         if peer.initial_peers:
-            summary.loaded_state_from_peers, summary.catch_up = _catch_up(opt, display, stop)
+            summary.loaded_state_from_peers, summary.catch_up = _catch_up(opt, self.display, self.stop)
             summary.swarm_epoch_at_join = opt.tracker.global_epoch
-
-        _publish(swarm, opt, config, summary, log, None)  # announces this peer (and lets --wait-peers count it)
+        self._publish()  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:
-            _wait_for_peers(swarm, options, display, stop)
+            _wait_for_peers(self.swarm, options, self.display, self.stop)
         summary.start_epoch = opt.local_epoch
         # hivemind's rate estimate (an EMA of seconds per sample) counts its first interval from the optimizer's
         # creation: the state download and --wait-peers made a peer look 50x slower than it is for its first ~40
         # micro-batches, on the dashboard and in its signed record, where the others' weight caps read it
         opt.tracker.performance_ema.reset_timer()
-        micro = config.training.micro_batch_size
-        epoch_loss, last_epoch, last_publish = EpochLoss(), opt.local_epoch, float("-inf")
-        guard = BatchGuard(task.model.parameters())
-        checkpoint_due = False
-        loop_started = time.monotonic()
-        with display:
-            while not stop.is_set():
-                if options.max_epochs is not None and opt.local_epoch >= options.max_epochs:
-                    summary.exit_reason = f"reached epoch {options.max_epochs}"
-                    break
-                task.set_step(opt.local_epoch)
-                computing = time.monotonic()
-                with precision.autocast():
-                    loss = task.loss(precision.to_device(next(batches)))
-                loss_ok = guard.loss_ok(loss)
-                if loss_ok:
-                    precision.backward(loss)
-                summary.compute_seconds += time.monotonic() - computing
-                if loss_ok and not precision.unscale():  # fp16 overflowed: a smaller loss scale, the next batch
-                    summary.fp16_overflows = precision.overflows
-                    continue
-                if loss_ok:
-                    if guard.gradients_ok():
-                        opt.step()
-                        opt.zero_grad()
-                        epoch_loss.add(loss.item())
-                        opt.observe_loss(loss.item())
-                        summary.samples_contributed += micro
-                    else:
-                        opt.drop_micro_batch()
-                if guard.in_a_row:  # a dropped micro-batch: never sent, never counted toward the target
-                    summary.batches_dropped = dict(guard.dropped)
-                    if guard.replica_is_broken():
-                        _reload_broken_replica(opt, guard, summary, display)
-                    continue
 
-                new_epoch = opt.local_epoch != last_epoch
-                if new_epoch:
-                    mean = epoch_loss.close()
-                    if mean is not None:
-                        summary.loss_by_epoch[last_epoch] = mean
-                    summary.samples_by_epoch[last_epoch] = summary.samples_contributed
-                    last_epoch = opt.local_epoch
-                    checkpoint_due = checkpoint_due or bool(ckpt_dir and opt.local_epoch % config.checkpoint.every_epochs == 0)
-                # a replica one update off the swarm waits for its re-sync, and is saved as soon as that comes (with
-                # the epoch it re-synced at), not at the end of the next epoch
-                if checkpoint_due and opt.in_sync():
-                    _checkpoint(opt, task, config, summary)
-                    checkpoint_due = False
-                if new_epoch:
-                    if keeper is not None:  # what this peer used for the epoch it now starts (peers must agree)
-                        summary.plan_by_epoch[opt.local_epoch] = plan_in_force(keeper, opt)
-                    summary.final_epoch = opt.local_epoch
-                    summary.train_seconds = time.monotonic() - loop_started
-                    log.copy_to(summary)
-                    summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
-                    opt.traffic.copy_to(summary)
-                    summary.nonfinite_parameters = nonfinite_parameters(task.model)
-                    summary.outer_steps = dict(getattr(opt, "outer_steps", {}))
-                    summary.gossip = getattr(opt, "report", dict)()
-                    summary.noise_scale = _noise_fields(opt)
-                    summary.noise_inputs = list(getattr(opt, "noise_inputs", ()))
-                    write_summary(summary, options.summary_path)
-                if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
-                    summary.peers_found_back = swarm.rejoin()
-                    _publish(swarm, opt, config, summary, log, epoch_loss.last_mean)
-                    last_publish = time.monotonic()
-                    if sharer is not None:
-                        sharer.refresh()
-                display.update(_snapshot(opt, summary, epoch_loss.last_mean, log))
-        if stop.is_set():
-            lost = shared.private.lost if shared is not None and shared.private is not None else None
-            summary.exit_reason = "stopped by signal" if lost is None else "no longer a member of the private run"
-        summary.train_seconds = time.monotonic() - loop_started
-    finally:
-        if opt is not None:
-            if summary.exit_reason.startswith("reached epoch"):
-                summary.final_replica = _settle(opt, config)
-            opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
-            summary.final_epoch = opt.local_epoch
-            summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
-            log.copy_to(summary)
-            summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
-            opt.traffic.copy_to(summary)
-            summary.nonfinite_parameters = nonfinite_parameters(task.model)
-            summary.gossip = getattr(opt, "report", dict)()
-            # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
-            # a peer whose last step was its own: that model is nobody else's
-            saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")
-            if (ckpt_dir and summary.final_epoch > summary.start_epoch and not saved_already
-                    and not opt.has_pending_updates() and summary.final_replica != "own step"):
-                _checkpoint(opt, task, config, summary)
-        if dashboard is not None:
-            dashboard.stop()
-        if keeper is not None:
-            keeper.stop()
-            summary.plans_issued, summary.plans_read_late = keeper.issued, keeper.late
-        if sharer is not None:
-            sharer.stop()
-        swarm.shutdown()
-        if summary.exit_reason == "running":
-            summary.exit_reason = "failed"  # an exception is on its way up
-        write_summary(summary, options.summary_path)
-    return summary
+    def train(self) -> None:
+        opt, summary, max_epochs = self.opt, self.summary, self.options.max_epochs
+        last_epoch, last_publish, checkpoint_due = opt.local_epoch, float("-inf"), False
+        started = time.monotonic()
+        try:
+            with self.display:
+                while not self.stop.is_set():
+                    if max_epochs is not None and opt.local_epoch >= max_epochs:
+                        summary.exit_reason = f"reached epoch {max_epochs}"
+                        break
+                    self.task.set_step(opt.local_epoch)
+                    if not self._micro_batch():
+                        continue  # nothing to count: fp16 overflowed, or the micro-batch was dropped
+                    new_epoch = opt.local_epoch != last_epoch
+                    if new_epoch:
+                        self._close_epoch(last_epoch)
+                        last_epoch = opt.local_epoch
+                        every = self.config.checkpoint.every_epochs
+                        checkpoint_due = checkpoint_due or bool(self.config.checkpoint.dir and last_epoch % every == 0)
+                    # a replica one update off the swarm waits for its re-sync, and is saved as soon as that comes
+                    # (with the epoch it re-synced at), not at the end of the next epoch
+                    if checkpoint_due and opt.in_sync():
+                        self._checkpoint()
+                        checkpoint_due = False
+                    if new_epoch:
+                        summary.train_seconds = time.monotonic() - started
+                        self._report_epoch()
+                    if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
+                        summary.peers_found_back = self.swarm.rejoin()
+                        self._publish()
+                        last_publish = time.monotonic()
+                        if self.services.sharer is not None:
+                            self.services.sharer.refresh()
+                    self.display.update(self._snapshot())
+        finally:
+            summary.train_seconds = time.monotonic() - started
+
+    def _micro_batch(self) -> bool:
+        """Compute one micro-batch and hand its gradients to the optimizer. False if it counts for nothing: fp16
+        overflowed (a smaller loss scale, the next batch) or it was dropped (never sent, never counted)."""
+        opt, guard, precision, summary = self.opt, self.guard, self.precision, self.summary
+        computing = time.monotonic()
+        with precision.autocast():
+            loss = self.task.loss(precision.to_device(next(self.batches)))
+        loss_ok = guard.loss_ok(loss)
+        if loss_ok:
+            precision.backward(loss)
+        summary.compute_seconds += time.monotonic() - computing
+        if loss_ok and not precision.unscale():
+            summary.fp16_overflows = precision.overflows
+            return False
+        if loss_ok and guard.gradients_ok():
+            opt.step()
+            opt.zero_grad()
+            self.epoch_loss.add(loss.item())
+            opt.observe_loss(loss.item())
+            summary.samples_contributed += self.config.training.micro_batch_size
+        elif loss_ok:
+            opt.drop_micro_batch()
+        if guard.in_a_row:
+            summary.batches_dropped = dict(guard.dropped)
+            if guard.replica_is_broken():
+                _reload_broken_replica(opt, guard, summary, self.display)
+            return False
+        return True
+
+    def _close_epoch(self, epoch: int) -> None:
+        mean = self.epoch_loss.close()
+        if mean is not None:
+            self.summary.loss_by_epoch[epoch] = mean
+        self.summary.samples_by_epoch[epoch] = self.summary.samples_contributed
+
+    def _report_epoch(self) -> None:
+        opt, summary = self.opt, self.summary
+        if self.services.keeper is not None:  # what this peer used for the epoch it now starts (peers must agree)
+            summary.plan_by_epoch[opt.local_epoch] = plan_in_force(self.services.keeper, opt)
+        summary.final_epoch = opt.local_epoch
+        harvest(summary, opt, self.task.model, self.log)
+        write_summary(summary, self.options.summary_path)
+
+    def _leave(self, opt: AveragingMode) -> None:
+        """How the optimizer stops (PeerServices calls it): at --max-epochs, first make sure the replica is the
+        swarm's; then shut the averagers down, and save what is worth saving."""
+        summary, config = self.summary, self.config
+        if summary.exit_reason.startswith("reached epoch"):
+            summary.final_replica = _settle(opt, config)
+        opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
+        summary.final_epoch = opt.local_epoch
+        summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
+        harvest(summary, opt, self.task.model, self.log)
+        # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
+        # a peer whose last step was its own: that model is nobody else's
+        saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")
+        if (config.checkpoint.dir and summary.final_epoch > summary.start_epoch and not saved_already
+                and not opt.has_pending_updates() and summary.final_replica != "own step"):
+            self._checkpoint()
+
+    def _build_optimizer(self, shared: Optional[SharedRun]) -> AveragingMode:
+        private = shared.private if shared is not None else None
+        swarm = self.swarm
+        gate = MemberGate(swarm.peer.run_id, private.access.organizer_key) if private is not None else None
+        return build_optimizer(self.config, self.task, swarm.dht, swarm.peer.run_id, self.log,
+                               client_mode=swarm.peer.client_mode, stop=self.stop, gate=gate, plan=self.services.keeper)
+
+    def _checkpoint(self) -> None:
+        opt, config = self.opt, self.config
+        opt.state_averager.step(wait_for_delayed_updates=True)  # never save a half-applied step
+        path = save_checkpoint(config.checkpoint.dir, opt.local_epoch, self.task, opt, config.checkpoint.keep)
+        self.summary.checkpoint = str(path)
+
+    def _publish(self) -> None:
+        opt, config, swarm, summary, log = self.opt, self.config, self.swarm, self.summary, self.log
+        report = opt.mode_report()
+        gossip = report.gossip
+        record = PeerMetricsRecord(
+            peer_id=swarm.peer_id,
+            role="trainer",
+            epoch=opt.local_epoch,
+            loss=loss_for_record(self.epoch_loss.last_mean),
+            samples_per_second=rate_for_record(opt.tracker.performance_ema.samples_per_second),
+            samples_contributed=summary.samples_contributed,
+            target_batch_size=config.training.target_batch_size,
+            client_mode=swarm.peer.client_mode,
+            bandwidth_mbps=config.averaging.bandwidth,
+            rounds_joined=log.joined,
+            rounds_failed=log.failed,
+            last_group_size=log.last_group_size,
+            time=time.time(),
+            batches_dropped=sum(summary.batches_dropped.values()),
+            rejected=opt.rejections.for_record(),
+            **dict(zip(("mb_per_round", "fewer_bytes_than_fp32"), opt.traffic.per_round())),
+            mode=config.averaging.mode,
+            inner_steps=report.inner_steps,
+            pseudo_gradient_norm=report.pseudo_gradient_norm,
+            **(dict(merges_per_minute=gossip["merges_per_minute"], merge_update_norm=gossip["last_update_norm"],
+                    param_norm=gossip["param_norm"], param_sketch=gossip["sketch"]) if gossip else {}),
+            **report.noise,
+            **plan_fields(opt.plan_keeper, opt.local_epoch, config.training),
+        )
+        publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, METRICS_RECORD_LIFETIME)
+
+    def _snapshot(self) -> Snapshot:
+        opt = self.opt
+        progress = opt.tracker.global_progress
+        return Snapshot(
+            epoch=opt.local_epoch,
+            swarm_samples=progress.samples_accumulated,
+            target_batch_size=progress.target_batch_size,
+            num_peers=max(progress.num_peers, 1),
+            local_samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
+            loss=self.epoch_loss.last_mean,
+            samples_contributed=self.summary.samples_contributed,
+            rounds_joined=self.log.joined,
+        )
 
 
 def _reload_broken_replica(opt: AveragingMode, guard: BatchGuard, summary: Summary, display: ProgressDisplay) -> None:
@@ -361,19 +350,6 @@ def _settle(opt: AveragingMode, config: RunConfig) -> str:
     return outcome
 
 
-def _build_optimizer(config, task, swarm: Swarm, log: AveragingLog, stop: threading.Event,
-                     shared: Optional[SharedRun], keeper=None) -> AveragingMode:
-    private = shared.private if shared is not None else None
-    gate = MemberGate(swarm.peer.run_id, private.access.organizer_key) if private is not None else None
-    return build_optimizer(config, task, swarm.dht, swarm.peer.run_id, log, client_mode=swarm.peer.client_mode,
-                           stop=stop, gate=gate, plan=keeper)
-
-
-def _start_dashboard(swarm: Swarm, port: int):
-    collector = Collector(swarm.peer.run_id, dht=swarm.dht)  # reads through this peer's node: no second DHT
-    return BackgroundDashboard(collector, port=port).start()
-
-
 def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay, stop: threading.Event) -> None:
     """Hold step 0 until the expected peers have published, so a simulated swarm starts together."""
     display.message(f"Waiting for {options.wait_peers} peers to join...")
@@ -410,67 +386,3 @@ def _catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Even
                        f"{opt.tracker.global_epoch}, {opt.tracker.global_progress.num_peers} peers)")
     display.message(f"Caught up: now at epoch {opt.local_epoch}")
     return True, f"loaded the swarm's state at epoch {opt.local_epoch} in {time.monotonic() - started:.0f} s"
-
-
-def _checkpoint(opt, task, config: RunConfig, summary: Summary) -> None:
-    opt.state_averager.step(wait_for_delayed_updates=True)  # never save a half-applied step
-    path = save_checkpoint(config.checkpoint.dir, opt.local_epoch, task, opt, config.checkpoint.keep)
-    summary.checkpoint = str(path)
-
-
-def _publish(swarm: Swarm, opt, config: RunConfig, summary: Summary, log: AveragingLog, loss) -> None:
-    record = PeerMetricsRecord(
-        peer_id=swarm.peer_id,
-        role="trainer",
-        epoch=opt.local_epoch,
-        loss=loss_for_record(loss),
-        samples_per_second=rate_for_record(opt.tracker.performance_ema.samples_per_second),
-        samples_contributed=summary.samples_contributed,
-        target_batch_size=config.training.target_batch_size,
-        client_mode=swarm.peer.client_mode,
-        bandwidth_mbps=config.averaging.bandwidth,
-        rounds_joined=log.joined,
-        rounds_failed=log.failed,
-        last_group_size=log.last_group_size,
-        time=time.time(),
-        batches_dropped=sum(summary.batches_dropped.values()),
-        rejected=opt.rejections.for_record(),
-        **dict(zip(("mb_per_round", "fewer_bytes_than_fp32"), opt.traffic.per_round())),
-        mode=config.averaging.mode,
-        inner_steps=getattr(opt, "inner_steps", None),
-        pseudo_gradient_norm=getattr(opt, "last_pseudo_gradient_norm", None),
-        **_gossip_fields(opt),
-        **_noise_fields(opt),
-        **plan_fields(getattr(opt, "plan_keeper", None), opt.local_epoch, config.training),
-    )
-    publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, METRICS_RECORD_LIFETIME)
-
-
-def _noise_fields(opt) -> dict:
-    noise = getattr(opt, "noise_scale", None)
-    if noise is None or noise.signal is None or not all(math.isfinite(v) and abs(v) <= 1e12
-                                                         for v in (noise.signal, noise.noise)):
-        return {}
-    return dict(noise_signal=float(noise.signal), noise_trace=float(noise.noise), noise_rounds=noise.updates)
-
-
-def _gossip_fields(opt) -> dict:
-    if not hasattr(opt, "report"):
-        return {}
-    report = opt.report()
-    return dict(merges_per_minute=report["merges_per_minute"], merge_update_norm=report["last_update_norm"],
-                param_norm=report["param_norm"], param_sketch=report["sketch"])
-
-
-def _snapshot(opt, summary: Summary, loss, log: AveragingLog) -> Snapshot:
-    progress = opt.tracker.global_progress
-    return Snapshot(
-        epoch=opt.local_epoch,
-        swarm_samples=progress.samples_accumulated,
-        target_batch_size=progress.target_batch_size,
-        num_peers=max(progress.num_peers, 1),
-        local_samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
-        loss=loss,
-        samples_contributed=summary.samples_contributed,
-        rounds_joined=log.joined,
-    )

@@ -56,3 +56,42 @@ def test_a_pre_scheduled_round_that_waited_out_half_its_timeout_is_renewed_at_th
     # groupmate's own matchmaking and all-reduce began
     assert round_is_stale(30.0 - 25.0, averaging_timeout=30.0)
     assert round_is_stale(-1.0, averaging_timeout=30.0)
+
+
+def test_every_mode_reports_itself_in_one_typed_report():
+    """The trainer reads a mode's own numbers only through mode_report(): sync's noise scale, diloco's outer steps,
+    gossip's exchanges; a field a mode has nothing for stays empty (no probing for attributes)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from collab.adaptive.noise_scale import NoiseScale
+    from collab.modes import ModeReport
+    from collab.modes.diloco import DiLoCoOptimizer
+    from collab.modes.gossip import GossipOptimizer
+    from collab.modes.sync import CollabOptimizer
+
+    def bare(cls, **attributes):  # the report's inputs only: no DHT, no averagers
+        opt = cls.__new__(cls)
+        opt.noise_scale, opt.noise_inputs = NoiseScale(), deque(maxlen=4)
+        opt._parent_pid = None  # hivemind's __del__ reads it: this one never started a process
+        vars(opt).update(attributes)
+        return opt
+
+    sync = bare(CollabOptimizer)
+    assert sync.mode_report() == ModeReport()  # no round measured yet: nothing to publish
+    for _ in range(3):
+        sync.noise_scale.update(own_sq=5.0, own_samples=8, average_sq=2.0, group_samples=32)
+        sync.noise_inputs.append((1, 5.0, 8, 2.0, 32))
+    report = sync.mode_report()
+    assert set(report.noise) == {"noise_signal", "noise_trace", "noise_rounds"} and report.noise["noise_rounds"] == 3
+    assert report.noise_inputs == [(1, 5.0, 8, 2.0, 32)] * 3 and report.outer_steps == {} and report.gossip == {}
+
+    diloco = bare(DiLoCoOptimizer, outer_steps={4: dict(norm=1.5)}, inner_steps=7,
+                  grad_averager=SimpleNamespace(last_norm=0.25))
+    report = diloco.mode_report()
+    assert (report.outer_steps, report.inner_steps, report.pseudo_gradient_norm) == ({4: dict(norm=1.5)}, 7, 0.25)
+    assert report.gossip == {} and report.noise == {}
+
+    gossip = bare(GossipOptimizer)
+    gossip.report = lambda: dict(merges_per_minute=2.0)  # its exchanges' counters need its averager
+    assert gossip.mode_report().gossip == dict(merges_per_minute=2.0) and gossip.mode_report().outer_steps == {}
