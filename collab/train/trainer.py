@@ -66,6 +66,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     services = PeerServices(swarm if swarm is not None else Swarm(peer, identity))
     try:
         with services:
+            precision.attach(task.model)
+            summary.device = precision.describe()
             _warm_up(task, precision, batches)
             if stop.is_set():
                 summary.exit_reason = "stopped by signal"
@@ -76,6 +78,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             if stop.is_set():
                 lost = shared.private.lost if shared is not None and shared.private is not None else None
                 summary.exit_reason = "stopped by signal" if lost is None else "no longer a member of the private run"
+    except BaseException as e:
+        if summary.exit_reason != "running" and not summary.exit_reason.startswith("forced exit"):
+            # the loop had ended (its reason is set) and leaving failed: the summary must not read as a clean exit
+            summary.exit_reason = f"failed while leaving ({summary.exit_reason}): {type(e).__name__}: {e}"
+        raise
     finally:
         if services.keeper is not None:
             summary.plans_issued, summary.plans_read_late = services.keeper.issued, services.keeper.late
@@ -88,7 +95,6 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
 def _warm_up(task: Task, precision: Precision, batches) -> None:
     """One throw-away forward/backward: the first step of a process is several times slower (allocator, data
     pipeline, CUDA kernels), and a peer that announced itself before it would look stalled to the swarm."""
-    precision.attach(task.model)
     with precision.autocast():
         warm_up = task.loss(precision.to_device(next(batches)))
     precision.backward(warm_up)
@@ -109,7 +115,7 @@ class TrainingLoop:
         self.guard = BatchGuard(task.model.parameters())
         self.epoch_loss = EpochLoss()
         self.opt: Optional[AveragingMode] = None
-        summary.device, summary.peer_id = precision.describe(), self.swarm.peer_id
+        summary.peer_id = self.swarm.peer_id
 
     def start(self, peer: PeerConfig, shared: Optional[SharedRun], resume) -> None:
         """Start the services in order, then catch up with the swarm and announce this peer."""
