@@ -127,6 +127,7 @@ PATCHED = (
     "hivemind.averaging.matchmaking.Matchmaking._request_join_group",  # never ask a banned leader
     "hivemind.averaging.partition.TensorPartContainer.register_failed_reducer",  # reducers that died mid-round
     "hivemind.averaging.partition.TensorPartContainer.register_processed_part",  # every returned part checked
+    "hivemind.averaging.allreduce.AllReduceRunner._ban_sender",  # called by collab's reducer loop (one_average)
     "hivemind.averaging.allreduce.AllReduceRunner.finalize",  # a running all-reduce ended on a signal
     "hivemind.averaging.control.StepControl.deadline",  # a pre-scheduled round's time left
     "hivemind.averaging.control.StepControl.stage",
@@ -148,8 +149,8 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.optim.grad_averager.GradientAverager": ("_accumulators_used_in_step", "_anchor_batch_size"),
     "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager": ("_ms", "_qs", "_uncompressed_gradients_indexes"),
     "hivemind.averaging.allreduce.AllReduceRunner": ("tensor_part_container", "tensor_part_reducer", "sender_peer_ids",
-                                                     "active_senders"),
-    "hivemind.averaging.partition.TensorPartContainer": ("num_parts_by_peer",),
+                                                     "active_senders", "parts_for_local_averaging"),
+    "hivemind.averaging.partition.TensorPartContainer": ("num_parts_by_peer", "_input_parts_by_peer", "compression"),
     "hivemind.averaging.partition.TensorPartReducer": ("current_part_future", "sender_failed_after",
                                                        "num_parts_received"),
     "hivemind.optim.progress_tracker.ProgressTracker": ("should_report_progress", "global_progress",

@@ -71,8 +71,8 @@ class Quantile8Bit(_Extract8Bit, Quantile8BitQuantization):
 class SparseParts(CompressionBase):
     """dgc's wire codec: a part's non-zero values, exactly (fp32, with int32 positions), or the part whole in fp32
     when it is too dense for that to save bytes. Lossless, so all of DGC's loss is in its own selection: a lossy
-    codec here would lose what the reducer sends back too (the average minus the sender's own part), which DGC's
-    error feedback never sees. The average of N k-sparse parts, and what is sent back, is at most N*k-sparse.
+    codec here would lose what the reducer sends back too (the average, or for an older peer the average minus
+    its own part: collab.averaging.one_average), which DGC's error feedback never sees. The average of N k-sparse parts, and what is sent back, is at most N*k-sparse.
 
     hivemind decodes a part by its compression type, a protobuf enum collab cannot extend: this codec takes the
     slot of BLOCKWISE_8BIT (bitsandbytes' codec, which collab does not offer) in every collab process."""

@@ -42,6 +42,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from collab.averaging.aggregation import Aggregation, RobustPartReducer
+from collab.averaging.one_average import OneAverage
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.records.rejections import HARD_EVIDENCE
@@ -70,9 +71,10 @@ def nobody_else_sent(runner, peer_id) -> bool:
     return parts > 0 and bool(others) and not others & runner.active_senders
 
 
-class _CheckedRunner(CountingRunner, WholeReplies):
+class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
     """hivemind's all-reduce runner with collab's reducer, every part other reducers return checked, its
-    bytes counted (collab.averaging.traffic) and its reply streams closed by the side that is done
+    bytes counted (collab.averaging.traffic), one rounded average for the whole group
+    (collab.averaging.one_average) and its reply streams closed by the side that is done
     (collab.averaging.reply_streams)."""
 
     def __init__(self, *, rule: Aggregation, bound: float, on_finding, is_banned, report_clipping: bool,
@@ -104,7 +106,8 @@ class _CheckedRunner(CountingRunner, WholeReplies):
         register = self.tensor_part_container.register_processed_part
         clipped_group = rule.method == "centered_clip" and len(self.sender_peer_ids) >= 3
 
-        def checked(peer_index: int, part_index: int, delta: torch.Tensor):
+        def checked(peer_index: int, part_index: int, returned: torch.Tensor):
+            delta = self.as_difference(peer_index, part_index, returned)
             if peer_index not in self.caught:
                 if not bool(torch.isfinite(delta).all()):
                     self.caught[peer_index] = "returned a non-finite average"
@@ -130,6 +133,7 @@ class CheckedRounds:
     rule: Aggregation = Aggregation()
     kind: str = "gradients"
     findings = None
+    exchange_averages = True  # collab.averaging.one_average (False: hivemind's differences, as an older collab sends)
     traffic = None  # a TrafficLog's queue: each run's bytes (gradient rounds)
     # whether a round's tensors are this peer's mean gradient and the group's (collab.adaptive.noise_scale): not DGC's
     # selections, PowerSGD's factors or diloco's pseudo-gradients
@@ -207,7 +211,7 @@ class CheckedRounds:
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
                                 on_finding=self._report, is_banned=self.banned,
-                                report_clipping=self.kind == "gradients",
+                                report_clipping=self.kind == "gradients", exchange_averages=self.exchange_averages,
                                 weight_caps=self._weight_caps() if self.kind == "gradients" else {}, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from collab.averaging.dgc import DGCSettings
@@ -60,6 +61,58 @@ def test_two_peers_average_their_sparse_selections_exactly_through_hivemind(no_l
             averager.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+@pytest.mark.parametrize("older_peer", [False, True], ids=["all-current", "one-older-collab"])
+def test_every_member_of_an_fp16_group_applies_the_same_average(older_peer, no_leftover_processes):
+    """Three real averagers, fp16 on the wire, parts small enough that each reduces some: every member ends with the
+    very same average (collab.averaging.one_average), where hivemind's differences left each sender its own
+    rounding (~5e-4 of a gradient apart, a drift that never stopped without state averaging). With an older peer
+    in the group (differences both ways, as hivemind sends them) the group still averages correctly."""
+    from hivemind import DHT
+
+    from collab.averaging.compression import wire_codec
+    from collab.averaging.grad_averager import CollabGradientAverager
+
+    torch.manual_seed(0)
+    dhts = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+             for _ in range(2)]
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)) for _ in range(3)]
+    averagers, samples = [], (3, 5, 7)
+    try:
+        for dht, model in zip(dhts, models):
+            averagers.append(CollabGradientAverager(
+                model.parameters(), dht=dht, prefix="fp16_test_grad_averager", compression=wire_codec("fp16"),
+                part_size_bytes=4096, target_group_size=3, min_matchmaking_time=3.0, start=False))
+        # (a subclass would not do: hivemind names its RPCs after the averager's class)
+        averagers[2].exchange_averages = not older_peer
+        for averager in averagers:
+            averager.run_in_background(await_ready=True)
+        for averager, model, n in zip(averagers, models, samples):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            averager.accumulate_grads_(batch_size=n)
+        controls = [averager.step(wait=False, timeout=60) for averager in averagers]
+        for control in controls:
+            assert control.result(timeout=90) is not None
+        sent = [averager.take_own_gradients() for averager in averagers]
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as averaged:
+                results.append([t.clone() for t in averaged])
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()
+    for got in results:
+        for tensor, *own in zip(got, *sent):
+            mean = sum(n * g for n, g in zip(samples, own)) / sum(samples)
+            assert torch.allclose(tensor, mean, atol=2e-3), "not the group's weighted mean"
+    if not older_peer:
+        spread = max(float((a - b).abs().max()) for first, other in zip(results, results[1:]) for a, b in zip(first, other))
+        assert spread <= 1e-6, f"the members applied different averages: {spread:.2e} apart"
 
 
 def test_powersgd_peers_start_with_identical_projections():
