@@ -55,6 +55,7 @@ OVERRIDDEN = {
     "hivemind.compression.base.CompressionBase.compress": "self, tensor, info, allow_inplace=False",
     "hivemind.compression.base.CompressionBase.estimate_compression_ratio": "self, info",
     "hivemind.compression.base.CompressionBase.extract": "self, serialized_tensor",
+    "hivemind.compression.quantization.BlockwiseQuantization.extract": "self, serialized_tensor",
     "hivemind.compression.quantization.Quantization.extract": "self, serialized_tensor",
     "hivemind.dht.dht.DHT.run": "self",
     "hivemind.optim.grad_averager.GradientAverager.__init__":
@@ -122,7 +123,8 @@ OVERRIDDEN = {
 
 # module-level names, class attributes and methods that collab replaces, wraps or reads at run time
 PATCHED = (
-    "hivemind.compression.serialization._BASE_COMPRESSION_TYPES",  # collab's 8-bit decoders and DGC's sparse parts
+    "hivemind.averaging.allreduce.deserialize_torch_tensor",  # collab's decoders (fixed 8-bit, DGC's sparse parts)
+    "hivemind.compression.quantization._BLOCKWISE_QUANTIZATION_BLOCKSIZE",  # read: decoding a blockwise part
     "hivemind.utils.crypto.RSAPrivateKey._process_wide_key",  # the tracker signs with the libp2p identity's key
     "hivemind.averaging.matchmaking.Matchmaking._request_join_group",  # never ask a banned leader
     "hivemind.averaging.partition.TensorPartContainer.register_failed_reducer",  # reducers that died mid-round

@@ -14,13 +14,15 @@
 (error: relative, of one part of Gaussian-like values; tests/unit/test_compression.py holds each codec to it.)
 All but powersgd are hivemind's codecs applied to the parts of an ordinary round. powersgd is hivemind's
 PowerSGDGradientAverager (two all-reduces per round: P, then Q; vectors travel whole in the second), with every
-peer's starting projections Q drawn from the run's seed (collab.averaging.grad_averager). Its factors travel in fp32: in
-fp16 the reducer of a part keeps its exact average while the others get it rounded, and PowerSGD's
-orthogonalisation and error feedback amplified that: two replicas drifted 2.3e-3 apart in 4 steps without state
-averaging (fp16 dense rounds: 2-3e-4), which only state averaging would repair. dgc is Deep
+peer's starting projections Q drawn from the run's seed (collab.averaging.grad_averager). Its factors travel in fp32:
+in fp16 (when each sender kept its own rounding, before collab.averaging.one_average) PowerSGD's orthogonalisation
+and error feedback amplified the rounding: two replicas drifted 2.3e-3 apart in 4 steps without state averaging. dgc is Deep
 Gradient Compression (collab.averaging.dgc): its loss is in what each peer selects; the selection travels losslessly.
 The vectors DGC leaves dense (biases, LayerNorm: 0.6% of ALBERT-tiny's values) travel in fp16 as in the default
 run: in fp32 they were three quarters of a dgc round's bytes.
+
+Parts are decoded by `decode_part` (collab's fixed 8-bit decoders and DGC's sparse parts, then hivemind's table for
+the rest): hivemind's own decoder table is left as it is.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
+from hivemind.averaging import allreduce
 from hivemind.compression import serialization
 from hivemind.compression.adaptive import AdaptiveCompressionBase
+from hivemind.compression.quantization import _BLOCKWISE_QUANTIZATION_BLOCKSIZE, BlockwiseQuantization
 from hivemind.proto import runtime_pb2
 
 # a part of a tensor of at least this many elements travels in 8 bits under size-adaptive (as in hivemind's
 # ALBERT example): its per-part codebook is then a negligible overhead and the rounding error averages out
 SIZE_ADAPTIVE_THRESHOLD = 2**16 + 1
+SPARSE_PARTS = 64  # DGC's parts' compression type: a value hivemind's CompressionType does not use
 
 
 class _Extract8Bit:
@@ -68,16 +73,36 @@ class Quantile8Bit(_Extract8Bit, Quantile8BitQuantization):
     pass
 
 
+class Blockwise8Bit(BlockwiseQuantization):
+    """bitsandbytes' blockwise 8-bit codec, which collab does not offer but decodes when a peer sends it: hivemind
+    1.1.12's extract has the same int() of a one-element array as its other 8-bit codecs."""
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        try:
+            from bitsandbytes.functional import dequantize_blockwise
+        except ImportError:
+            raise ValueError("a blockwise 8-bit part needs bitsandbytes to decode (pip install bitsandbytes)") from None
+        buffer = serialized_tensor.buffer
+        absmax_size, codebook_size = (int(n) for n in np.frombuffer(buffer, count=2, dtype=np.int64))
+        absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=self.codebook_dtype)
+        codebook = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buffer, offset=16 + absmax.nbytes + codebook.nbytes, dtype=self.indices_dtype)
+        result = dequantize_blockwise(torch.as_tensor(quantized).reshape(tuple(serialized_tensor.size)),
+                                      absmax=torch.as_tensor(absmax), code=torch.as_tensor(codebook),
+                                      blocksize=_BLOCKWISE_QUANTIZATION_BLOCKSIZE, nested=False)
+        return result.to(getattr(torch, serialized_tensor.dtype)).requires_grad_(serialized_tensor.requires_grad)
+
+
 class SparseParts(CompressionBase):
     """dgc's wire codec: a part's non-zero values, exactly (fp32, with int32 positions), or the part whole in fp32
     when it is too dense for that to save bytes. Lossless, so all of DGC's loss is in its own selection: a lossy
     codec here would lose what the reducer sends back too (the average, or for an older peer the average minus
     its own part: collab.averaging.one_average), which DGC's error feedback never sees. The average of N k-sparse parts, and what is sent back, is at most N*k-sparse.
 
-    hivemind decodes a part by its compression type, a protobuf enum collab cannot extend: this codec takes the
-    slot of BLOCKWISE_8BIT (bitsandbytes' codec, which collab does not offer) in every collab process."""
+    Its compression type, SPARSE_PARTS, is collab's own: hivemind's enum has no such value (proto3 carries an
+    unknown one on the wire as it is), and collab decodes it (decode_part)."""
 
-    compression_type = runtime_pb2.BLOCKWISE_8BIT
+    compression_type = SPARSE_PARTS
 
     def compress(self, tensor: torch.Tensor, info=None, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         flat = tensor.detach().reshape(-1).float()
@@ -122,17 +147,37 @@ class DGCWire(AdaptiveCompressionBase):
         return self.sparse if len(info.descriptor.size) > 1 else self.dense
 
 
-def register_fixed_decoders() -> None:
-    """Decode received 8-bit parts with the fixed extract, and sparse ones (dgc): hivemind picks the decoder from
-    its own table by the part's compression type, whatever codec the sender used. Called before the averagers'
-    processes start."""
-    serialization._BASE_COMPRESSION_TYPES.update(UNIFORM_8BIT=Uniform8Bit(), QUANTILE_8BIT=Quantile8Bit(),
-                                                 BLOCKWISE_8BIT=SparseParts())
+# the codecs collab encodes and decodes itself, by compression type (hivemind's table serves the rest)
+_OWN_CODECS = {SPARSE_PARTS: SparseParts(), runtime_pb2.UNIFORM_8BIT: Uniform8Bit(),
+               runtime_pb2.QUANTILE_8BIT: Quantile8Bit(), runtime_pb2.BLOCKWISE_8BIT: Blockwise8Bit()}
+
+
+def encode_part(tensor: torch.Tensor, compression_type: int) -> runtime_pb2.Tensor:
+    """A part through the codec of `compression_type` (what a reducer sends back: the codec the part came in)."""
+    codec = _OWN_CODECS.get(compression_type)
+    if codec is None:
+        return serialization.serialize_torch_tensor(tensor, compression_type)
+    return codec.compress(tensor, CompressionInfo.from_tensor(tensor))
+
+
+def decode_part(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """A received part, decoded by its compression type. A type nobody knows is a ValueError, as in hivemind."""
+    codec = _OWN_CODECS.get(serialized.compression)
+    if codec is None:
+        return serialization.deserialize_torch_tensor(serialized)
+    return codec.extract(serialized)
+
+
+def use_collab_decoders() -> None:
+    """hivemind's all-reduce decodes the averages reducers send back with its module's deserialize_torch_tensor:
+    collab's decode_part takes its place there (every other hivemind decoder, and its table, stay as they are).
+    Called before the averagers' processes start."""
+    allreduce.deserialize_torch_tensor = decode_part
 
 
 def wire_codec(name: str) -> CompressionBase:
     """The codec for each tensor part of a round under `averaging.compression` = name."""
-    register_fixed_decoders()
+    use_collab_decoders()
     if name == "size-adaptive":
         return SizeAdaptiveCompression(SIZE_ADAPTIVE_THRESHOLD, less=Float16Compression(),
                                        greater_equal=Uniform8Bit())

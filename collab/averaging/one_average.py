@@ -24,10 +24,11 @@ from typing import AsyncIterator
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
+
+from collab.averaging.compression import decode_part, encode_part
 
 MARK = b"collab:average"  # in the first message of a stream: "send me the average" / "these are averages"
 
@@ -93,7 +94,7 @@ class OneAverage(AllReduceRunner):
             # through this peer's own codec for the part: the codec its groupmates' parts came in (one run, one
             # codec), so the value equals what they are sent
             rounded = await loop.run_in_executor(
-                None, lambda: deserialize_torch_tensor(codec.compress(averaged, infos[part_index])))
+                None, lambda: decode_part(codec.compress(averaged, infos[part_index])))
             self.tensor_part_container.register_processed_part(peer_index, part_index,
                                                                rounded.to(tensor_part.dtype) - tensor_part)
 
@@ -103,7 +104,7 @@ class OneAverage(AllReduceRunner):
         loop, part_index, wants_average = asyncio.get_event_loop(), 0, False
         try:
             async for tensor_part, weight, codec, marked in amap_in_executor(
-                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression,
+                    lambda msg: (decode_part(msg.tensor_part), msg.weight, msg.tensor_part.compression,
                                  msg.peer_id == MARK),
                     stream, max_prefetch=self.tensor_part_container.prefetch):
                 if part_index == 0:
@@ -115,7 +116,7 @@ class OneAverage(AllReduceRunner):
                 except BannedException:
                     break  # this sender is banned: nothing more of it is reduced
                 reply = averaged if wants_average else averaged - tensor_part
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, reply, codec)
+                serialized = await loop.run_in_executor(None, encode_part, reply, codec)
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 if wants_average and part_index == 1:
                     message.peer_id = MARK

@@ -32,14 +32,14 @@ from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import BaseModel, ConfigDict, Field
 
-from collab.averaging.compression import wire_codec
+from collab.averaging.compression import decode_part, wire_codec
 from collab.averaging.members_only import MembersOnly
 from collab.modes import ModeContext, ModeReport
 from collab.modes.diloco import adamw_with_warmup
@@ -122,14 +122,14 @@ class GossipAverager(MembersOnly, DecentralizedAverager):
                     raise ValueError("refused by the peer")
                 hello = Hello.model_validate_json(message.metadata)
             if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                tensors.append(decode_part(combine_from_streaming(parts)))
                 parts = []
             if message.HasField("tensor_part"):
                 parts.append(message.tensor_part)
             if len(tensors) > len(self.expected):
                 raise ValueError("sent more tensors than the model has")
         if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(decode_part(combine_from_streaming(parts)))
         if hello is None or len(tensors) < hello.tensors or len(tensors) < len(self.expected):
             raise Incomplete()  # the stream ended early: a peer that left, a broken link
         self.bytes_received.value += size

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.compression import CompressionInfo
 
-from collab.averaging.compression import SparseParts, wire_codec
+from collab.averaging.compression import SparseParts, decode_part, wire_codec
 from collab.averaging.dgc import DGCMemory, DGCSettings, top_mask
 
 
@@ -93,9 +93,9 @@ def test_sparse_parts_travel_exactly_in_about_8_bytes_per_value_and_bad_ones_are
     matrix.view(-1)[torch.randperm(10_000)[:10]] = torch.randn(10)
     dgc = wire_codec("dgc")
     on_wire = dgc.compress(matrix.reshape(-1), CompressionInfo.from_tensor(matrix))
-    assert torch.equal(deserialize_torch_tensor(on_wire), matrix.reshape(-1)) and len(on_wire.buffer) == 1 + 8 * 10
+    assert torch.equal(decode_part(on_wire), matrix.reshape(-1)) and len(on_wire.buffer) == 1 + 8 * 10
     on_wire = dgc.compress(vector, CompressionInfo.from_tensor(vector))
-    assert len(on_wire.buffer) == 2 * 1000 and torch.allclose(deserialize_torch_tensor(on_wire), vector, rtol=1e-3)
+    assert len(on_wire.buffer) == 2 * 1000 and torch.allclose(decode_part(on_wire), vector, rtol=1e-3)
     del wire.size[:]
     wire.size.append(100)  # a peer that names positions outside its part
     with pytest.raises(ValueError, match="position"):
