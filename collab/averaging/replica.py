@@ -8,15 +8,15 @@ At `--max-epochs` there is no next step: found in a failing CI run, where a peer
 the last gradient round, then the last state-averaging round (its groupmates had finished theirs),
 and wrote a final checkpoint one update (1.6e-2) away from the others'.
 
-So the optimizer records an `OwnStep` when it makes one, this module records the outcome of every
-state-averaging round and download, and a peer leaving or checkpointing asks `OwnStep.repaired_by`.
+So the optimizer records an own step when it makes one (collab.modes.replica_sync), this module records the
+outcome of every state-averaging round and download, and a peer leaving or checkpointing asks whether a round
+since gathered the whole swarm (`gathered_since`).
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import InvalidStateError
-from dataclasses import dataclass
 from typing import Optional
 
 from hivemind.averaging import DecentralizedAverager
@@ -32,15 +32,6 @@ from collab.records.untrusted import progress_records
 from collab.run.gate import MemberGate
 
 KEEP_ROUNDS = 8
-
-
-@dataclass
-class OwnStep:
-    """A step this peer made on its own gradients while others were in the swarm."""
-
-    epoch: int  # the epoch the step led to
-    peers: int  # peers in the swarm then: a state-averaging round must gather as many to undo it
-    at: float  # time.monotonic() when it was made
 
 
 class _RecordOutcomes(DecentralizedAverager):
@@ -138,12 +129,6 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, Train
         self.downloaded_epoch = None
         super().load_state_from_peers(**kwargs)
         return self.downloaded_epoch is not None and self.downloaded_epoch == self.local_epoch
-
-
-def repaired(own: OwnStep, averager: RecordingStateAverager) -> bool:
-    """A state-averaging round after the own step gathered the whole swarm of that time: every replica in it,
-    ours included, now holds the same average."""
-    return averager.gathered_since(own.epoch) >= own.peers
 
 
 PRESENT_FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see peers_behind)

@@ -57,7 +57,7 @@ class AveragingMode(Protocol):
     rejections: Any  # contributions refused, and why (collab.records.rejections)
     traffic: Any  # bytes sent and received per round (collab.averaging.traffic)
     load_state_timeout: float
-    own_step: Any  # the last step taken on this peer's own gradients, if any (collab.averaging.replica.OwnStep)
+    own_step: Any  # the last step taken on this peer's own gradients, if any (collab.modes.replica_sync.OwnStep)
     plan_keeper: Any  # the run's batch plan it follows (collab.train.plan_keeper), or None
 
     def leave_at(self, epoch: Optional[int]) -> None: ...  # --max-epochs: no round starts for a later epoch

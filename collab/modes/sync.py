@@ -26,11 +26,11 @@ from hivemind.utils.mpfuture import MPFuture
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace, donor_patience
-from collab.averaging.replica import (OwnStep, RecordingStateAverager, cancel_round, peers_behind, repaired,
-                            swarm_finished_without)
+from collab.averaging.replica import RecordingStateAverager, cancel_round, peers_behind, swarm_finished_without
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.modes import ModeContext, ModeReport
+from collab.modes.replica_sync import OwnStep, ReplicaSync
 from collab.modes.tracker import HonestProgressTracker
 from collab.records.metrics import AveragingLog
 from collab.records.rejections import RejectionLog
@@ -84,7 +84,7 @@ class CollabOptimizer(Optimizer):
     loaded its zeroed accumulators instead, a step of momentum and weight decay alone). Why a step and not
     none: when a whole group fails (a network blip), each of its peers still learns from its own batch, and the
     next state round averages those steps, as local SGD does. Either way the replica is one update away from
-    the swarm: it is recorded as an `OwnStep` (collab.averaging.replica), published as the epoch before (so a leaving
+    the swarm: it is recorded as an own step (collab.modes.replica_sync), published as the epoch before (so a leaving
     peer waits to be its state donor), and undone by a state-averaging round that gathered the whole swarm or
     by downloading the swarm's state at the next step, or before leaving.
     """
@@ -107,8 +107,7 @@ class CollabOptimizer(Optimizer):
         self.noise_inputs: deque = deque(maxlen=NOISE_INPUTS_KEPT)  # each measured round's inputs to it
         self.plan_keeper = plan_keeper  # the run's target and lr gain per epoch (collab.train.plan_keeper), or None
         self._plan_followed = None
-        self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
-        self._resync_tried: Optional[OwnStep] = None  # a failed download is tried once per own step, not every step
+        self.replica = ReplicaSync()  # whether the replica is the swarm's (its tracker reads the epoch held)
         self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
@@ -121,13 +120,17 @@ class CollabOptimizer(Optimizer):
     def count_only_members(self, allows) -> None:
         self.tracker.members = allows
 
+    @property
+    def own_step(self) -> Optional[OwnStep]:
+        return self.replica.own_step
+
     def mode_report(self) -> ModeReport:
         return ModeReport(noise=noise_fields(self.noise_scale), noise_inputs=list(self.noise_inputs))
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
         tracker = HonestProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                                         client_mode=self.client_mode, status_loglevel=self.status_loglevel,
-                                        start=True, **kwargs)
+                                        hold=lambda: self.replica.held_epoch, start=True, **kwargs)
         tracker.micro_batch_size = self.batch_size_per_step
         return tracker
 
@@ -175,12 +178,9 @@ class CollabOptimizer(Optimizer):
             behind_by = ahead - self.local_epoch
             self.state_averager.local_epoch = ahead
             self.state_averager._update_scheduler()
-            if self.own_step is not None:  # its epoch counts in the swarm's numbering, which moved by one
-                self.own_step.epoch += behind_by
-                if self.tracker.held_epoch is not None:  # (not when a re-sync already found no donor)
-                    self.tracker.held_epoch = self.own_step.epoch - 1
+            self.replica.renumbered(behind_by)  # an own step counts in the swarm's numbering, which moved
             self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
-        if self.own_step is None:
+        if self.replica.in_sync:
             self._set_sharing_priority(ahead)
         logger.warning(f"Epoch {ahead - behind_by}: the last state-averaging round showed this peer one epoch "
                        f"behind its groupmates, though it made the same steps; now at epoch {ahead}")
@@ -220,7 +220,7 @@ class CollabOptimizer(Optimizer):
             super()._update_global_epoch(grad_scaler)
         except LeavingMidStep:
             return  # this epoch's step is abandoned: the peers who stay make it, and we keep our last state
-        if self.own_step is not None and self.own_step.epoch == self.local_epoch:
+        if self.replica.own_step_to(self.local_epoch):
             # honest progress: this replica did not make the swarm's step to this epoch. A peer that downloads
             # state must not pick it as a donor over one that did, and a leaving peer waits to be its donor.
             self.tracker.report_local_progress(self.local_epoch - 1, samples_accumulated=0)
@@ -261,28 +261,25 @@ class CollabOptimizer(Optimizer):
         if peers > 1:
             # with overlap=full this runs in the background step, after the epoch was incremented
             epoch = self.local_epoch + (0 if self.delay_grad_averaging else 1)
-            self.own_step = OwnStep(epoch=epoch, peers=peers, at=time.monotonic())
-            self.tracker.held_epoch = epoch - 1  # before hivemind publishes the new epoch, not a moment after
+            self.replica.stepped_alone(epoch, peers, time.monotonic())  # held before hivemind publishes the epoch
             logger.warning(f"Epoch {self.local_epoch}: {why}; this step is on this peer's own gradients, so its "
                            "replica is one update away from the swarm's until it is re-synced")
 
     def in_sync(self) -> bool:
         """Whether this replica holds the swarm's state (as far as this peer can tell): its last step used the
         swarm's averaged gradients, or a later state-averaging round of the whole swarm or a download undid it."""
-        if self.own_step is not None and repaired(self.own_step, self.state_averager):
+        own = self.replica.own_step
+        if self.replica.repaired_by(self.state_averager.gathered_since):
             self._now_in_sync("a state-averaging round of the whole swarm followed it")
-        elif (self.own_step is not None and self.local_epoch > self.own_step.epoch
-              and self.tracker.global_progress.num_peers <= 1):
+        elif own is not None and self.local_epoch > own.epoch and self.tracker.global_progress.num_peers <= 1:
             # everyone else left and this peer trained on: its replica is the run's now, and a newcomer downloads it
             self._now_in_sync("the others left; this replica is the run's now")
-        return self.own_step is None
+        return self.replica.in_sync
 
     def _now_in_sync(self, how: str) -> None:
-        if self.own_step is None:
+        if not self.replica.back_in_sync():
             return
         logger.warning(f"Epoch {self.local_epoch}: in sync with the swarm again ({how})")
-        self.own_step = None
-        self.tracker.held_epoch = None
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         self._set_sharing_priority(self.local_epoch)
 
@@ -293,9 +290,8 @@ class CollabOptimizer(Optimizer):
         samples at all and never ended an epoch again (CI, the lifecycle test: two peers at epochs 6 and 7, each
         computing 60000 samples for 4 minutes). The replica is still not the swarm's (in_sync() says so until a
         state round of the whole swarm or a download repairs it); a peer behind it now finds it a donor."""
-        if self.tracker.held_epoch is None:
+        if not self.replica.stop_holding():
             return
-        self.tracker.held_epoch = None
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         self._set_sharing_priority(self.local_epoch)
 
@@ -336,7 +332,7 @@ class CollabOptimizer(Optimizer):
     def _should_load_state_from_peers(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
         # gradients we would compute meanwhile would be for parameters nobody else has
-        if not self.in_sync() and self._resync_tried is not self.own_step:
+        if not self.in_sync() and self.replica.wants_resync:
             return True
         return super()._should_load_state_from_peers()
 
@@ -346,16 +342,16 @@ class CollabOptimizer(Optimizer):
         forever), and with a `deadline` it keeps asking until then when no peer had a state to give (without
         one, that answer ends it, as in hivemind's per-step catch-up); and the gradient averager's "state" is
         not downloaded - another peer's accumulated gradients, which hivemind fetches and throws away."""
-        self._resync_tried = self.own_step
+        self.replica.start_resync()
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
-        if self.own_step is not None and self.in_sync():
+        if not self.replica.in_sync and self.in_sync():
             return True  # the state-averaging round that just finished gathered the whole swarm: no download
         epoch_before = self.local_epoch
         self._adopt_the_swarms_epoch()
-        if (self.own_step is None and epoch_before < self.local_epoch >= self.tracker.global_epoch
+        if (self.replica.in_sync and epoch_before < self.local_epoch >= self.tracker.global_epoch
                 and self.state_averager.gathered_since(epoch_before) >= self.tracker.global_progress.num_peers):
             return True  # that round also healed a lineage split, with the whole swarm's parameters: no download
 
@@ -381,7 +377,7 @@ class CollabOptimizer(Optimizer):
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
         self.downloads += 1
-        if self.own_step is None and deadline is None:
+        if self.replica.in_sync and deadline is None:
             # hivemind's own catch-up (this replica fell behind the swarm's epoch: e.g. its groupmates made a step
             # whose average it did not get): said, as every other re-sync is
             logger.warning(f"Epoch {self.local_epoch}: behind the swarm; downloaded its state")

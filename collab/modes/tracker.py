@@ -48,7 +48,6 @@ class HonestProgressTracker(ProgressTracker):
     """Never publishes an epoch this replica has not made with the swarm (after an own step it says the epoch
     before, so that leaving peers wait to be its state donor), and ignores other peers' untrusted records."""
 
-    held_epoch: Optional[int] = None
     members: Optional[Callable[[str], bool]] = None  # a private run's member check: others' records are ignored
     micro_batch_size: Optional[int] = None  # this run's: how far a record may be extrapolated
     reads = 0  # how many times the swarm's progress was read (hivemind's schedule and refresh() alike)
@@ -58,7 +57,8 @@ class HonestProgressTracker(ProgressTracker):
     _stored_at = float("-inf")  # time.monotonic() of this peer's last stored record (_store_due)
     _stored_epoch: Optional[int] = None
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, hold: Callable[[], Optional[int]] = lambda: None, **kwargs):
+        self.hold = hold  # the most epoch this peer's record may claim now (collab.modes.replica_sync); None: its own
         self.rejected = Rejections()
         self._said: set[str] = set()
         super().__init__(*args, **kwargs)
@@ -70,8 +70,9 @@ class HonestProgressTracker(ProgressTracker):
             # a forecast read before now counted this peer's pause since its last step as training: read again
             self.computing_since = get_dht_time()
             self._read_soon()
-        if self.held_epoch is not None and local_epoch > self.held_epoch:
-            local_epoch, samples_accumulated = self.held_epoch, 0
+        held = self.hold()
+        if held is not None and local_epoch > held:
+            local_epoch, samples_accumulated = held, 0
         if self._store_due(local_epoch, samples_accumulated):
             self._stored_at, self._stored_epoch = time.monotonic(), local_epoch
             return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
