@@ -9,8 +9,8 @@ trainer's loop (collab.train.trainer) is the same whichever the run's manifest f
 | gossip | collab.modes.gossip | parameters, pairwise with a random peer after a Poisson-drawn number of     |
 |        |                     | local steps (its merge rules: collab.modes.gossip_rules); no global step    |
 
-Each mode is a hivemind.Optimizer (diloco and gossip subclass sync's CollabOptimizer: the swarm's epoch, state
-downloads, members-only rules and the round log are shared) and each module says what it changes in the optimizer
+Each mode is a hivemind.Optimizer on one base (collab.modes.base.SwarmOptimizer: the swarm's epoch, whether the replica
+is the swarm's, state downloads, members-only rules and leaving are shared; diloco builds on sync) and each module says what it changes in the optimizer
 collab.train.make_optimizer builds: `optimizer_options(ModeContext) -> dict` of hivemind.Optimizer keywords.
 """
 

@@ -44,7 +44,7 @@ from collab.averaging.members_only import MembersOnly
 from collab.modes import ModeContext, ModeReport
 from collab.modes.diloco import adamw_with_warmup
 from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
-from collab.modes.sync import CollabOptimizer
+from collab.modes.base import SwarmOptimizer
 from collab.records.untrusted import progress_records
 
 CHUNK_BYTES = 2**20
@@ -183,7 +183,7 @@ class GossipAverager(MembersOnly, DecentralizedAverager):
         return future
 
 
-class GossipOptimizer(CollabOptimizer):
+class GossipOptimizer(SwarmOptimizer):
     """The trainer's loop calls step() after each micro-batch: a local AdamW step (hivemind's use_local_updates),
     the merges that came in or came back, and, every K steps, a new exchange."""
 
@@ -237,12 +237,6 @@ class GossipOptimizer(CollabOptimizer):
 
     def _should_load_state_from_peers(self) -> bool:
         return False  # a replica behind takes the swarm's epoch label and merges its way in: no download per step
-
-    def in_sync(self) -> bool:
-        return True  # no replica is "the swarm's" in gossip: each is its own, and each is saved
-
-    def _serve_peers_behind(self) -> None:
-        return  # nobody downloads a state to catch up with: a replica behind merges its way back
 
     def settle_before_leaving(self, timeout: float) -> str:
         """At --max-epochs: no more training, but merges with the peers still here for up to

@@ -20,7 +20,7 @@ from collab.averaging.robust_rounds import quiet_rejections
 from collab.averaging.traffic import TrafficLog
 from collab.config import RunConfig, join_request_timeout, round_timeout_caution
 from collab.modes import ModeContext, optimizer_options
-from collab.modes.sync import CollabOptimizer
+from collab.modes.base import SwarmOptimizer
 from collab.records.metrics import AveragingLog
 from collab.records.rejections import RejectionLog
 from collab.run.gate import MemberGate
@@ -30,7 +30,7 @@ from collab.train.precision import uses_precision
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
                     client_mode: bool = False, stop: Optional[threading.Event] = None,
-                    gate: Optional[MemberGate] = None, plan=None) -> CollabOptimizer:
+                    gate: Optional[MemberGate] = None, plan=None) -> SwarmOptimizer:
     """`gate`: in a private run, the members check every averager applies (collab.run.gate); `plan`: the run's
     batch plan (collab.train.plan_keeper) when its target or learning rate follows the noise scale (sync mode only)."""
     avg = config.averaging

@@ -72,7 +72,8 @@ def test_every_override_in_collab_is_listed():
     # the scan does see the mixins and the optimizer (a scan that found nothing would pass the check above)
     assert {"collab.averaging.robust_rounds.CheckedRounds", "collab.averaging.members_only.MembersOnly"} <= \
         found["hivemind.averaging.averager.DecentralizedAverager.rpc_join_group"]
-    assert "collab.modes.sync.CollabOptimizer" in found["hivemind.optim.optimizer.Optimizer._update_global_epoch"]
+    assert "collab.modes.base.SwarmOptimizer" in found["hivemind.optim.optimizer.Optimizer._update_global_epoch"]
+    assert "collab.modes.sync.CollabOptimizer" in found["hivemind.optim.optimizer.Optimizer._begin_averaging_gradients"]
 
 
 def test_every_patched_name_and_instance_attribute_exists():
