@@ -41,6 +41,15 @@ class OneAverage(AllReduceRunner):
         super().__init__(**kwargs)
         self.exchange_averages = exchange_averages
         self._averages_from: set[int] = set()  # reducers (peer index) whose replies are averages, not differences
+        keep_own = self.tensor_part_container.register_failed_reducer
+
+        def failed(peer_index: int):
+            # hivemind keeps this peer's own values for the rest of a failed reducer's span by registering zero
+            # differences: they must not be read as averages (zero minus this peer's part would zero the span)
+            self._averages_from.discard(peer_index)
+            keep_own(peer_index)
+
+        self.tensor_part_container.register_failed_reducer = failed
 
     # as a sender: ask for averages, and turn each received one into the difference hivemind's container adds
 
