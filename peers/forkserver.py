@@ -253,17 +253,6 @@ def _preload() -> None:
         importlib.import_module(module)
 
 
-def _fresh_process_state() -> None:
-    """What a new interpreter would have: hivemind's process-shared module-level locks, unshared."""
-    import multiprocessing as mp
-
-    from hivemind.utils.asyncio import _AsyncContextWrapper
-    from hivemind.utils.mpfuture import MPFuture
-
-    MPFuture.reset_backend()
-    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
-
-
 def _enter_netns(name: str) -> None:
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
@@ -298,7 +287,10 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         if request["netns"]:
             _enter_netns(request["netns"])
-        _fresh_process_state()
+        # imported here, not at the top: the server sets every process default before hivemind is imported
+        from collab.hivemind_hooks.patches import fresh_process_state
+
+        fresh_process_state()
         import runpy
 
         # the command runs as `python -m collab ...` or `python script.py ...` would (its SystemExit is its code)

@@ -156,16 +156,16 @@ def _private_member(organizer_key_path: str) -> dict:
     """What a private run's member runs with: its identity, its invite as the DHT token, a gated averager."""
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.utils.crypto import RSAPrivateKey
 
     from collab.averaging.members_only import MembersOnly
+    from collab.hivemind_hooks.patches import sign_progress_with
     from collab.records.identity import load_or_create_identity, rsa_key_from_der
     from collab.run.access import make_invite
     from collab.run.gate import MemberGate, RunAuthorizer
 
     organizer = rsa_key_from_der(Path(organizer_key_path).read_bytes())
     identity = load_or_create_identity(None)
-    RSAPrivateKey._process_wide_key = identity.key
+    sign_progress_with(identity.key)
     invite = make_invite("probe", identity.peer_id, organizer, lifetime=3600)
     gate = MemberGate("probe", invite.organizer_key)
 

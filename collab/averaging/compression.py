@@ -39,11 +39,12 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
-from hivemind.averaging import allreduce
 from hivemind.compression import serialization
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.compression.quantization import _BLOCKWISE_QUANTIZATION_BLOCKSIZE, BlockwiseQuantization
 from hivemind.proto import runtime_pb2
+
+from collab.hivemind_hooks.patches import decode_averages_with
 
 # a part of a tensor of at least this many elements travels in 8 bits under size-adaptive (as in hivemind's
 # ALBERT example): its per-part codebook is then a negligible overhead and the rounding error averages out
@@ -169,10 +170,9 @@ def decode_part(serialized: runtime_pb2.Tensor) -> torch.Tensor:
 
 
 def use_collab_decoders() -> None:
-    """hivemind's all-reduce decodes the averages reducers send back with its module's deserialize_torch_tensor:
-    collab's decode_part takes its place there (every other hivemind decoder, and its table, stay as they are).
-    Called before the averagers' processes start."""
-    allreduce.deserialize_torch_tensor = decode_part
+    """collab's decode_part decodes the averages reducers send back (collab.hivemind_hooks.patches). Called before
+    the averagers' processes start."""
+    decode_averages_with(decode_part)
 
 
 def wire_codec(name: str) -> CompressionBase:

@@ -15,6 +15,8 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from collab.averaging.reply_streams import replies_in_flight
+from collab.hivemind_hooks.averager import AveragerHooks
+from collab.hivemind_hooks.patches import donors_reached_through
 from collab.run.gate import MemberGate
 
 REPLY_DRAIN = 3.0  # seconds a leaving averager waits for groupmates to read the averaged parts it holds
@@ -35,7 +37,7 @@ class NotAMember(MatchmakingException):
     """A group that holds a non-member: hivemind's averager gives this round up (and retries, time permitting)."""
 
 
-class MembersOnly:
+class MembersOnly(AveragerHooks):
     """A DecentralizedAverager mixin: with a `gate`, averaging only with the run's members."""
 
     gate: Optional[MemberGate] = None
@@ -43,54 +45,55 @@ class MembersOnly:
     async def _allows(self, peer_id: PeerID, what: str, refresh: bool = True) -> bool:
         return self.gate is None or peer_id == self.peer_id or await self.gate.allows(self.dht, peer_id, what, refresh)
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
-                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    async def serve_join_request(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if not await self._allows(context.remote_id, "a join request"):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_join_group(request, context):
+        async for message in super().serve_join_request(request, context):
             yield message
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.AveragingData]:
         if self.gate is not None and not await self._groupmate(context.remote_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_aggregate_part(stream, context):
+        async for message in super().serve_aggregate_part(stream, context):
             yield message
 
     async def _groupmate(self, peer_id: PeerID) -> bool:
-        # a groupmate of a running round was checked with its group (_aggregate_with_group), unless revoked since
+        # a groupmate of a running round was checked with its group (aggregate_with_group), unless revoked since
         in_group = any(peer_id in runner.ordered_peer_ids for runner in self._runners())
         return (in_group and self.gate.access.allows(peer_id.to_base58())) or \
             await self._allows(peer_id, "tensor parts", refresh=False)
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def serve_state_download(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if not await self._allows(context.remote_id, "a state download"):
             return  # nothing: the asker moves on to the next donor
-        async for message in super().rpc_download_state(request, context):
+        async for message in super().serve_state_download(request, context):
             yield message
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+    async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         # as a follower this checks the leader's member list before sending a byte; as a leader, its own group
         for peer_id in group_info.peer_ids:
             if not await self._allows(peer_id, "a place in an averaging group", refresh=False):
                 raise NotAMember(f"the group holds {peer_id}, who is not a member of this private run")
-        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return await super().aggregate_with_group(group_info, min_vector_size, **kwargs)
 
-    async def _load_state_from_peers(self, future, timeout=None):
+    async def download_state(self, future, timeout=None):
         # hivemind picks donors from the DHT's list of averagers, which may still hold a revoked peer's entry:
-        # download only from members (its one call of self.get_stub, below, is where a donor is chosen)
-        if self.gate is not None:
-            await self.gate.refresh(self.dht)
-            self.get_stub = self._donor_stub
-        return await super()._load_state_from_peers(future, timeout=timeout)
+        # download only from members
+        if self.gate is None:
+            return await super().download_state(future, timeout=timeout)
+        await self.gate.refresh(self.dht)
+        with donors_reached_through(self, self._donor_stub):
+            return await super().download_state(future, timeout=timeout)
 
-    def _donor_stub(self, p2p, peer: PeerID, *, namespace=None):
+    def _donor_stub(self, inner, p2p, peer: PeerID, namespace=None):
         verdict = self.gate.access.verdict(peer.to_base58())
         if verdict == "member":
-            return type(self).get_stub(p2p, peer, namespace=namespace)
+            return inner(p2p, peer, namespace=namespace)
         self.gate.refuse(peer.to_base58(), "an offer of its state", verdict)
         return _NoState()  # hivemind hears "no state" and asks the next donor
 
@@ -109,7 +112,7 @@ class MembersOnly:
         futures = list(getattr(self, "_running_groups", {}).values())
         return [f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None]
 
-    async def _shutdown(self, timeout) -> None:
+    async def shut_down_in_process(self, timeout) -> None:
         # hivemind's shutdown iterates over the running groups with `.finalize(cancel=True)`, but each is an
         # asyncio.Future holding the AllReduceRunner, and finalize returns None: a shutdown mid-round raised
         # AttributeError (then TypeError) in its thread. End them here, and hand it none. First, briefly, let
@@ -118,4 +121,4 @@ class MembersOnly:
         for runner in self._runners():
             runner.finalize(cancel=True)
         self._running_groups.clear()
-        await super()._shutdown(timeout)
+        await super().shut_down_in_process(timeout)

@@ -22,18 +22,19 @@ import asyncio
 from typing import AsyncIterator
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from collab.averaging.compression import decode_part, encode_part
+from collab.hivemind_hooks.allreduce import RunnerHooks
+from collab.hivemind_hooks.patches import before_failed_reducer
 
 MARK = b"collab:average"  # in the first message of a stream: "send me the average" / "these are averages"
 
 
-class OneAverage(AllReduceRunner):
+class OneAverage(RunnerHooks):
     """hivemind's all-reduce runner, every member of the group ending with the same rounded average (see the
     module). `exchange_averages=False` behaves as hivemind (and an older collab) does: differences both ways."""
 
@@ -41,27 +42,21 @@ class OneAverage(AllReduceRunner):
         super().__init__(**kwargs)
         self.exchange_averages = exchange_averages
         self._averages_from: set[int] = set()  # reducers (peer index) whose replies are averages, not differences
-        keep_own = self.tensor_part_container.register_failed_reducer
-
-        def failed(peer_index: int):
-            # hivemind keeps this peer's own values for the rest of a failed reducer's span by registering zero
-            # differences: they must not be read as averages (zero minus this peer's part would zero the span)
-            self._averages_from.discard(peer_index)
-            keep_own(peer_index)
-
-        self.tensor_part_container.register_failed_reducer = failed
+        # hivemind keeps this peer's own values for the rest of a failed reducer's span by registering zero
+        # differences: they must not be read as averages (zero minus this peer's part would zero the span)
+        before_failed_reducer(self.tensor_part_container, self._averages_from.discard)
 
     # as a sender: ask for averages, and turn each received one into the difference hivemind's container adds
 
-    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def parts_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         first = self.exchange_averages
-        async for message in super()._generate_input_for_peer(peer_index):
+        async for message in super().parts_for_peer(peer_index):
             if first:
                 message.peer_id, first = MARK, False
             yield message
 
-    def _get_peer_stub(self, peer: PeerID):
-        stub, runner, peer_index = super()._get_peer_stub(peer), self, self.ordered_peer_ids.index(peer)
+    def peer_stub(self, peer: PeerID):
+        stub, runner, peer_index = super().peer_stub(peer), self, self.ordered_peer_ids.index(peer)
 
         class MarkReadingStub:
             async def rpc_aggregate_part(self, inputs, *args, **kwargs):
@@ -91,9 +86,9 @@ class OneAverage(AllReduceRunner):
 
     # as a reducer: round the average once and send it whole to those who asked; keep the same value for this peer
 
-    async def _communicate_with_peer(self, peer_id: PeerID):
+    async def exchange_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id or not self.exchange_averages:
-            return await super()._communicate_with_peer(peer_id)
+            return await super().exchange_with_peer(peer_id)
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         loop, codec = asyncio.get_event_loop(), self.tensor_part_container.compression
         infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[peer_index]]
@@ -107,7 +102,7 @@ class OneAverage(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index,
                                                                rounded.to(tensor_part.dtype) - tensor_part)
 
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+    async def reduce_stream(self, stream, sender_index: int):
         """hivemind's reducer loop (accumulate each part, reply as soon as its average is ready, ban a sender that
         stops short), replying with the rounded average itself to a sender that asked for it."""
         loop, part_index, wants_average = asyncio.get_event_loop(), 0, False
@@ -132,4 +127,4 @@ class OneAverage(AllReduceRunner):
                 yield message
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                await self.ban_sender(self.sender_peer_ids[sender_index])

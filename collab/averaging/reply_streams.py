@@ -23,19 +23,20 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+
+from collab.hivemind_hooks.allreduce import RunnerHooks
 
 HOLD_FALLBACK = 10.0  # seconds a reducer keeps a finished reply stream open when no reducer_timeout is set
 _in_flight = 0  # reply streams this process is serving now (one averager per process)
 
 
-class WholeReplies(AllReduceRunner):
+class WholeReplies(RunnerHooks):
     """An AllReduceRunner whose reply streams end when the sender has read them (see the module)."""
 
-    def _get_peer_stub(self, peer: PeerID):
-        stub = super()._get_peer_stub(peer)
+    def peer_stub(self, peer: PeerID):
+        stub = super().peer_stub(peer)
         expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
 
         class ClosingStub:
@@ -44,13 +45,13 @@ class WholeReplies(AllReduceRunner):
 
         return ClosingStub()
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.AveragingData]:
         global _in_flight
         _in_flight += 1
         try:
             replies = 0
-            async for message in super().rpc_aggregate_part(stream, context):
+            async for message in super().serve_aggregate_part(stream, context):
                 replies += message.code == averaging_pb2.AVERAGED_PART
                 yield message
             if replies and replies == self.tensor_part_reducer.num_parts:

@@ -45,6 +45,8 @@ from collab.averaging.aggregation import Aggregation, RobustPartReducer
 from collab.averaging.one_average import OneAverage
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
+from collab.hivemind_hooks.averager import AveragerHooks
+from collab.hivemind_hooks.patches import before_failed_reducer, check_returned_parts, never_ask_leaders
 from collab.records.rejections import HARD_EVIDENCE
 from collab.records.untrusted import progress_records
 
@@ -86,13 +88,7 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
         # parts, so the "average" differs from peer to peer (a DiLoCo test's replicas ended 0.31 apart after a
         # peer was killed mid-round). Not those this peer left out for a ban: that choice is deliberate
         self.lost_reducers: set[int] = set()
-        keep_own = self._keep_own_parts = self.tensor_part_container.register_failed_reducer
-
-        def lost(peer_index: int):
-            self.lost_reducers.add(peer_index)
-            keep_own(peer_index)
-
-        self.tensor_part_container.register_failed_reducer = lost
+        self._keep_own_parts = before_failed_reducer(self.tensor_part_container, self.lost_reducers.add)
         banned = {i for i, peer_id in enumerate(self.sender_peer_ids) if is_banned(peer_id)}
         # hivemind's own reducer, replaced below, warns "Reducer: received 0.0% of input tensors" when collected
         # unless marked finished: every peer logged that false alarm once per round
@@ -103,7 +99,6 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
             report_clipping=report_clipping,
             own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
             caps={i: weight_caps[p.to_base58()] for i, p in enumerate(self.sender_peer_ids) if p.to_base58() in weight_caps})
-        register = self.tensor_part_container.register_processed_part
         clipped_group = rule.method == "centered_clip" and len(self.sender_peer_ids) >= 3
 
         def checked(peer_index: int, part_index: int, returned: torch.Tensor):
@@ -114,19 +109,19 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
                 elif float(delta.float().norm()) > self.bound:
                     self.caught[peer_index] = "returned an implausible average" + (
                         " of a clipped group" if clipped_group else "")
-            register(peer_index, part_index, delta)
+            return delta
 
-        self.tensor_part_container.register_processed_part = checked
+        check_returned_parts(self.tensor_part_container, checked)
 
-    async def _communicate_with_peer(self, peer_id: PeerID):
+    async def exchange_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id and self.is_banned(peer_id):
             self.on_finding(peer_id, "banned: left out of a group")
             self._keep_own_parts(self.ordered_peer_ids.index(peer_id))
             return
-        await super()._communicate_with_peer(peer_id)
+        await super().exchange_with_peer(peer_id)
 
 
-class CheckedRounds:
+class CheckedRounds(AveragerHooks):
     """A DecentralizedAverager mixin. Set `rule`, `kind` ("gradients" or "state") and `findings` (a queue, or
     None) before hivemind's constructor starts the averager process."""
 
@@ -173,34 +168,23 @@ class CheckedRounds:
     def banned(self, peer_id: PeerID) -> bool:
         return self._bans().get(peer_id.to_base58(), 0.0) > time.monotonic()
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext):
+    async def serve_join_request(self, request: averaging_pb2.JoinRequest, context: P2PContext):
         if self.banned(context.remote_id):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_join_group(request, context):
+        async for message in super().serve_join_request(request, context):
             yield message
 
-    async def _step(self, *, step, **kwargs):
+    async def averaging_step(self, *, step, **kwargs):
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
-        self._never_follow_banned_leaders()
+        matchmaking = getattr(self, "_matchmaking", None)  # made in the averager process
+        if matchmaking is not None:
+            never_ask_leaders(matchmaking, self.banned)
         if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
             self._signed_progress()  # a fresh read starts while the group is being matched
-        return await super()._step(step=step, **kwargs)
+        return await super().averaging_step(step=step, **kwargs)
 
-    def _never_follow_banned_leaders(self) -> None:
-        # hivemind's Matchmaking (made in the averager process) asks each leader it finds in the DHT, and any leader
-        # a disbanding one suggests, through this one method
-        matchmaking = getattr(self, "_matchmaking", None)
-        if matchmaking is None or getattr(matchmaking, "_collab_checked", False):
-            return
-        request_join = matchmaking._request_join_group
-
-        async def unless_banned(leader: PeerID):
-            return None if self.banned(leader) else await request_join(leader)
-
-        matchmaking._request_join_group, matchmaking._collab_checked = unless_banned, True
-
-    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
+    async def run_allreduce(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         # PowerSGD runs two all-reduces per round (its P, then its Q): each has its own history of norms
         phase = group_id[len(group_info.group_id):]

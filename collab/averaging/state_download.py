@@ -28,6 +28,8 @@ from hivemind.utils.logging import get_logger
 
 from collab.averaging.members_only import _NoState  # a donor that is not asked: hivemind hears "no state"
 from collab.averaging.robust_rounds import run_id_of
+from collab.hivemind_hooks.averager import AveragerHooks
+from collab.hivemind_hooks.patches import donors_reached_through
 from collab.records.untrusted import progress_records
 
 FAR_APART = 1.0  # a state further than this (relative to the replica's norm) from ours is not a near-peer's
@@ -84,7 +86,7 @@ def donor_preference(upload_mbit: Optional[float]) -> float:
     return 0.9 * mbit / (mbit + UNKNOWN_UPLINK_MBIT)
 
 
-class CheckedDownloads:
+class CheckedDownloads(AveragerHooks):
     """A mixin for TrainingStateAverager (both processes); set `findings` (and `upload_mbit`) before the averager
     process starts."""
 
@@ -104,27 +106,20 @@ class CheckedDownloads:
 
     # -- in the averager's process ------------------------------------------------------------------------
 
-    async def _load_state_from_peers(self, future, timeout=None):
+    async def download_state(self, future, timeout=None):
         plausible = await self._plausible_donors()
-        inner = self.__dict__.get("get_stub")  # collab.run.gate may have put a members-only stub here
         asked: list[str] = []
 
-        def stub(p2p, peer: PeerID, *, namespace=None):
+        def stub(inner, p2p, peer: PeerID, namespace):  # inner: members only, in a private run
             name = peer.to_base58()
             if name in self._skipped_donors() or (plausible is not None and name not in plausible):
                 return _NoState()  # hivemind hears "no state" and asks the next donor
             asked.append(name)
-            return _BoundedDial((inner or type(self).get_stub)(p2p, peer, namespace=namespace))
+            return _BoundedDial(inner(p2p, peer, namespace=namespace))
 
-        self.get_stub = stub
-        try:
-            return await super()._load_state_from_peers(_TagDonor(future, lambda: asked[-1] if asked else None),
-                                                        timeout=timeout)
-        finally:
-            if inner is None:
-                del self.get_stub
-            else:
-                self.get_stub = inner
+        with donors_reached_through(self, stub):
+            return await super().download_state(_TagDonor(future, lambda: asked[-1] if asked else None),
+                                                timeout=timeout)
 
     async def _plausible_donors(self) -> Optional[set]:
         """Peers whose signed progress is at most one epoch behind the newest (None: no records could be read,

@@ -18,9 +18,10 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
+
+from collab.hivemind_hooks.allreduce import RunnerHooks
 
 RECENT_ROUNDS = 16
 
@@ -34,7 +35,7 @@ def _values(message: averaging_pb2.AveragingData) -> int:
     return count
 
 
-class CountingRunner(AllReduceRunner):
+class CountingRunner(RunnerHooks):
     """hivemind's all-reduce runner, counting what it sends and receives in both roles."""
 
     def __init__(self, **kwargs):
@@ -54,12 +55,12 @@ class CountingRunner(AllReduceRunner):
         async for message in stream:
             yield self._count(message, sent)
 
-    async def _generate_input_for_peer(self, peer_index: int):
-        async for message in super()._generate_input_for_peer(peer_index):
+    async def parts_for_peer(self, peer_index: int):
+        async for message in super().parts_for_peer(peer_index):
             yield self._count(message, sent=True)
 
-    def _get_peer_stub(self, peer: PeerID):
-        stub, runner = super()._get_peer_stub(peer), self
+    def peer_stub(self, peer: PeerID):
+        stub, runner = super().peer_stub(peer), self
 
         class CountingStub:
             async def rpc_aggregate_part(self, inputs, *args, **kwargs):
@@ -67,8 +68,8 @@ class CountingRunner(AllReduceRunner):
 
         return CountingStub()
 
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        async for message in super()._accumulate_parts_streaming(self._counted(stream, sent=False), sender_index):
+    async def reduce_stream(self, stream, sender_index: int):
+        async for message in super().reduce_stream(self._counted(stream, sent=False), sender_index):
             yield self._count(message, sent=True)
 
 

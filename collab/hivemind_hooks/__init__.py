@@ -1,10 +1,19 @@
-"""Every hivemind internal collab depends on, in one list: the methods collab's classes override, with the
-parameters they were written against, and the private names collab patches or reads at run time.
+"""hivemind's internals behind one door: every hivemind method collab overrides, every run-time patch, every private
+name it reads, listed here, with the parameters collab was written against.
 
-tests/unit/test_hivemind_hooks.py checks this list against the installed hivemind, and finds every override in collab's
-own classes: a hivemind upgrade that renames, removes or re-signs one of these fails there, loudly, in one place,
-and an override added to collab without an entry here fails too. Why each hook exists: docs/design.md,
-"hivemind hooks". Imports nothing: the test resolves the names.
+The package holds the hooks themselves:
+- `allreduce.RunnerHooks`, `averager.AveragerHooks`, `optimizer.OptimizerHooks` and `optimizer.TrackerHooks` are the
+  only classes that define a private hivemind method (or an averaging RPC handler). Each hands over to a public
+  method whose default is hivemind's own behaviour; collab's classes derive from these and override the public
+  names, so a class elsewhere in collab never names a private hivemind method.
+- `patches` holds every run-time patch of a hivemind module, class or object, and every call of a private hivemind
+  function, one function each, with one line on why.
+Public methods collab's classes override (a constructor, `step`, a codec's `extract`) are listed here too.
+
+tests/unit/test_hivemind_hooks.py checks this list against the installed hivemind and against collab's own classes
+and sources: a hivemind upgrade that renames, removes or re-signs one of these names fails there, loudly, in one
+place; so does an override or a patch added anywhere else. Why each hook exists: docs/design.md, "hivemind hooks".
+This module imports nothing: the test resolves the names.
 """
 
 from __future__ import annotations
@@ -121,26 +130,31 @@ OVERRIDDEN = {
     "hivemind.utils.auth.TokenAuthorizerBase.is_token_valid": "self, access_token",
 }
 
-# module-level names, class attributes and methods that collab replaces, wraps or reads at run time
+# module-level names, class attributes and methods collab replaces, wraps or calls: only in collab.hivemind_hooks
 PATCHED = (
     "hivemind.averaging.allreduce.deserialize_torch_tensor",  # collab's decoders (fixed 8-bit, DGC's sparse parts)
-    "hivemind.compression.quantization._BLOCKWISE_QUANTIZATION_BLOCKSIZE",  # read: decoding a blockwise part
     "hivemind.utils.crypto.RSAPrivateKey._process_wide_key",  # the tracker signs with the libp2p identity's key
     "hivemind.averaging.matchmaking.Matchmaking._request_join_group",  # never ask a banned leader
     "hivemind.averaging.partition.TensorPartContainer.register_failed_reducer",  # reducers that died mid-round
     "hivemind.averaging.partition.TensorPartContainer.register_processed_part",  # every returned part checked
+    "hivemind.p2p.servicer.ServicerBase.get_stub",  # a state download's donors: members, plausible, dialled bounded
     "hivemind.averaging.allreduce.AllReduceRunner._ban_sender",  # called by collab's reducer loop (one_average)
-    "hivemind.averaging.allreduce.AllReduceRunner.finalize",  # a running all-reduce ended on a signal
-    "hivemind.averaging.control.StepControl.deadline",  # a pre-scheduled round's time left
-    "hivemind.averaging.control.StepControl.stage",
     "hivemind.dht.dht.DHT._get_p2p_daemon_listen_maddr",  # a second client of the DHT's p2pd (run files)
-    "hivemind.dht.protocol.DHTProtocol.call_ping",  # lost peers pinged back (rejoin)
-    "hivemind.p2p.p2p_daemon.P2P._terminate",
+    "hivemind.p2p.p2p_daemon.P2P._terminate",  # that client closed, the daemon left to the DHT
     "hivemind.utils.mpfuture.MPFuture._active_futures",  # rounds cancelled on a signal
     "hivemind.utils.mpfuture.MPFuture.reset_backend",  # the fork server's forks
     "hivemind.utils.asyncio._AsyncContextWrapper.EXECUTOR_LOCK",
     "hivemind.optim.state_averager.TrainingStateAverager._update_scheduler",  # a lineage split's epoch adopted
-    "hivemind.optim.progress_tracker.ProgressTracker._progress_reporter",  # what should_report_progress wakes
+)
+
+# hivemind names collab's role modules read (a constant, a StepControl's state) or call (a public method of an
+# internal class): no patch, but an upgrade that changes them changes collab
+READ = (
+    "hivemind.compression.quantization._BLOCKWISE_QUANTIZATION_BLOCKSIZE",  # decoding a blockwise part
+    "hivemind.averaging.control.StepControl.deadline",  # a pre-scheduled round's time left
+    "hivemind.averaging.control.StepControl.stage",
+    "hivemind.dht.protocol.DHTProtocol.call_ping",  # lost peers pinged back (rejoin)
+    "hivemind.averaging.allreduce.AllReduceRunner.finalize",  # a running all-reduce ended on a signal or revocation
 )
 
 # attributes hivemind sets on its objects (self.NAME = ...) that collab reads or writes, by the class that sets them

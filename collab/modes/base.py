@@ -14,10 +14,8 @@ import weakref
 from collections import deque
 from typing import Optional
 
-from hivemind import Optimizer
-from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
-from hivemind.utils.mpfuture import MPFuture
 
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
@@ -25,6 +23,8 @@ from collab.averaging.donor_patience import EpochPace
 from collab.averaging.replica import RecordingStateAverager, cancel_round
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
+from collab.hivemind_hooks.optimizer import OptimizerHooks
+from collab.hivemind_hooks.patches import step_controls_in_flight, update_scheduler
 from collab.modes import ModeReport
 from collab.modes.replica_sync import OwnStep, ReplicaSync
 from collab.modes.tracker import HonestProgressTracker
@@ -65,7 +65,7 @@ class _QuietLeave(logging.Filter):
         quiet.stops.add(stop)
 
 
-class SwarmOptimizer(Optimizer):
+class SwarmOptimizer(OptimizerHooks):
     """hivemind.Optimizer with what every collab mode shares (see the module)."""
 
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None,
@@ -106,14 +106,14 @@ class SwarmOptimizer(Optimizer):
     def mode_report(self) -> ModeReport:
         return ModeReport(noise=noise_fields(self.noise_scale), noise_inputs=list(self.noise_inputs))
 
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
+    def make_progress_tracker(self, target_batch_size: int, **kwargs) -> "HonestProgressTracker":
         tracker = HonestProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                                         client_mode=self.client_mode, status_loglevel=self.status_loglevel,
                                         hold=lambda: self.replica.held_epoch, start=True, **kwargs)
         tracker.micro_batch_size = self.batch_size_per_step
         return tracker
 
-    def _make_state_averager(self, **kwargs) -> RecordingStateAverager:
+    def make_state_averager(self, **kwargs) -> RecordingStateAverager:
         # hivemind's own construction, with an averager that reports what its rounds and downloads achieved
         return RecordingStateAverager(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
@@ -156,7 +156,7 @@ class SwarmOptimizer(Optimizer):
         with self.tracker.pause_updates(), self.state_averager.lock_optimizer:
             behind_by = ahead - self.local_epoch
             self.state_averager.local_epoch = ahead
-            self.state_averager._update_scheduler()
+            update_scheduler(self.state_averager)
             self.replica.renumbered(behind_by)  # an own step counts in the swarm's numbering, which moved
             self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
         if self.replica.in_sync:
@@ -168,7 +168,7 @@ class SwarmOptimizer(Optimizer):
     def _at_the_end(self) -> bool:
         return self.leave_at_epoch is not None and self.local_epoch >= self.leave_at_epoch
 
-    def _update_global_epoch(self, grad_scaler) -> None:
+    def update_global_epoch(self, grad_scaler) -> None:
         if self.stop.is_set() or self._at_the_end():
             # leaving: this epoch's step is left to the peers who stay. Starting it would wait for the gradient
             # buffers, which a background round (overlap=full) holds until it gives up: past the leave's grace
@@ -196,7 +196,7 @@ class SwarmOptimizer(Optimizer):
             if self._adopt_the_swarms_epoch() and (self._at_the_end() or not self.tracker.ready_to_update_epoch):
                 return  # at the swarm's epoch now: accumulate toward its target like everyone else (or leave)
         try:
-            super()._update_global_epoch(grad_scaler)
+            super().update_global_epoch(grad_scaler)
         except LeavingMidStep:
             return  # this epoch's step is abandoned: the peers who stay make it, and we keep our last state
         if self.replica.own_step_to(self.local_epoch):
@@ -261,10 +261,8 @@ class SwarmOptimizer(Optimizer):
         # hivemind's background optimizer step also makes rounds of its own (when none was pre-scheduled)
         # and keeps them nowhere we can reach; the main thread then waits on that step. Every round is a
         # StepControl future registered by the process that made it, so cancel those too.
-        for future_ref in list((MPFuture._active_futures or {}).values()):
-            control = future_ref()
-            if isinstance(control, StepControl):
-                cancel_round(control)
+        for control in step_controls_in_flight():
+            cancel_round(control)
         # and a round already past matching runs on regardless (hivemind's cancel does not reach it): ended here
         self.state_averager.abort_running_rounds()  # (every collab averager is a CheckedRounds)
         if self.use_gradient_averaging:
@@ -278,7 +276,7 @@ class SwarmOptimizer(Optimizer):
         not downloaded - another peer's accumulated gradients, which hivemind fetches and throws away."""
         self.replica.start_resync()
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.tag_along(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         if not self.replica.in_sync and self.in_sync():
@@ -362,6 +360,6 @@ class SwarmOptimizer(Optimizer):
     def observe_loss(self, loss: float) -> None:
         """The loss of each micro-batch this peer trained on (gossip's merges weigh replicas by it)."""
 
-    def _maybe_schedule_state_averaging(self) -> None:
+    def schedule_state_round(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_state_averaging()
+            super().schedule_state_round()

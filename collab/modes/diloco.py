@@ -167,8 +167,8 @@ class DiLoCoOptimizer(CollabOptimizer):
                                       "an outer step while it downloaded the state")
         return group
 
-    def _load_averaged_gradients_into_optimizer_(self) -> None:
-        super()._load_averaged_gradients_into_optimizer_()  # after a round, or on the fallback to its own
+    def load_averaged_gradients(self) -> None:
+        super().load_averaged_gradients()  # after a round, or on the fallback to its own
         with self.grad_averager.get_tensors() as outer_gradient:
             self._applied = _probe(outer_gradient, self.seed)
 

@@ -235,7 +235,7 @@ class GossipOptimizer(SwarmOptimizer):
     def drop_micro_batch(self) -> None:
         self.zero_grad()
 
-    def _should_load_state_from_peers(self) -> bool:
+    def should_download_state(self) -> bool:
         return False  # a replica behind takes the swarm's epoch label and merges its way in: no download per step
 
     def settle_before_leaving(self, timeout: float) -> str:

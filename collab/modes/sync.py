@@ -43,11 +43,11 @@ class CollabOptimizer(SwarmOptimizer):
     by downloading the swarm's state at the next step, or before leaving.
     """
 
-    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+    def begin_gradient_round(self, grad_scaler) -> bool:
         if hasattr(self.grad_averager, "set_round_context"):  # dgc: its warm-up and its clipping need these
             self.grad_averager.set_round_context(self.local_epoch, max(1, self.tracker.global_progress.num_peers))
         self._renew_a_stale_round()
-        began = super()._begin_averaging_gradients(grad_scaler)
+        began = super().begin_gradient_round(grad_scaler)
         if not began and self._most_peers > 1:
             self.averaging_log.failure()  # hivemind steps on local gradients while others average without us
             self._record_own_step("the gradient round could not start")
@@ -81,12 +81,12 @@ class CollabOptimizer(SwarmOptimizer):
             logger.warning(f"Epoch {self.local_epoch}: {why}; this step is on this peer's own gradients, so its "
                            "replica is one update away from the swarm's until it is re-synced")
 
-    def _should_load_state_from_peers(self) -> bool:
+    def should_download_state(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
         # gradients we would compute meanwhile would be for parameters nobody else has
         if not self.in_sync() and self.replica.wants_resync:
             return True
-        return super()._should_load_state_from_peers()
+        return super().should_download_state()
 
     def _wait_for_round(self, control):
         """The round's result, waiting in short slices: a peer asked to leave must not sit out a whole
@@ -122,13 +122,13 @@ class CollabOptimizer(SwarmOptimizer):
             raise NobodyLeftToJoin(f"every other peer made epoch {epoch}'s step without this one (the swarm is at "
                                    f"epoch {swarm}); nobody is left to average with")
 
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+    def finish_gradient_round(self, maybe_step_control) -> None:
         averaged = False
         if maybe_step_control is not None:
             try:
                 group = self._wait_for_round(maybe_step_control)
                 if self._averaged_gradients_are_finite():
-                    self._load_averaged_gradients_into_optimizer_()
+                    self.load_averaged_gradients()
                     self.averaging_log.success([peer.to_base58() for peer in group], self.local_epoch)
                     averaged = True
                 else:
@@ -156,20 +156,20 @@ class CollabOptimizer(SwarmOptimizer):
                 # (with overlap=full, past the leave's grace: forced exits). In that mode this runs in hivemind's
                 # background step, which logs what it raises: _QuietLeave keeps that out of the peer's log.
                 raise LeavingMidStep()
-            self._load_local_gradients_into_optimizer()
+            self.load_own_gradients()
             self._record_own_step(failure)
 
-    def _load_local_gradients_into_optimizer(self) -> None:
+    def load_own_gradients(self) -> None:
         # the gradients this peer sent into the failed round (hivemind would load its zeroed accumulators); when
         # no round took them, the accumulators still hold them and hivemind's own fallback is right
         own = self.grad_averager.take_own_gradients()
         if own is None:
-            return super()._load_local_gradients_into_optimizer()
+            return super().load_own_gradients()
         self.grad_averager.restore_own_gradients_(own)
-        self._load_averaged_gradients_into_optimizer_()
+        self.load_averaged_gradients()
 
-    def _load_averaged_gradients_into_optimizer_(self) -> None:
-        super()._load_averaged_gradients_into_optimizer_()
+    def load_averaged_gradients(self) -> None:
+        super().load_averaged_gradients()
         self.grad_averager.take_own_gradients()  # used: a later failure must not step on them again
 
     def drop_micro_batch(self) -> None:
@@ -183,13 +183,13 @@ class CollabOptimizer(SwarmOptimizer):
             for param in self.grad_averager.parameters:  # the model's: hivemind adds .grad in at opt.step()
                 param.grad = None
 
-    def _tag_along_with_zero_weight(self, control) -> None:
+    def tag_along(self, control) -> None:
         # on the way out, hivemind would sit through a running round (up to averaging_timeout) with zero
         # weight; a leaving peer cancels instead, and the group finishes without it
         if self.stop.is_set():
             cancel_round(control)
             return
-        super()._tag_along_with_zero_weight(control)
+        super().tag_along(control)
 
     def _finish_before_leaving(self) -> None:
         super()._finish_before_leaving()
@@ -242,12 +242,12 @@ class CollabOptimizer(SwarmOptimizer):
         if not self.grad_averager.reuse_grad_buffers:
             super().zero_grad(set_to_none)
 
-    def _maybe_schedule_gradient_averaging(self) -> None:
+    def schedule_gradient_round(self) -> None:
         # hivemind pre-schedules matchmaking even for a peer that is alone, and the fruitless search keeps
         # the DHT and averager processes busy (a third of a core here). With one peer there is nobody to
-        # match; when another appears, _begin_averaging_gradients still starts a round at the epoch's end.
+        # match; when another appears, begin_gradient_round still starts a round at the epoch's end.
         if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_gradient_averaging()
+            super().schedule_gradient_round()
 
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
+from collab.hivemind_hooks.optimizer import TrackerHooks
 from collab.records.identity import signer_peer_id
 from collab.records.untrusted import Rejections, accept, drop_implausible_epochs
 
@@ -44,7 +45,7 @@ REPORT_EVERY = 0.5
 NEAR_THE_END = 1.0
 
 
-class HonestProgressTracker(ProgressTracker):
+class HonestProgressTracker(TrackerHooks):
     """Never publishes an epoch this replica has not made with the swarm (after an own step it says the epoch
     before, so that leaving peers wait to be its state donor), and ignores other peers' untrusted records."""
 
@@ -92,11 +93,11 @@ class HonestProgressTracker(ProgressTracker):
         return (self.global_progress.samples_accumulated >= self.target_batch_size
                 or self.global_progress.eta_next_epoch - get_dht_time() <= NEAR_THE_END)
 
-    def _parse_swarm_progress_data(self, metadata):
+    def parse_swarm_progress(self, metadata):
         if isinstance(metadata, dict):
             metadata = forecastable(trusted_progress(metadata, self.rejected, self._said, self.members),
                                     get_dht_time(), self.micro_batch_size)
-        progress = super()._parse_swarm_progress_data(metadata)
+        progress = super().parse_swarm_progress(metadata)
         self.reads, self.read_at, self.forecast_at = self.reads + 1, time.monotonic(), get_dht_time()
         return progress
 

@@ -16,7 +16,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.timed_storage import get_dht_time
+
 from collab.errors import UserError
+from collab.hivemind_hooks.patches import close_p2p_client, p2pd_address
 from collab.records.identity import signer_peer_id
 from collab.run.manifest import Manifest, verify
 
@@ -32,8 +36,6 @@ ACCESS_NAME = "access"  # not a file: the server's verdict on the asker (is the 
 def store_own_copy(dht, key: str, subkey: bytes, value, lifetime: float) -> None:
     """Store (without waiting) this peer's copy of a run record under its own signing key (`subkey`): nobody
     else can overwrite it, and readers know who holds it (manifest, invites, revocation list)."""
-    from hivemind.utils.timed_storage import get_dht_time
-
     dht.store(key=key, subkey=subkey, value=value, expiration_time=get_dht_time() + lifetime, return_future=True)
 
 
@@ -117,8 +119,6 @@ class RunFileServer:
         await self._p2p.add_binary_stream_handler(FILE_PROTOCOL, self._serve)
 
     async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from hivemind.p2p import P2P
-
         try:
             name = (await asyncio.wait_for(P2P.receive_raw_data(reader), timeout=10)).decode()
             verdict = "member" if self.access is None else self.access.verdict(stream_info.peer_id.to_base58())
@@ -145,7 +145,7 @@ def close_loop(loop, p2p=None) -> None:
 
     async def finish() -> None:  # inside the loop: hivemind cancels its tasks through the running loop
         if p2p is not None:
-            p2p._terminate()
+            close_p2p_client(p2p)
         tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
@@ -159,10 +159,7 @@ def close_loop(loop, p2p=None) -> None:
 
 async def own_p2p(dht):
     """A client of the DHT's p2pd for the calling event loop (hivemind's cached replica is bound to another)."""
-    from hivemind import DHT
-    from hivemind.p2p import P2P
-
-    return await P2P.replicate(dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
+    return await P2P.replicate(p2pd_address(dht))
 
 
 def fetch_run_file(dht, holders: list[str], name: str, sha256: str, timeout: float = 60.0) -> bytes:
@@ -177,8 +174,6 @@ def fetch_run_file(dht, holders: list[str], name: str, sha256: str, timeout: flo
 
 
 async def ask_for_file(p2p, peer: str, name: str, limit: int = MAX_FILE_BYTES) -> bytes:
-    from hivemind.p2p import P2P, PeerID
-
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), FILE_PROTOCOL)
     try:
         await P2P.send_raw_data(name.encode(), writer)

@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
+from collab.hivemind_hooks.patches import sign_progress_with
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.records.identity import Identity, load_or_create_identity
 from collab.records.metrics import MetricsSchema
@@ -91,19 +94,12 @@ class Swarm:
     def __init__(self, peer: PeerConfig, identity: Optional[Identity] = None, extra_validators: Iterable = (),
                  authorizer=None):
         """`authorizer`: in a private run, this peer's invite as hivemind's DHT access token (collab.run.gate)."""
-        from hivemind.dht.crypto import RSASignatureValidator
-        from hivemind.dht.schema import SchemaValidator
-        from hivemind.utils.crypto import RSAPrivateKey
-
         quiet_orphaned_requests()
 
         self.peer = peer
         self.identity = identity if identity is not None else load_or_create_identity(peer.identity)
         self.signing_key = self.identity.key
-        # hivemind's ProgressTracker signs with the process-wide key and RSASignatureValidator merges all
-        # instances into the first one: make them one key - the libp2p identity's - so that every record
-        # this peer writes is signed by the key its peer id is derived from, and readers can check that.
-        RSAPrivateKey._process_wide_key = self.signing_key
+        sign_progress_with(self.signing_key)  # the key this peer's id derives from: readers can check records
         signature = RSASignatureValidator(self.signing_key)
         self.public_key: bytes = signature.local_public_key
         validators = [SchemaValidator(MetricsSchema, prefix=peer.run_id), signature, *extra_validators]

@@ -34,8 +34,8 @@ def stall_at_epoch(epoch: int, stall: float, round_fails: bool) -> None:
     from collab.modes.sync import CollabOptimizer
     from collab.records.untrusted import progress_records
 
-    schedule = CollabOptimizer._maybe_schedule_gradient_averaging
-    begin = CollabOptimizer._begin_averaging_gradients
+    schedule = CollabOptimizer.schedule_gradient_round
+    begin = CollabOptimizer.begin_gradient_round
 
     fired = []  # once: a peer that comes back to epoch E (a download) trains normally
 
@@ -71,8 +71,8 @@ def stall_at_epoch(epoch: int, stall: float, round_fails: bool) -> None:
         finally:
             del self.grad_averager.step
 
-    CollabOptimizer._maybe_schedule_gradient_averaging = no_matchmaking
-    CollabOptimizer._begin_averaging_gradients = starved
+    CollabOptimizer.schedule_gradient_round = no_matchmaking
+    CollabOptimizer.begin_gradient_round = starved
     if not round_fails:
         _miss_the_exact_epoch_check_once(fired)
 
@@ -81,9 +81,9 @@ def _miss_the_exact_epoch_check_once(fired: list) -> None:
     """hivemind checks once per epoch, at its first progress fetch after the step, that this peer's epoch is
     exactly the swarm's; a fetch made before the others published their new epoch passes the check, and the
     split is never caught (as in the failing CI run). Make that race certain, once, after the late round."""
-    from hivemind import Optimizer
+    from collab.hivemind_hooks.optimizer import OptimizerHooks
 
-    update = Optimizer._update_global_epoch
+    update = OptimizerHooks.update_global_epoch  # hivemind's own end of an epoch, under every collab mode
 
     def update_then_miss_the_check(self, grad_scaler):
         update(self, grad_scaler)
@@ -92,7 +92,7 @@ def _miss_the_exact_epoch_check_once(fired: list) -> None:
             self._should_check_synchronization_on_update = False
             print("[fault] the exact-epoch check after the late round found the swarm not yet moved on", flush=True)
 
-    Optimizer._update_global_epoch = update_then_miss_the_check
+    OptimizerHooks.update_global_epoch = update_then_miss_the_check
 
 
 def main() -> int:

@@ -109,6 +109,7 @@ def test_state_is_downloaded_from_members_only(keys):
     from hivemind.p2p import PeerID
 
     from collab.averaging.members_only import MembersOnly
+    from collab.hivemind_hooks.patches import donors_reached_through
     from collab.run.gate import MemberGate
 
     class Averager:
@@ -116,16 +117,19 @@ def test_state_is_downloaded_from_members_only(keys):
         def get_stub(cls, p2p, peer, *, namespace=None):
             return ("stub", peer)
 
-    class Gated(MembersOnly, Averager):
+    class Gated(Averager, MembersOnly):
         pass
 
-    averager = Gated()
+    averager = object.__new__(Gated)  # no averager process: only the choice of donors is exercised
     averager.gate = MemberGate("run", keys["organizer"].get_public_key().to_bytes().decode())
     averager.gate.access.add_invite(make_invite("run", _peer_id(keys["peer"]), keys["organizer"], 3600).to_text())
     member, stranger = (PeerID.from_base58(_peer_id(keys[name])) for name in ("peer", "other"))
-    assert averager._donor_stub(None, member, namespace="x") == ("stub", member)
 
     async def download(stub) -> list:
         return [part async for part in await stub.rpc_download_state(None)]
 
-    assert asyncio.run(download(averager._donor_stub(None, stranger, namespace="x"))) == []
+    # how hivemind's download reaches each donor while MembersOnly.download_state runs
+    with donors_reached_through(averager, averager._donor_stub):
+        assert averager.get_stub(None, member, namespace="x") == ("stub", member)
+        assert asyncio.run(download(averager.get_stub(None, stranger, namespace="x"))) == []
+    assert "get_stub" not in vars(averager)  # and afterwards, as before

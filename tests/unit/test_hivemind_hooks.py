@@ -1,6 +1,7 @@
 """collab.hivemind_hooks against the installed hivemind: every hooked name exists, with the parameters collab was
-written against, and every override of a hivemind method in collab's classes is listed there. A hivemind upgrade
-that changes one of them fails here, with the names, instead of somewhere in a swarm."""
+written against; every override of a hivemind method in collab's classes is listed there; private methods are
+overridden, and hivemind patched, only inside that package. A hivemind upgrade that changes one of them fails here,
+with the names, instead of somewhere in a swarm."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import importlib
 import inspect
 import pkgutil
 import re
+from pathlib import Path
 
 import hivemind
 
 import collab
-from collab.hivemind_hooks import INSTANCE_ATTRIBUTES, OVERRIDDEN, PATCHED, describe
+import collab.dashboard
+import collab.peers
+from collab.hivemind_hooks import INSTANCE_ATTRIBUTES, OVERRIDDEN, PATCHED, READ, describe
+from collab.hivemind_hooks.allreduce import RunnerHooks
+from collab.hivemind_hooks.averager import AveragerHooks
+from collab.hivemind_hooks.optimizer import OptimizerHooks, TrackerHooks
 
 UPGRADE = f"(installed hivemind {hivemind.__version__}: check collab's hook against it, then update the list)"
 
@@ -40,10 +47,11 @@ def _function(hooked):
 def collab_overrides() -> dict[str, set[str]]:
     """hivemind method -> the collab classes (and mixins) that define it, found in every collab module."""
     classes = set()
-    for module in pkgutil.walk_packages(collab.__path__, "collab."):
-        if module.name != "collab.__main__":  # running it would run the CLI
-            classes.update(c for c in vars(importlib.import_module(module.name)).values()
-                           if inspect.isclass(c) and c.__module__.startswith("collab."))
+    for package in (collab, collab.peers, collab.dashboard):  # peers/ and dashboard/ install inside collab
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if module.name != "collab.__main__":  # running it would run the CLI
+                classes.update(c for c in vars(importlib.import_module(module.name)).values()
+                               if inspect.isclass(c) and c.__module__.startswith("collab."))
     overrides: dict[str, set[str]] = {}
     for cls in classes:
         bases = [b for b in cls.__mro__ if b.__module__.startswith("hivemind")]
@@ -69,16 +77,66 @@ def test_every_override_in_collab_is_listed():
     assert not unlisted, f"collab overrides hivemind methods that collab.hivemind_hooks does not list: {unlisted}"
     # and the list holds nothing collab no longer overrides (a stale entry would hide nothing, but says too much)
     assert set(OVERRIDDEN) <= set(found), sorted(set(OVERRIDDEN) - set(found))
-    # the scan does see the mixins and the optimizer (a scan that found nothing would pass the check above)
-    assert {"collab.averaging.robust_rounds.CheckedRounds", "collab.averaging.members_only.MembersOnly"} <= \
-        found["hivemind.averaging.averager.DecentralizedAverager.rpc_join_group"]
-    assert "collab.modes.base.SwarmOptimizer" in found["hivemind.optim.optimizer.Optimizer._update_global_epoch"]
-    assert "collab.modes.sync.CollabOptimizer" in found["hivemind.optim.optimizer.Optimizer._begin_averaging_gradients"]
+    # the scan does see the door, the mixins and the optimizers (a scan that found nothing would pass the check above)
+    assert found["hivemind.averaging.averager.DecentralizedAverager.rpc_join_group"] == \
+        {"collab.hivemind_hooks.averager.AveragerHooks"}
+    assert "collab.modes.base.SwarmOptimizer" in found["hivemind.optim.optimizer.Optimizer.step"]
+    assert "collab.averaging.compression.SparseParts" in found["hivemind.compression.base.CompressionBase.extract"]
+
+
+def _private(method: str) -> bool:
+    name = method.rsplit(".", 1)[1]
+    return name.startswith("rpc_") or name.startswith("_") and not name.startswith("__")
+
+
+def test_private_hivemind_methods_are_overridden_only_behind_the_door():
+    outside = {name: sorted(c for c in by if not c.startswith("collab.hivemind_hooks."))
+               for name, by in collab_overrides().items() if _private(name)}
+    outside = {name: by for name, by in outside.items() if by}
+    assert not outside, f"override the public name collab.hivemind_hooks opens instead: {outside}"
+
+
+def test_the_doors_public_names_are_collabs_own():
+    """Each door's public method (the name collab overrides) is no hivemind name: an upgrade that adds one would
+    have hivemind call collab's method, or collab shadow hivemind's."""
+    for door in (RunnerHooks, AveragerHooks, OptimizerHooks, TrackerHooks):
+        hivemind_base = door.__mro__[1]
+        opened = [name for name in vars(door) if not name.startswith("_") and not name.startswith("rpc_")]
+        assert opened, door
+        clashes = [name for name in opened if hasattr(hivemind_base, name)]
+        assert not clashes, f"{door.__qualname__}: hivemind's {hivemind_base.__qualname__} now has {clashes}"
+
+
+def _source_files():
+    for package in (collab, collab.peers, collab.dashboard):  # peers/ and dashboard/ install inside collab
+        for path in sorted(Path(package.__file__).parent.rglob("*.py")):
+            if "hivemind_hooks" not in path.parts:
+                yield path
+
+
+def test_hivemind_is_patched_only_behind_the_door():
+    """No module outside collab.hivemind_hooks names a patched private hivemind name, or assigns a patched public one
+    (calling a public one, a container's register_processed_part, is no patch). collab.peers and collab.dashboard
+    live inside the installed package, so they are read too."""
+    names = {name.rsplit(".", 1)[1] for name in PATCHED}
+    found = {}
+    for path in _source_files():
+        text = path.read_text()
+        for name in names:
+            named = rf"\b{re.escape(name)}\b" if name.startswith("_") else \
+                rf"\.{re.escape(name)}\s*=[^=]|setattr\([^)]*[\"']{re.escape(name)}[\"']"
+            if re.search(named, text):
+                found.setdefault(name, []).append(path.name)
+    assert not found, f"use collab.hivemind_hooks.patches instead: {found}"
+    assert any(p.name == "forkserver.py" for p in _source_files())  # the walk reads collab.peers too
+    # the check sees a patch where there is one
+    assert re.search(r"\.get_stub\s*=[^=]", "averager.get_stub = stub") and \
+        not re.search(r"\.get_stub\s*=[^=]", "stub = averager.get_stub(p2p, peer)")
 
 
 def test_every_patched_name_and_instance_attribute_exists():
     missing = []
-    for name in PATCHED:
+    for name in (*PATCHED, *READ):
         try:
             resolve(name)
         except AttributeError:

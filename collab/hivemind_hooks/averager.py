@@ -1,0 +1,88 @@
+"""hivemind's DecentralizedAverager with the private steps and RPC handlers collab extends opened under public
+names.
+
+Each hivemind method here hands over to a public method whose default is hivemind's own behaviour (whichever
+hivemind class comes next: PowerSGD's aggregation, the training-state averager's download). collab's averager
+mixins (collab.averaging: checked rounds, members only, checked downloads) override the public names and call
+`super()`. The RPC handlers keep hivemind's annotations: hivemind registers handlers by reading them.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+
+
+class AveragerHooks(DecentralizedAverager):
+    """DecentralizedAverager, its private steps handed to collab's public ones (see the module)."""
+
+    # one averaging step in the averager's process: a refused round ends it; banned leaders are never followed
+    async def _step(self, *, step, future_for_init):
+        return await self.averaging_step(step=step, future_for_init=future_for_init)
+
+    async def averaging_step(self, *, step, future_for_init):
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+    # a matched group's all-reduce: re-implemented with collab's runner, reducer and checks
+    async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
+                                      **kwargs):
+        return await self.run_allreduce(tensors, group_info, group_id, **kwargs)
+
+    async def run_allreduce(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs):
+        return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+
+    # a matched group, before its all-reduce: in a private run every member must be on the member list
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        return await self.aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    # a state download: donors filtered and checked before anything is loaded
+    async def _load_state_from_peers(self, future, timeout: Optional[float] = None):
+        return await self.download_state(future, timeout=timeout)
+
+    async def download_state(self, future, timeout: Optional[float] = None):
+        return await super()._load_state_from_peers(future, timeout=timeout)
+
+    # the averager process shutting down: collab's background reads end first
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        await self.shut_down_in_process(timeout)
+
+    async def shut_down_in_process(self, timeout: Optional[float]) -> None:
+        await super()._shutdown(timeout)
+
+    # the three RPC handlers: banned peers and non-members are refused before hivemind sees the request
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for message in self.serve_join_request(request, context):
+            yield message
+
+    async def serve_join_request(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in self.serve_aggregate_part(stream, context):
+            yield message
+
+    async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in self.serve_state_download(request, context):
+            yield message
+
+    async def serve_state_download(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in super().rpc_download_state(request, context):
+            yield message
