@@ -30,7 +30,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """Two real peers training, and a dashboard (its own client DHT node) serving them over HTTP."""
-    from tests.conftest import MICRO_CONFIG  # noqa: F401  (the session cache fixture has built the tokenizer)
 
     tmp = tmp_path_factory.mktemp("dashboard")
     config = swarm_config(tmp, 2, name="micro.yaml")
@@ -153,12 +152,13 @@ def test_rogue_records_are_refused_and_the_page_survives(live):
     wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers")
     rogue = hivemind.DHT(initial_peers=[swarm.initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
-        expiration = get_dht_time() + 120
+        expiration, stored_at = get_dht_time() + 120, time.time()
         for i, value in enumerate([{"loss": 1e30, "epoch": -1}, "not a record", {"peer_id": "x", "role": "boss"}]):
             # stored on the rogue itself, refused by every node that checks the schema
             assert rogue.store(f"{swarm.run_id}_metrics", value, expiration, subkey=f"rogue-{i}".encode()) is False
-        time.sleep(3)
-        run = get(dashboard, "/api/run").json()
+        # a snapshot the dashboard read from the DHT after the rogue's stores (its collector re-reads every few s)
+        run = wait_for(lambda: (snapshot := get(dashboard, "/api/run").json())["time"] > stored_at + 1.0 and snapshot,
+                       timeout=30, interval=0.5, what="a dashboard snapshot read after the rogue's stores")
         assert sorted(p["role"] for p in run["peers"]) == ["trainer", "trainer"], run["peers"]
         assert get(dashboard, "/").status_code == 200 and get(dashboard, "/metrics").status_code == 200
     finally:

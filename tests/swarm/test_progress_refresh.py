@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -37,6 +36,17 @@ def two_trackers(tmp_path, target_batch_size: int):
             dht.shutdown()
 
 
+def records_visible(tracker: HonestProgressTracker, count: int, timeout: float = 10.0) -> None:
+    """Wait until `count` peers' progress records can be read from this tracker's DHT node."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = tracker.dht.get(tracker.training_progress_key, latest=True)
+        if found is not None and len(found.value) >= count:
+            return
+        assert time.monotonic() < deadline, f"fewer than {count} progress records in the DHT"
+        time.sleep(0.05)
+
+
 def wait_for_read(tracker: HonestProgressTracker, reads: int, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while tracker.reads == reads:
@@ -53,7 +63,7 @@ def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_wou
         ours.global_progress.next_fetch_time = get_dht_time() + 600
         ours.global_state_updated.set()
         theirs.report_local_progress(0, 70)  # the other peer's record: stored at once
-        time.sleep(1.5)
+        records_visible(ours, 2)  # a read now would see it
         assert ours.global_progress.num_peers <= 1, "hivemind read the swarm before its schedule: nothing to show"
         reads = ours.reads
         assert ours.refresh(timeout=5.0)
@@ -71,10 +81,10 @@ def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no
         # the other peer stepped to epoch 1 and sits in a state round or a checkpoint: a record of no samples at
         # 1000/s. hivemind extrapolates it through the pause: 3 s later it counts 3000 and calls the epoch done
         theirs.report_local_progress(0, 32)
-        time.sleep(0.5)  # hivemind stores a peer's records only once it has reported samples
+        records_visible(ours, 2)  # hivemind stores a peer's records only once it has reported samples
         theirs.performance_ema.samples_per_second = 1000.0
         theirs.report_local_progress(1, 0)
-        time.sleep(3.0)
+        time.sleep(3.0)  # time itself is what hivemind extrapolates the record through: no condition to wait on
         assert ours.refresh(timeout=5.0)
         assert ours.global_progress.num_peers == 2, ours.global_progress
         assert ours.global_progress.samples_accumulated == 16, ours.global_progress
