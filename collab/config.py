@@ -229,7 +229,7 @@ def round_timeout_caution(averaging: AveragingConfig) -> Optional[str]:
     """A warning for timeouts under which a peer that dies as a round starts makes the round fail on every peer:
     hivemind leaves a silent sender out after next_chunk_timeout (a silent reducer after twice that), and a round
     still waiting at averaging_timeout is given up whole. Allowed (a swarm that never loses peers mid-round), but
-    said: the diloco test's swarm, at 30 s and 30 s, lost a whole round this way in 1 of 9 runs."""
+    said: a swarm with both at 30 s can lose a whole round to a peer that dies as it starts."""
     if averaging.averaging_timeout > 2 * averaging.next_chunk_timeout:
         return None
     return (f"averaging.averaging_timeout ({averaging.averaging_timeout:g} s) is not over twice "
@@ -242,9 +242,9 @@ def join_request_timeout(matchmaking_time: float) -> float:
     """How long a peer asking another to lead its group waits for the answer. hivemind wants it under
     matchmaking_time (it breaks a rare deadlock of peers asking each other). Not much under: an asker that gives
     up asks again, with the same result, until its round ends, so a leader slower to answer than this (a peer
-    whose CPU is busy training) is never joined and both lose the round (tests/swarm/test_matchmaking.py). Likely in
-    CI: a CPU-starved server and its client-mode peer (which can join no one else) failed a round, the client's
-    "could not find a group", under collab's old min(3, matchmaking_time / 2)."""
+    whose CPU is busy training) is never joined and both lose the round (tests/swarm/test_matchmaking.py). Likely
+    on a CPU-starved machine: a server and its client-mode peer (which can join no one else) fail a round, the
+    client's "could not find a group", under a tighter timeout such as min(3, matchmaking_time / 2)."""
     return 0.8 * matchmaking_time
 
 

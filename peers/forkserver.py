@@ -1,8 +1,8 @@
 """Start simulated peers in a fraction of a second: fork them from one process that imported collab once.
 
 A `collab join` spends about 7 CPU-seconds importing torch, transformers and hivemind before it does
-anything. A local swarm of N peers on a laptop (or CI's 2 cores) paid that N times, and every restart
-of a churned peer paid it again, while the peers already running starved. The fork server imports it
+anything. A local swarm of N peers on a laptop (or CI's 2 cores) would pay that N times, and every restart
+of a churned peer again, while the peers already running starve. The fork server imports it
 all once; each peer is then a fork of it that runs the ordinary CLI, with its own session, log, and
 environment, so to the swarm (and to the user) it is the same `collab join` a volunteer runs.
 

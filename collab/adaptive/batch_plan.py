@@ -36,7 +36,7 @@ from collab.run.access import _payload, newest_signed, signature_holds, signed_r
 
 PLAN_SUFFIX = "_plan"
 # the least time between issuing a plan and its first epoch: every peer reads it first (collab.train.plan_keeper reads
-# every second). It was 10 s: on a benchmark of 1-s epochs AdaScale's gain came 10 epochs after the estimate
+# every second). Not much more: under 1-s epochs a lead of 10 s brings AdaScale's gain 10 epochs after the estimate
 LEAD_SECONDS = 4.0
 MIN_LEAD_EPOCHS = 2
 MAX_CHANGE = 2.0

@@ -74,13 +74,13 @@ class NoiseScale:
         signal, noise = signal / average_sq, noise / average_sq
         # Rounds count by the inverse of their estimates' variance, which both ends of B_i/B blow up:
         # - both estimators divide by 1 - B_i/B: a peer that brought most of the group's samples measures little
-        #   (its gradient nearly is the average) and its noise is amplified (a real run's peers brought 25-100%
-        #   of a round's samples; unweighted, one such round moved a pooled estimate 20% off);
+        #   (its gradient nearly is the average) and its noise is amplified (a peer can bring most of a round's
+        #   samples, and unweighted, one such round moves a pooled estimate far off);
         # - a peer that brought few samples has a squared norm that is itself noisy: per-sample gradients' squared
         #   norms are heavy-tailed, so |g_i|^2 strays from its mean by ~sqrt(2 / B_i) of tr(Sigma) / B_i, and both
-        #   estimates carry that. On linreg (20000 dims) one round in which a peer brought 16 samples of 704 gave
-        #   |G|^2 = -12.6 against a truth of 1.2, and with the weight (1 - B_i/B)^2 alone (0.95, more than an
-        #   equal share's 0.44) a few such rounds left the smoothed |G|^2 negative for a whole benchmark row.
+        #   estimates carry that. One round in which a peer brought a few samples of hundreds can give a |G|^2
+        #   far below zero, and with the weight (1 - B_i/B)^2 alone (near 1 for such a peer, more than an equal
+        #   share's) a few such rounds keep the smoothed |G|^2 negative for long.
         # Their variance goes as 1 / (B_i (B - B_i)^2), hence the weight (B_i/B) (1 - B_i/B)^2: largest for a third
         # of the group's samples, as small for 2% as for 75%.
         share = own_samples / group_samples

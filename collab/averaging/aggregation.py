@@ -17,8 +17,8 @@ arrived, then:
   at all (the result is then exactly the mean), and one part far away moves the result by at most tau / n
   per iteration, however far it is. A part more than DROP_BEYOND radii away (scaled by sqrt(its weight / the
   median weight): a part from few samples is noisier) is left out altogether: clipped,
-  it would still pull by tau / n at every round, in its own direction (a sign-flipping peer of 5 held the
-  honest loss flat in a test run), and no honest part lies that far beyond the others' spread.
+  it would still pull by tau / n at every round, in its own direction (one sign-flipping peer of 5 can hold
+  the honest loss flat), and no honest part lies that far beyond the others' spread.
 """
 
 from __future__ import annotations

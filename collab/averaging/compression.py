@@ -15,11 +15,11 @@
 All but powersgd are hivemind's codecs applied to the parts of an ordinary round. powersgd is hivemind's
 PowerSGDGradientAverager (two all-reduces per round: P, then Q; vectors travel whole in the second), with every
 peer's starting projections Q drawn from the run's seed (collab.averaging.grad_averager). Its factors travel in fp32:
-in fp16 (when each sender kept its own rounding, before collab.averaging.one_average) PowerSGD's orthogonalisation
-and error feedback amplified the rounding: two replicas drifted 2.3e-3 apart in 4 steps without state averaging. dgc is Deep
-Gradient Compression (collab.averaging.dgc): its loss is in what each peer selects; the selection travels losslessly.
-The vectors DGC leaves dense (biases, LayerNorm: 0.6% of ALBERT-tiny's values) travel in fp16 as in the default
-run: in fp32 they were three quarters of a dgc round's bytes.
+in fp16, wherever a sender keeps its own rounding (see collab.averaging.one_average), PowerSGD's orthogonalisation
+and error feedback amplify the rounding, and without state averaging replicas drift apart within a few steps. dgc is
+Deep Gradient Compression (collab.averaging.dgc): its loss is in what each peer selects; the selection travels
+losslessly. The vectors DGC leaves dense (biases, LayerNorm: 0.6% of ALBERT-tiny's values) travel in fp16 as in the
+default run: in fp32 they would be three quarters of a dgc round's bytes.
 
 Parts are decoded by `decode_part` (collab's fixed 8-bit decoders and DGC's sparse parts, then hivemind's table for
 the rest): hivemind's own decoder table is left as it is.
@@ -54,7 +54,7 @@ SPARSE_PARTS = 64  # DGC's parts' compression type: a value hivemind's Compressi
 
 class _Extract8Bit:
     """hivemind 1.1.12's 8-bit extract reads the codebook size with int() of a one-element array, which numpy 2
-    refuses (TypeError): every 8-bit part failed to decode, so an 8-bit run could not average at all."""
+    refuses (TypeError): every 8-bit part would fail to decode, so an 8-bit run could not average at all."""
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer

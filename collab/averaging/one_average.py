@@ -5,9 +5,8 @@ hivemind's reducer sends each sender the average minus that sender's part (as re
 codec), and the sender adds it to its own part as it was before the codec. Under a lossy codec (fp16, 8-bit) a
 sender therefore ends with the average plus its own part's rounding plus the rounding of that difference, while
 the reducer keeps the exact average: every member of a group applies a slightly different gradient. The replicas
-drift apart on every round, and only state averaging brings them back (two peers, fp16, LAMB, state averaging
-off: 1.04e-3 apart after three epochs in a fresh-clone run beside a CPU hog, where the exact copies of one
-average stay within float32's rounding).
+drift apart on every round, and only state averaging brings them back (with it off, the differences grow epoch
+after epoch, while exact copies of one average stay within float32's rounding of each other).
 
 Here every member applies the one rounded average: a sender registers it minus its own part, so its replica
 moves to exactly what the reducer's does (up to float32's rounding of that addition). The wire stays hivemind's.

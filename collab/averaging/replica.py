@@ -4,9 +4,9 @@ Peers stay identical because every step applies the same averaged gradients. A s
 own gradients (its gradient round failed while others were in the swarm) moves it one update away
 from everyone else, and only two things bring it back: a state-averaging round that gathered the
 whole swarm, or a download of another peer's state. Mid-run, hivemind downloads at the next step.
-At `--max-epochs` there is no next step: found in a failing CI run, where a peer starved of CPU missed
-the last gradient round, then the last state-averaging round (its groupmates had finished theirs),
-and wrote a final checkpoint one update (1.6e-2) away from the others'.
+At `--max-epochs` there is no next step: a peer starved of CPU can miss the last gradient round, then
+the last state-averaging round (its groupmates have finished theirs), and would write a final checkpoint
+one update away from the others'.
 
 So the optimizer records an own step when it makes one (collab.modes.replica_sync), this module records the
 outcome of every state-averaging round and download, and a peer leaving or checkpointing asks whether a round
@@ -87,8 +87,8 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, Train
         A lineage split: hivemind matches every gradient round of a run under one key, and a peer one epoch
         behind is "ready" at once, so a peer whose round starts after the others' has assembled (a slow start,
         a stall) joins their *next* round, steps to the epoch they just left, and stays one behind for the
-        rest of the run - found in CI, where such a peer needed one more round at --max-epochs, after the
-        others had gone. The state round after the shared gradient round shows it. Anything else a groupmate
+        rest of the run - at --max-epochs such a peer needs one more round, after the others have gone. The
+        state round after the shared gradient round shows it. Anything else a groupmate
         says (further ahead, behind, not a number) is ignored: one epoch is all a lineage split puts between
         honest peers, and one peer's word must not move the rest further."""
         for gathered_epoch, control in reversed(getattr(self, "rounds", [])):
@@ -147,7 +147,7 @@ def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) 
     """Peers whose signed progress (hivemind's tracker) is behind `epoch`, furthest first: each will want a state
     donor at `epoch` to leave in sync. After an own step a peer reports the epoch before it; a peer whose lineage
     split (it made its groupmates' steps under a lower number) reports two or more behind until a state round
-    shows it, and both needed a donor in CI. A peer waiting inside a gradient round reports nothing new (hivemind
+    shows it, and both need a donor. A peer waiting inside a gradient round reports nothing new (hivemind
     re-stores the same record every 30 s), so a record is fresh for a whole averaging round."""
     return sorted((Behind(epochs=epoch - p.epoch, samples=p.samples_accumulated, samples_per_second=p.samples_per_second)
                    for p in _fresh_records(dht, run_id, ignore) if p.epoch < epoch), key=lambda b: -b.epochs)
@@ -164,7 +164,7 @@ def swarm_finished_without(dht, run_id: str, epoch: int, me: str) -> Optional[in
 def cancel_round(control) -> None:
     """Cancel an averaging round's control unless it is over. Two threads may race to it (on a signal, the
     on-stop thread's abort_rounds and the main thread's shutdown): hivemind's cancel then raises for the second
-    (a CI run's peer crashed leaving: "Can't set_result to a future that is FINISHED")."""
+    ("Can't set_result to a future that is FINISHED"), which would crash a leaving peer."""
     if control is None or control.done():
         return
     try:

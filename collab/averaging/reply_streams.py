@@ -1,15 +1,14 @@
 """Averaged parts that reach every sender whole: who closes an all-reduce reply stream, and when.
 
 In hivemind's all-reduce each sender streams its parts of a span to that span's reducer and reads the
-averaged parts back on the same stream; the sender reads until the reducer closes it. The reducer closed
-it as soon as it had written its last reply. The likely loss (read in p2pd's doStreamPipe, not reproduced
-outside the swarm tests): its two pipe goroutines close the libp2p stream and, on the read side's error,
-reset it, and a reset can discard what the other side's daemon had received but not yet handed over. What
-was observed: the sender saw the stream end cleanly a few parts short ("sent 14 parts,
-but we expected 15"): a lost reducer for it alone, while its groupmates had the whole average. In tests
-this was 2 of 24 DiLoCo runs (always the late joiner's young connection reducing) and a healthy peer's last
-round in a sync run (94.7% of its results); each then re-ran the round with the swarm's next one and
-caught up by a download.
+averaged parts back on the same stream; the sender reads until the reducer closes it. hivemind's reducer
+closes it as soon as it has written its last reply. The likely loss (read in p2pd's doStreamPipe; it shows
+only in a whole swarm): its two pipe goroutines close the libp2p stream and, on the read side's error,
+reset it, and a reset can discard what the other side's daemon had received but not yet handed over. The
+sender then sees the stream end cleanly a few parts short ("sent 14 parts, but we expected 15"): a lost
+reducer for it alone, while its groupmates have the whole average. A young connection (a late joiner
+reducing) is the likeliest to lose its tail, and a healthy peer can lose one too; such a peer re-runs the
+round with the swarm's next one and catches up by a download.
 
 Here the side that knows it is done closes: the sender, once it has every part it expects (it no longer
 waits for the reducer's end of stream), and the reducer holds its end open until the sender has closed
@@ -56,7 +55,7 @@ class WholeReplies(RunnerHooks):
                 yield message
             if replies and replies == self.tensor_part_reducer.num_parts:
                 # every reply written: the sender closes the stream once it has read them all, which ends this
-                # wait (hivemind cancels a handler whose caller has closed). Closing first lost replies
+                # wait (hivemind cancels a handler whose caller has closed). Closing first can lose replies
                 await asyncio.sleep(self.reducer_timeout or HOLD_FALLBACK)
         finally:
             _in_flight -= 1

@@ -85,13 +85,13 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
         self.bound, self.on_finding, self.is_banned = bound, on_finding, is_banned
         self.caught: dict[int, str] = {}  # peer index -> why its returned part was refused
         # reducers that failed mid-round (died, timed out): hivemind then keeps each sender's own values for their
-        # parts, so the "average" differs from peer to peer (a DiLoCo test's replicas ended 0.31 apart after a
-        # peer was killed mid-round). Not those this peer left out for a ban: that choice is deliberate
+        # parts, so the "average" differs from peer to peer (a peer killed mid-round leaves the replicas far
+        # apart). Not those this peer left out for a ban: that choice is deliberate
         self.lost_reducers: set[int] = set()
         self._keep_own_parts = before_failed_reducer(self.tensor_part_container, self.lost_reducers.add)
         banned = {i for i, peer_id in enumerate(self.sender_peer_ids) if is_banned(peer_id)}
         # hivemind's own reducer, replaced below, warns "Reducer: received 0.0% of input tensors" when collected
-        # unless marked finished: every peer logged that false alarm once per round
+        # unless marked finished: every peer would log that false alarm once per round
         self.tensor_part_reducer.finished.set()
         self.tensor_part_reducer = RobustPartReducer(
             self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids), rule,
@@ -138,8 +138,8 @@ class CheckedRounds(AveragerHooks):
         """(the trainer's process) End this averager's all-reduce in flight now, on the way out. hivemind's cancel
         stops a round only while it is still matching; one already running holds the averaged tensors' lock until
         it ends or times out, and the leaving peer's last optimizer step waits on that lock: when a whole swarm
-        left at once (the end of a simulation), every state round stalled for next_chunk_timeout and the peers
-        were killed at the end of their grace period instead of leaving. The groupmates lose this peer's part, as
+        leaves at once (the end of a simulation), every state round would stall for next_chunk_timeout and the
+        peers be killed at the end of their grace period instead of leaving. The groupmates lose this peer's part, as
         they would if it were killed."""
         if self.is_alive():
             self._outer_pipe.send(("_abort_running_rounds", [], {}))
@@ -269,8 +269,8 @@ class CheckedRounds(AveragerHooks):
             recent = self._recent_norms(phase)
             return GRADIENT_BOUND * max(own_norm, statistics.median(recent) if recent else 0.0) + 1e-12
         # state: honest replicas are near-identical, so a state round moves each by a small fraction of its norm.
-        # (At 0.25 an honest reducer's part was once refused, cause not found; a reducer returning noise x 1000,
-        # let through by a finite-only check, took the honest loss from 7.6 to 5244: benchmarks/robustness.py)
+        # (A tighter bound, such as 0.25, can refuse an honest reducer's part; a reducer returning noise x 1000,
+        # which a finite-only check lets through, wrecks the honest loss: benchmarks/robustness.py)
         return STATE_BOUND * own_norm + 1e-12
 
     def _weight_caps(self) -> dict[str, float]:

@@ -38,13 +38,13 @@ NORM_RATIO = 10.0  # a donor's parameters may have at most this many times our n
 DONOR_KEY = "collab_donor"
 # seconds to open the download stream to one donor. hivemind awaits it unbounded, and p2pd's dial to a peer that is
 # not reachable (a network split, a donor behind NAT) gives up only after ~20 s: past the trainer's own
-# load_state_timeout, so every retry asked the same unreachable donor first and never reached the next one (CI, the
-# split test: a peer asked its donor across the split for 5 minutes and never trained again). A dial that works
+# load_state_timeout, so every retry would ask the same unreachable donor first and never reach the next one (a peer
+# would ask its donor across a split again and again and never train again). A dial that works
 # takes milliseconds on a LAN and a few round trips across the internet
 DIAL_TIMEOUT = 5.0
 # a catch-up whose downloads time out (no donor answers within load_state_timeout) gives up after this many and trains
 # on with its replica (it tries again at its next step if it is still behind): hivemind retries forever, and a peer
-# whose donors could not be reached never trained again
+# whose donors cannot be reached would never train again
 UNANSWERED_DOWNLOADS = 3
 RETRY_PAUSE = 1.0  # seconds between two downloads
 logger = get_logger(__name__)

@@ -78,8 +78,8 @@ class SwarmOptimizer(OptimizerHooks):
         self.rejections = rejections if rejections is not None else RejectionLog()
         self.stop = stop if stop is not None else threading.Event()
         # --max-epochs: the trainer leaves at this epoch. A step that moves this peer's label to it (taking its
-        # groupmates' epoch) starts no round for the next one: a CI peer bumped to its last epoch went into a round
-        # the others had left, and waited 90 s for a group and a donor that never came
+        # groupmates' epoch) starts no round for the next one: a peer bumped to its last epoch would go into a round
+        # the others have left, and wait for a group and a donor that never come
         self.leave_at_epoch: Optional[int] = None
         # the gradient noise scale, from this peer's rounds (collab.adaptive.noise_scale)
         self.noise_scale = NoiseScale()
@@ -176,9 +176,9 @@ class SwarmOptimizer(OptimizerHooks):
         if (self.tracker.global_progress.num_peers <= 1
                 and time.monotonic() - self.tracker.read_at > ALONE_READ_AGE
                 and self.tracker.refresh(ALONE_READ_TIMEOUT) and not self.tracker.ready_to_update_epoch):
-            # about to step alone on a view of the swarm that may be stale: a peer of three that started together
-            # (the diloco test, 2 of 9 runs here) read the swarm before the others had a record, made the whole
-            # first target by itself and stepped alone while the two others averaged: two lineages from step one
+            # about to step alone on a view of the swarm that may be stale: a peer of several that start together
+            # can read the swarm before the others have a record, make the whole first target by itself and step
+            # alone while the others average: two lineages from step one
             return
         # hivemind first waits for the last epoch's background step and state round: not for one that finds no group.
         # (A state round runs in the background whatever averaging.overlap says - hivemind's delay_state_averaging -
@@ -190,8 +190,8 @@ class SwarmOptimizer(OptimizerHooks):
         if background:
             # (hivemind's own first step here) the last epoch's state round may show this peer one epoch behind.
             # A peer that is behind is "ready" at once, at every step: without this check here it would go
-            # straight into the next gradient round and stay behind for good (CI, the NAT test: two of four
-            # peers contributed 8 samples an epoch, each time joining the others' next round)
+            # straight into the next gradient round and stay behind for good (each time joining the others' next
+            # round, contributing only the few samples it gathered meanwhile)
             self.state_averager.step(wait_for_delayed_updates=True)
             if self._adopt_the_swarms_epoch() and (self._at_the_end() or not self.tracker.ready_to_update_epoch):
                 return  # at the swarm's epoch now: accumulate toward its target like everyone else (or leave)
@@ -227,10 +227,10 @@ class SwarmOptimizer(OptimizerHooks):
     def _stop_holding_the_epoch(self) -> None:
         """After an own step the record says the epoch before, with no samples, until a re-sync. When that finds no
         donor, the record goes back to this replica's epoch and samples: held, they count for nothing, and a swarm
-        whose remaining peers each stepped alone once (none ahead of the others, so none a donor) counted no
-        samples at all and never ended an epoch again (CI, the lifecycle test: two peers at epochs 6 and 7, each
-        computing 60000 samples for 4 minutes). The replica is still not the swarm's (in_sync() says so until a
-        state round of the whole swarm or a download repairs it); a peer behind it now finds it a donor."""
+        whose remaining peers each stepped alone once (none ahead of the others, so none a donor) would count no
+        samples at all and never end an epoch again, however many each computes. The replica is still not the
+        swarm's (in_sync() says so until a state round of the whole swarm or a download repairs it); a peer behind
+        it now finds it a donor."""
         if not self.replica.stop_holding():
             return
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
@@ -321,14 +321,14 @@ class SwarmOptimizer(OptimizerHooks):
             # leaving at --max-epochs: finish the delayed step (with overlap=full it holds our last gradient
             # round, still running). Our round may be over while we still stream a client-mode (NAT'd or slow)
             # groupmate its share: each averager's shutdown waits for the replies it still holds to be read
-            # (collab.averaging.members_only, REPLY_DRAIN) - a fixed 3-s linger here cost every leave, needed or not
+            # (collab.averaging.members_only, REPLY_DRAIN) - a fixed linger here would cost every leave, needed or not
             self._finish_before_leaving()
             for name in ("scheduled_grads", "scheduled_state"):
                 control = getattr(self, name)
                 if control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP:
                     # hivemind's shutdown cancels such a round again, and its cancel raises for one that collab
-                    # already cancelled (_nobody_left_to_join; a CI peer exited 1: "Can't set_result to a future
-                    # that is FINISHED")
+                    # already cancelled (_nobody_left_to_join), failing the peer's exit: "Can't set_result to a
+                    # future that is FINISHED"
                     cancel_round(control)
                     setattr(self, name, None)
             return super().shutdown()

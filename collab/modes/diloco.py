@@ -91,8 +91,8 @@ class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGra
 
     def _own_norm_scale(self, weight) -> float:
         # a pseudo-gradient grows with the inner steps taken (at most linearly): a peer that joined with one micro-
-        # batch to go (weight 8 of 480) holds a part ~1/20 as long as the average, and refused an honest round
-        # as "implausible" until it scaled its own by the steps the swarm took
+        # batch to go holds a part many times shorter than the average, and would refuse an honest round as
+        # "implausible" unless it scaled its own by the steps the swarm took
         return max(1.0, self.target_batch_size / weight) if weight and weight > 0 else 1.0
 
 
@@ -159,8 +159,8 @@ class DiLoCoOptimizer(CollabOptimizer):
                     self.state_averager.local_epoch = ahead
                 self.tracker.report_local_progress(ahead, self.tracker.local_progress.samples_accumulated)
             elif len(same) < 2:  # (itself included) no groupmate holds its outer parameters, and some are ahead
-                # it downloaded a donor's state from before the outer step the others made meanwhile (a CI
-                # replica ended 0.24 away, one outer step short). This round's outer step is applied, then the
+                # it downloaded a donor's state from before the outer step the others made meanwhile (its replica
+                # would end one outer step short of theirs). This round's outer step is applied, then the
                 # swarm's state downloaded. (With a groupmate beside it, the one ahead is the odd one: a peer
                 # that stepped alone)
                 self._record_own_step(f"its outer parameters are not its group's (outer step {ahead}): it missed "
@@ -244,8 +244,8 @@ def optimizer_options(context: ModeContext) -> dict:
         delay_optimizer_step=False,
         delay_grad_averaging=False,
         # hivemind applies a background state round's result at a later step, copying the averaged outer
-        # parameters over the replica: the inner steps taken since were lost (a CI run's peer sent a zero
-        # pseudo-gradient with 296 samples' weight). The state round runs inside the outer step instead
+        # parameters over the replica: the inner steps taken since would be lost (the peer's next pseudo-gradient
+        # would be zero, yet carry its samples' weight). The state round runs inside the outer step instead
         delay_state_averaging=False,
         grad_averager_factory=partial(PseudoGradientAverager, gate=context.gate, rule=context.rule,
                                       findings=context.rejections.queue,

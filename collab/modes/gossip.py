@@ -241,11 +241,10 @@ class GossipOptimizer(SwarmOptimizer):
     def settle_before_leaving(self, timeout: float) -> str:
         """At --max-epochs: no more training, but merges with the peers still here for up to
         averaging.gossip.settle_seconds, so that the replicas saved at the end are close. (Without it the peers
-        that stopped first left the last ones nobody to merge with, and those trained on apart from them: a
-        benchmark ended 1.4-1.9% apart.) Both sides of an exchange land on the same point under every rule but
-        constant != 0.5, so a few exchanges of idle replicas bring them together; it ends after two merges in a
-        row found the other replica, settling too, within settle_distance, or after SETTLE_QUIET s without a
-        merge."""
+        that stop first leave the last ones nobody to merge with, and those train on apart from them.) Both sides
+        of an exchange land on the same point under every rule but constant != 0.5, so a few exchanges of idle
+        replicas bring them together; it ends after two merges in a row found the other replica, settling too,
+        within settle_distance, or after SETTLE_QUIET s without a merge."""
         started = time.monotonic()
         deadline = started + self.settings.settle_seconds
         first = merges = self.counts["merges"]
@@ -259,7 +258,7 @@ class GossipOptimizer(SwarmOptimizer):
                 self._start_asking()  # at once: no local steps in between
             if self.counts["merges"] != merges:
                 for merge in list(self.merges)[-(self.counts["merges"] - merges):]:
-                    # close to a replica that still trains is no end: it moves on (a test ended 0.67% apart)
+                    # close to a replica that still trains is no end: it moves on, and the two would end apart
                     near = merge["distance"] < self.settings.settle_distance and merge["settling"]
                     close = close + 1 if near else 0
                 merges, last_merge = self.counts["merges"], time.monotonic()

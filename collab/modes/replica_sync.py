@@ -76,7 +76,7 @@ class ReplicaSync:
 
     def stop_holding(self) -> bool:
         """A re-sync found no donor: the record goes back to this replica's own epoch and samples (held, they
-        counted for nothing, and a swarm whose peers had each stepped alone once never ended an epoch again). The
+        count for nothing, and a swarm whose peers have each stepped alone once would never end an epoch again). The
         replica is still not the swarm's. Whether a hold was released."""
         released, self.held_epoch = self.held_epoch is not None, None
         return released

@@ -57,9 +57,9 @@ class CollabOptimizer(SwarmOptimizer):
         """hivemind pre-schedules an epoch's gradient round when its forecast says the epoch ends within
         matchmaking_time, and that round gives up averaging_timeout after it was scheduled, not after it is
         triggered. When the epoch ends much later than forecast (a slow groupmate, a busy machine), the round has
-        seconds left when its peer reaches the step: a client-mode peer's round ran out 3 s before its server
-        joined it, and both stepped alone (a test beside a CPU hog, 2 of 3 runs). Such a round is cancelled and
-        a fresh one, with the whole averaging_timeout, takes its place."""
+        seconds left when its peer reaches the step: a client-mode peer's round can run out just before its server
+        joins it, and both step alone. Such a round is cancelled and a fresh one, with the whole averaging_timeout,
+        takes its place."""
         control = self.scheduled_grads
         # (a round whose group is assembled waits only for this trigger: its deadline no longer matters)
         if control is None or control.triggered or control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
@@ -108,7 +108,7 @@ class CollabOptimizer(SwarmOptimizer):
         """Ends this peer's last round (before --max-epochs) when it is still looking for a group and every other
         peer has made that epoch's step and left it: they are done, and would never join. It failed at once, so
         the peer downloads their state before it leaves (settle_before_leaving), rather than wait out
-        averaging_timeout alone first while they linger as its donors (CI: 30-60 s at the end of many tests)."""
+        averaging_timeout alone first while they linger as its donors."""
         epoch = self.local_epoch - (1 if self.delay_grad_averaging else 0)  # overlap=full: the epoch moved on
         if (self.leave_at_epoch is None or epoch + 1 < self.leave_at_epoch
                 or control.stage != AveragingStage.LOOKING_FOR_GROUP):
@@ -201,14 +201,14 @@ class CollabOptimizer(SwarmOptimizer):
         want our state to leave in sync with the swarm: stay its donor while it is behind, for as long as it needs at
         the swarm's measured pace (collab.averaging.donor_patience), rather than leave it with nobody to ask."""
         if self.client_mode:
-            # it serves no state (nobody can dial it), so it would wait for nothing: the NAT'd peer of a CI test,
-            # left alone with its only server's last record cached, waited out that record's 60-s life
+            # it serves no state (nobody can dial it), so it would wait for nothing: a NAT'd peer left alone with
+            # its only server's last record cached would wait out that record's 60-s life
             return
-        # not for a peer caught sending or returning bad parts (hard evidence): in CI the honest peers stayed on
-        # a whole minute as donors for a NaN sender one epoch behind them
+        # not for a peer caught sending or returning bad parts (hard evidence): the honest peers would stay on
+        # as donors for a NaN sender one epoch behind them
         caught = frozenset(self.rejections.caught_ever())
-        # nor for itself: after an own step this peer's record says the epoch before (a CI run's peer that could not
-        # re-sync waited 75 s for its own record, and its groupmate for it)
+        # nor for itself: after an own step this peer's record says the epoch before (a peer that could not
+        # re-sync would wait for its own record to go stale, and its groupmate for it)
         ignore = caught | {self.dht.peer_id.to_base58()}
         started, patience, said = time.monotonic(), 0.0, False
         while not self.stop.is_set():

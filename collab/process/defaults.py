@@ -19,8 +19,8 @@ def set_process_defaults() -> None:
 
 def timestamp_own_logs() -> None:
     """collab's own log lines (a re-sync, a round given up, a donor staying on) carry the time, as hivemind's do:
-    a peer's log is read beside its groupmates' to tell what happened when (without it, a CI failure in which a
-    peer left with its own step could not be explained from the logs)."""
+    a peer's log is read beside its groupmates' to tell what happened when (without it, a peer that left with its
+    own step cannot be explained from the logs)."""
     logger = logging.getLogger("collab")
     if not logger.handlers:
         handler = logging.StreamHandler()

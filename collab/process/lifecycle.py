@@ -113,8 +113,8 @@ class StopOnSignal:
             self._watchdog.daemon = True
             self._watchdog.start()
             # not here: a handler runs on the main thread between two of its bytecodes, maybe inside a lock a
-            # callback needs (a CI run deadlocked: SIGTERM came while the main thread held hivemind's MPFuture
-            # update lock, and abort_rounds' cancel waited for it inside the handler until the watchdog fired)
+            # callback needs (SIGTERM can come while the main thread holds hivemind's MPFuture update lock, and
+            # abort_rounds' cancel would wait for it inside the handler until the watchdog fires: a deadlock)
             threading.Thread(target=self._run_on_stop, name="collab-on-stop", daemon=True).start()
 
     def _run_on_stop(self) -> None:

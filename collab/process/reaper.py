@@ -50,7 +50,7 @@ def watch_this_process() -> None:
 
 def _announce_fork() -> None:
     """In a child just forked from the watched process (or from one of its forks): tell the watcher our pid.
-    A polled list would miss a child born in the last half second before a SIGKILL (a CI run did)."""
+    A polled list would miss a child born in the last half second before a SIGKILL."""
     if _watcher is not None and _watcher.stdin is not None:
         try:
             os.write(_watcher.stdin.fileno(), f"{os.getpid()}\n".encode())

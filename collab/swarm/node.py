@@ -126,7 +126,7 @@ class Swarm:
                     break
                 except Exception as e:
                     # p2pd dials the initial peers once, with a fixed timeout of its own: on a busy machine (a peer
-                    # beside a CPU hog, in a fresh-clone CI run) a live initial peer can miss it. Once more, then say so
+                    # starved of CPU) a live initial peer can miss it. Once more, then say so
                     if attempt + 1 == BOOTSTRAP_ATTEMPTS or "failed to connect to bootstrap peers" not in str(e):
                         raise
         except Exception as e:
@@ -202,8 +202,8 @@ def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
 
     from concurrent.futures import ThreadPoolExecutor
 
-    # only on the way to an error, so it may take its time: on a busy machine (a CI run: three peers training
-    # beside three more processes starting) 20 s in all was too little, and the user read "unreachable"
+    # only on the way to an error, so it may take its time: on a busy machine (peers training beside more
+    # processes starting) 20 s in all can be too little, and the user would read "unreachable"
     try:  # in a thread of its own: the caller may be inside an event loop (the dashboard's)
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(lambda: asyncio.run(asyncio.wait_for(ask(), timeout=60))).result()

@@ -82,7 +82,7 @@ class PlanKeeper:
         while len(self._epochs_seen) > 2 and now - self._epochs_seen[1][0] > PACE_WINDOW:
             self._epochs_seen.popleft()
         # seconds per epoch as this peer lived them, rounds included: no plan before that is known (the records'
-        # rates count compute only: from them, a linreg run's lead came out at 700 epochs, not 5)
+        # rates count compute only: where rounds take most of an epoch, a lead counted from them is far too many epochs)
         then, before = self._epochs_seen[0]
         if epoch <= before:
             return
@@ -90,7 +90,7 @@ class PlanKeeper:
         last_at, last_epoch = self._epochs_seen[-2]
         if epoch > last_epoch:
             # the last interval's pace when faster: a run speeds up after its start (peers waiting, first rounds),
-            # and a lead counted at the minute's slower average came out 2 s, not 4 (a CI run's peers read it late)
+            # and a lead counted at the minute's slower average comes out shorter than meant (peers read the plan late)
             pace = min(pace, (now - last_at) / (epoch - last_epoch))
         planned = next_plan(self.plan, epoch, b_noise, self.training, pace)
         if planned is None:
