@@ -139,6 +139,7 @@ def test_weight_caps_follow_each_senders_signed_progress():
         peer_id = PeerID(b"collab-test-peer")  # a property in hivemind's averager (its id from the DHT)
 
     rounds = object.__new__(Rounds)
+    rounds._parent_pid = -1  # (what hivemind's __del__ reads: not this process's averager)
     rounds._progress_cache = {"read_at": time.monotonic(), "task": None,
                               "records": {"fast": record(100, 10.0, 2.0), "idle": record(0, 0.1, 0.0),
                                           "ramping": record(0, 1.0, 3.0), "new": record(0, 1e-30, 30.0),
