@@ -99,3 +99,15 @@ class WindowOrder:
                     break
             pass_index, k = pass_index + 1, 0
         return ahead
+
+
+def start_in_largest_gap(taken: list[float], fallback: float) -> float:
+    """A joining peer's start on the ring of shards: the middle of the largest gap between the starts other peers
+    published (each in [0, 1)), so concurrent peers read different shards; `fallback` (start_for_peer) when none
+    is known. Starts that are not a number in [0, 1) (another peer's record is untrusted) are ignored."""
+    points = sorted({s for s in taken if isinstance(s, float) and 0.0 <= s < 1.0})
+    if not points:
+        return fallback
+    gaps = [((points[(i + 1) % len(points)] - p) % 1.0 or 1.0, p) for i, p in enumerate(points)]
+    width, left = max(gaps)
+    return (left + width / 2) % 1.0

@@ -142,8 +142,8 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
 def prepare_corpus(spec: str, tokenizer_file: Path, out: Path, shard_tokens: int, separator: Optional[int] = None,
                    field: str = "text", progress: Optional[Callable[[int, int], None]] = None) -> PreparedCorpus:
     """Tokenize every document of `spec` into shards of `shard_tokens` tokens in `out`, each document followed by
-    `separator` when one is given (a causal LM's end-of-text id). `progress(bytes, tokens)` is called after each
-    batch. Resumes an interrupted preparation of the same source and tokenizer."""
+    `separator` when one is given (a causal LM's end-of-text id). `progress(bytes, tokens)` is called as the
+    reading starts (0, 0) and after each batch. Resumes an interrupted preparation of the same source and tokenizer."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
@@ -168,6 +168,8 @@ def prepare_corpus(spec: str, tokenizer_file: Path, out: Path, shard_tokens: int
         write_atomically(state_path, json.dumps(state, indent=1).encode())
 
     index = 0
+    if progress is not None:
+        progress(0, 0)
     for batch in _batches(documents(spec, field), BATCH_DOCUMENTS):
         if index + len(batch) <= first:  # done before the interruption: not even tokenized again
             index += len(batch)

@@ -4,6 +4,7 @@
     RUN_ID/config.yaml     the config the manifest was made from
     RUN_ID/tokenizer.json  the run's tokenizer (trained at init for `embedded`)
     RUN_ID/manifest.json   the signed manifest every peer checks against the key's fingerprint
+    RUN_ID/data/           (with --dataset) the corpus as token shards, which the manifest lists with their sha256
     RUN_ID/revoked.json    (private runs) the signed list of peer ids whose invites were revoked
 """
 
@@ -15,11 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from collab.data.prepare import prepare_corpus
 from collab.errors import UserError
 from collab.records.identity import rsa_key_from_der
-from collab.run.manifest import Manifest, SignedManifest, make_manifest, run_tokenizer, sign, verify
+from collab.run.manifest import (DataManifest, Manifest, ShardEntry, SignedManifest, make_manifest, run_tokenizer, sign,
+                                 verify)
 
 KEY, CONFIG, TOKENIZER, MANIFEST = "organizer.key", "config.yaml", "tokenizer.json", "manifest.json"
+DATA = "data"
+SHARD_TOKENS = 1 << 24  # tokens per shard: 32 MiB of uint16 ids, a few seconds to fetch on a home uplink
 REVOKED = "revoked.json"  # written by 'collab revoke'; the organizer's peer publishes it
 
 
@@ -48,25 +53,45 @@ def ephemeral_run(run_id: str, config, private: bool = False) -> Run:
     return Run(manifest, sign(manifest, key).to_bytes(), key, tokenizer[0] if tokenizer else None)
 
 
-def create_run_folder(run_id: str, config_path: Path, config, folder: Path, private: bool) -> Run:
+def create_run_folder(run_id: str, config_path: Path, config, folder: Path, private: bool,
+                      dataset: Optional[str] = None, shard_tokens: int = SHARD_TOKENS, progress=None) -> Run:
+    """Make the run's folder. With `dataset`, tokenize it into the folder's token shards first (`progress(bytes,
+    tokens)` after each batch); an init interrupted while doing so resumes when run again on the same folder."""
     from hivemind.utils.crypto import RSAPrivateKey
 
-    if folder.exists() and any(folder.iterdir()):
+    interrupted = (folder / KEY).is_file() and (folder / DATA).is_dir() and not (folder / MANIFEST).exists()
+    if folder.exists() and any(folder.iterdir()) and not (interrupted and dataset is not None):
         raise UserError(f"{folder} already exists and is not empty; pick another --dir, or remove it to start over "
                         "(its organizer.key is the run's identity: keep a copy)")
     folder.mkdir(parents=True, exist_ok=True)
-    key = RSAPrivateKey()
     key_path = folder / KEY
-    key_path.touch(mode=0o600)
-    key_path.write_bytes(key.to_bytes())
+    if interrupted:
+        key = rsa_key_from_der(key_path.read_bytes())
+    else:
+        key = RSAPrivateKey()
+        key_path.touch(mode=0o600)
+        key_path.write_bytes(key.to_bytes())
     shutil.copyfile(config_path, folder / CONFIG)
     tokenizer = run_tokenizer(config)
     if tokenizer is not None:
         shutil.copyfile(tokenizer[0], folder / TOKENIZER)
-    manifest = make_manifest(run_id, config, key, private)
+    data = None
+    if dataset is not None:
+        if tokenizer is None:
+            raise UserError(f"task {config.task.name} reads no text: --dataset prepares a text task's corpus; "
+                            "leave it out, or set the task's data.dataset in the config")
+        data = prepare_data(dataset, folder / TOKENIZER, folder / DATA, shard_tokens, progress)
+    manifest = make_manifest(run_id, config, key, private, data)
     signed = sign(manifest, key).to_bytes()
     (folder / MANIFEST).write_bytes(signed)
     return Run(manifest, signed, key, folder / TOKENIZER if tokenizer else None, folder)
+
+
+def prepare_data(dataset: str, tokenizer_file: Path, out: Path, shard_tokens: int, progress=None) -> DataManifest:
+    """The corpus as token shards in `out`, and what the manifest says of them."""
+    prepared = prepare_corpus(dataset, tokenizer_file, out, shard_tokens, progress=progress)
+    return DataManifest(shard_tokens=shard_tokens, total_tokens=prepared.total_tokens,
+                        shards=[ShardEntry(name=s.name, tokens=s.tokens, sha256=s.sha256) for s in prepared.shards])
 
 
 def load_run_folder(folder: Path) -> Run:

@@ -34,6 +34,27 @@ NOT_SHARED = ("checkpoint.dir",)  # a path on the organizer's machine
 TOKENIZER_FIELD = "task.data.tokenizer"  # the run's tokenizer is a file every peer gets from the swarm
 
 
+class ShardEntry(BaseModel):
+    """One token shard of the run's corpus (collab.data.shards): peers fetch it by name and check its sha256."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[0-9]{5}\.shard$")
+    tokens: int = Field(ge=1)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class DataManifest(BaseModel):
+    """The run's corpus as prepared by `collab init --dataset`: its shards, in order, and how they were cut."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shard_tokens: int = Field(ge=1)  # every shard holds this many tokens, the last one up to it
+    total_tokens: int = Field(ge=1)
+    separator: Optional[int] = Field(None, ge=0)  # the id after each document, if any
+    shards: list[ShardEntry] = Field(min_length=1)
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -47,6 +68,7 @@ class Manifest(BaseModel):
     created_at: float
     private: bool = False
     organizer_key: str  # the organizer's RSA public key, OpenSSH format
+    data: Optional[DataManifest] = None  # None: each peer reads the task's dataset itself
 
     def canonical(self) -> bytes:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
@@ -114,7 +136,8 @@ def run_tokenizer(config: RunConfig) -> Optional[tuple[Path, dict[str, str]]]:
     return run_tokenizer_file(data.tokenizer, data.vocab_size)
 
 
-def make_manifest(run_id: str, config: RunConfig, organizer_key, private: bool = False) -> Manifest:
+def make_manifest(run_id: str, config: RunConfig, organizer_key, private: bool = False,
+                  data: Optional[DataManifest] = None) -> Manifest:
     tokenizer = run_tokenizer(config)
     shared = run_wide(config)
     if shared["averaging"]["aggregation"] == "auto":  # an open run admits anyone: its averaging must be robust
@@ -129,6 +152,7 @@ def make_manifest(run_id: str, config: RunConfig, organizer_key, private: bool =
         created_at=time.time(),
         private=private,
         organizer_key=organizer_key.get_public_key().to_bytes().decode(),
+        data=data,
     )
 
 

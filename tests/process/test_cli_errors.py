@@ -52,6 +52,8 @@ from tests.conftest import run_cli, write_config
     (["invite", "--run", "/nonexistent/run", "--peer", "QmX", "--expires", "1w"], "--expires '1w' is not a duration"),
     (["revoke", "--run", "/nonexistent/run", "--peer", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"],
      "/nonexistent/run is not a run folder"),
+    (["init", "r", "--dir", "{dir}", "--dataset", "/nonexistent/corpus"], "dataset path /nonexistent/corpus does not exist"),
+    (["init", "r", "--dir", "{dir}", "--shard-tokens", "0"], "--shard-tokens must be at least 1"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
     import socket
@@ -63,7 +65,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = str(taken.getsockname()[1])
-    values = {"{bad}": str(bad), "{latin1}": str(latin1), "{taken}": port}
+    values = {"{bad}": str(bad), "{latin1}": str(latin1), "{taken}": port, "{dir}": str(tmp_path / "run")}
     args = [values.get(a, a) for a in args]
     for placeholder, value in values.items():
         expected = expected.replace(placeholder, value)

@@ -169,3 +169,19 @@ def test_a_tokenizer_that_does_not_cover_the_data_gets_one_line(tmp_path):
     with pytest.raises(UserError, match=r"reads 80% of dataset .* as \[UNK\].*set task.tokenizer"):
         prepare_corpus(str(tmp_path / "greek.txt"), _tokenizer(tmp_path / "t.json"), tmp_path / "out", 100)
     assert not list((tmp_path / "out").glob("*.shard"))  # nothing half-written: judged before the first shard
+
+
+def test_peers_that_join_one_by_one_take_the_largest_gap_and_then_read_disjoint_shards():
+    from collab.data.order import start_in_largest_gap
+
+    assert start_in_largest_gap([], 0.3) == 0.3
+    assert start_in_largest_gap([0.9], 0.3) == pytest.approx(0.4)  # opposite the only other peer
+    assert start_in_largest_gap([0.1, 0.2, float("nan"), 7.0, "x"], 0.0) == pytest.approx(0.65)  # junk ignored
+    starts: list[float] = []
+    for i in range(8):
+        starts.append(start_in_largest_gap(starts, start_for_peer(1, f"peer-{i}")))
+    orders = [WindowOrder([4096] * 64, 128, seed=1, start=start) for start in starts]
+    each = orders[0].per_pass // 8
+    overlap = _overlap(orders, each)
+    print(f"\noverlap of 8 peers joining one by one, each taking the largest gap: {overlap:.3f}")
+    assert overlap < 0.15, (starts, overlap)
