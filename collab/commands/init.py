@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -67,12 +68,13 @@ class _PreparationDisplay:
         self.dataset, self.bytes, self.started, self.progress = dataset, 0, time.monotonic(), None
 
     def __enter__(self) -> "_PreparationDisplay":
-        if self.dataset is not None:
+        if self.dataset is not None and sys.stderr.isatty():  # a log file gets the summary line only
+            from rich.console import Console
             from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
             self.progress = Progress(TextColumn("tokenizing {task.description}: {task.fields[mb]:.1f} MB of text, "
                                                 "{task.fields[tokens]:,} tokens, {task.fields[rate]}"),
-                                     TimeElapsedColumn(), transient=True)
+                                     TimeElapsedColumn(), transient=True, console=Console(stderr=True))
             self.task = self.progress.add_task(self.dataset, total=None, mb=0.0, tokens=0, rate="")
             self.progress.start()
         return self

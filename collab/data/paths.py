@@ -8,12 +8,20 @@ from pathlib import Path
 from collab.errors import UserError
 
 HF_PREFIX = "hf:"
+SHARDS_PREFIX = "shards:"  # a folder of token shards and their list (collab.data.shards), as `collab init` made it
+SHARD_LIST = "shards.json"
 
 
 def dataset_parts(spec: str, what: str) -> list[Path]:
     """The local files and folders of a comma-separated --dataset (none for `embedded` or hf:NAME), each of
     which must exist; `what` names the files a part may be ("text files", "image files")."""
     if spec == "embedded" or spec.startswith(HF_PREFIX):
+        return []
+    if spec.startswith(SHARDS_PREFIX):
+        folder = Path(spec[len(SHARDS_PREFIX):]).expanduser()
+        if not (folder / SHARD_LIST).is_file():
+            raise UserError(f"{folder} holds no {SHARD_LIST}: it is not a folder of token shards; prepare one with "
+                            "'collab init RUN --dataset PATH'")
         return []
     parts = []
     for part in filter(None, (p.strip() for p in spec.split(","))):

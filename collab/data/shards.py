@@ -14,15 +14,18 @@ file's size: a truncated file is refused, not read short.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from collab.data.cache import write_atomically
+from collab.data.paths import SHARD_LIST
 from collab.errors import UserError
 
 MAGIC = b"COLLABSH"
@@ -70,6 +73,7 @@ def write_shard(path: Path, tokens: np.ndarray, doc_starts: np.ndarray) -> Shard
             for block in (header, tokens.tobytes(), b"\0" * pad, doc_starts.astype("<u8").tobytes()):
                 f.write(block)
                 digest.update(block)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the run's data from its other readers
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -170,3 +174,18 @@ def open_shards(folder: Path, infos: list[ShardInfo]) -> list[Shard]:
                             "prepare the data again with collab init")
         shards.append(shard)
     return shards
+
+
+def write_shard_list(folder: Path, infos: list[ShardInfo]) -> None:
+    """The list of a folder's shards, in order, as the manifest has it: what a reader of the folder goes by."""
+    write_atomically(Path(folder) / SHARD_LIST, json.dumps({"shards": [asdict(i) for i in infos]}, indent=1).encode())
+    os.chmod(Path(folder) / SHARD_LIST, 0o644)
+
+
+def read_shard_list(folder: Path) -> list[ShardInfo]:
+    path = Path(folder) / SHARD_LIST
+    try:
+        return [ShardInfo(name=str(s["name"]), tokens=int(s["tokens"]), sha256=str(s["sha256"]))
+                for s in json.loads(path.read_text())["shards"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{path} is not a list of token shards; prepare the data again with collab init") from None

@@ -1,10 +1,12 @@
 """Text sources and the sentence-order windows ALBERT trains on.
 
 A source is the embedded corpus, local text files (a file, a folder of *.txt, or several,
-comma-separated), or `hf:NAME` for a Hugging Face dataset (streamed; a local dataset folder
-works too). Small sources are tokenized once into one tensor and sampled at random offsets;
-hub datasets are streamed and shuffled through a buffer. Each peer draws with its own seed,
-so no two peers see the data in the same order.
+comma-separated), `hf:NAME` for a Hugging Face dataset (streamed; a local dataset folder
+works too), or `shards:FOLDER`, the run's token shards as `collab init --dataset` prepared them.
+Small sources are tokenized once into one tensor and sampled at random offsets; hub datasets are
+streamed and shuffled through a buffer; shards are memory-mapped and read in the order
+collab.data.order gives this peer. Each peer draws with its own seed, so no two peers see the data
+in the same order.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import random
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from collab.data import stream_hf_dataset
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
-from collab.data.paths import HF_PREFIX, dataset_parts
+from collab.data.order import WindowOrder, start_for_peer
+from collab.data.paths import HF_PREFIX, SHARD_LIST, SHARDS_PREFIX, dataset_parts
+from collab.data.shards import open_shards, read_shard_list
 from collab.errors import UserError
 
 
@@ -104,7 +109,24 @@ def streamed_windows(name: str, tokenizer: PreTrainedTokenizerBase, length: int,
         epoch += 1
 
 
+def shard_windows(folder: Path, length: int, seed: int) -> Iterator[torch.Tensor]:
+    """Windows of the token shards in `folder`, in this peer's order: the ring of shards is the same for every peer
+    of the run (its seed is the shard list's digest), and `seed` (this peer's) sets where this peer enters it."""
+    infos = read_shard_list(folder)
+    shards = open_shards(folder, infos)
+    run_seed = int.from_bytes(hashlib.sha256((folder / SHARD_LIST).read_bytes()).digest()[:8], "little")
+    try:
+        order = WindowOrder([s.tokens for s in infos], length, run_seed, start_for_peer(run_seed, str(seed)))
+    except ValueError:
+        raise UserError(f"the token shards in {folder} hold no sequence of {length} tokens; add text") from None
+    for window in order.iterate():
+        yield torch.from_numpy(shards[window.shard].tokens[window.start:window.start + length].astype(np.int64))
+
+
 def token_windows(spec: str, tokenizer: PreTrainedTokenizerBase, length: int, seed: int) -> Iterator[torch.Tensor]:
+    if spec.startswith(SHARDS_PREFIX):
+        dataset_parts(spec, "token shards")  # the folder and its list exist
+        return shard_windows(Path(spec[len(SHARDS_PREFIX):]).expanduser(), length, seed)
     if spec.startswith(HF_PREFIX):
         return streamed_windows(spec[len(HF_PREFIX):], tokenizer, length, seed)
     return random_windows(tokenize_files(local_text_files(spec), tokenizer), length, seed)

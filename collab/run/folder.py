@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from collab.data.prepare import prepare_corpus
+from collab.data.shards import write_shard_list
 from collab.errors import UserError
 from collab.records.identity import rsa_key_from_der
 from collab.run.manifest import (DataManifest, Manifest, ShardEntry, SignedManifest, make_manifest, run_tokenizer, sign,
@@ -90,6 +91,7 @@ def create_run_folder(run_id: str, config_path: Path, config, folder: Path, priv
 def prepare_data(dataset: str, tokenizer_file: Path, out: Path, shard_tokens: int, progress=None) -> DataManifest:
     """The corpus as token shards in `out`, and what the manifest says of them."""
     prepared = prepare_corpus(dataset, tokenizer_file, out, shard_tokens, progress=progress)
+    write_shard_list(out, prepared.shards)  # what the organizer's own peer reads the folder by
     return DataManifest(shard_tokens=shard_tokens, total_tokens=prepared.total_tokens,
                         shards=[ShardEntry(name=s.name, tokens=s.tokens, sha256=s.sha256) for s in prepared.shards])
 

@@ -19,9 +19,9 @@ from collab.config import RunConfig
 from collab.data.cache import cache_dir, write_atomically
 from collab.errors import UserError
 from collab.run.access import AccessList, make_invite
-from collab.run.folder import REVOKED, ephemeral_run, load_run_folder
+from collab.run.folder import DATA, REVOKED, ephemeral_run, load_run_folder
 from collab.run.gate import MEMBERS_SUFFIX
-from collab.run.manifest import Manifest, config_for_peer, contradictions
+from collab.run.manifest import DATASET_FIELD, Manifest, config_for_peer, contradictions, user_sets
 from collab.run.sharer import SharedRun
 from collab.run.sharing import TOKENIZER_NAME, fetch_manifest, fetch_run_file
 from collab.run.watch import PrivateRun, publish
@@ -32,7 +32,11 @@ ORGANIZER_INVITE_SECONDS = 10 * 365 * 86400.0  # the organizer's own peer: as lo
 def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) -> tuple[RunConfig, SharedRun]:
     run = load_run_folder(folder)
     _refuse_contradictions(run.manifest, user, source)
-    config = config_for_peer(run.manifest, user, run.tokenizer_file)
+    shards = None
+    if run.manifest.data is not None:
+        _refuse_own_dataset(run.manifest, user)
+        shards = folder / DATA
+    config = config_for_peer(run.manifest, user, run.tokenizer_file, shards)
     private = None
     if run.manifest.private:  # the organizer's peer invites itself, and publishes what 'collab revoke' writes
 
@@ -59,6 +63,9 @@ def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str
         print(f"No --run-key given: trusting the key the swarm offers for run {run_id!r} ({manifest.fingerprint}). "
               f"Pass --run-key {manifest.fingerprint} to be sure it is the organizer's.", flush=True)
     _refuse_contradictions(manifest, user, source)
+    if manifest.data is not None:
+        raise UserError(f"run {run_id!r} trains on the token shards its organizer prepared, and this collab cannot "
+                        "fetch them from the swarm yet; upgrade collab")
     tokenizer = None
     if manifest.tokenizer_sha256 is not None:
         tokenizer = cache_dir() / "runs" / f"tokenizer-{manifest.tokenizer_sha256}.json"
@@ -74,6 +81,12 @@ def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str
     if invite is not None:
         private = PrivateRun(invite, AccessList(run_id, manifest.organizer_key))
     return config, SharedRun(signed, manifest.fingerprint, tokenizer, private)
+
+
+def _refuse_own_dataset(manifest: Manifest, user: dict) -> None:
+    if user_sets(user, DATASET_FIELD):
+        raise UserError(f"run {manifest.run_id!r} trains on the token shards its manifest lists: leave --dataset "
+                        "(and the config's task.data.dataset) out")
 
 
 def _refuse_contradictions(manifest: Manifest, user: dict, source: Optional[str]) -> None:

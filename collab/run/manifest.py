@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from collab import __version__
 from collab.config import FIELD_TO_FLAG, RunConfig, describe_validation_error
+from collab.data.paths import SHARDS_PREFIX
 from collab.errors import UserError
 
 FORMAT = 1
@@ -32,6 +33,7 @@ PER_PEER = ("training.micro_batch_size", "training.device", "training.precision"
             "checkpoint.every_epochs", "checkpoint.keep")
 NOT_SHARED = ("checkpoint.dir",)  # a path on the organizer's machine
 TOKENIZER_FIELD = "task.data.tokenizer"  # the run's tokenizer is a file every peer gets from the swarm
+DATASET_FIELD = "task.data.dataset"  # per peer, unless the manifest lists the run's token shards
 
 
 class ShardEntry(BaseModel):
@@ -163,8 +165,10 @@ def run_wide(config: RunConfig) -> dict:
     return data
 
 
-def config_for_peer(manifest: Manifest, user_settings: dict, tokenizer_file: Optional[Path]) -> RunConfig:
-    """The manifest's config, with the PER_PEER settings this peer's user gave and the run's tokenizer file.
+def config_for_peer(manifest: Manifest, user_settings: dict, tokenizer_file: Optional[Path],
+                    shards: Optional[Path] = None) -> RunConfig:
+    """The manifest's config, with the PER_PEER settings this peer's user gave, the run's tokenizer file and, for a
+    run whose corpus the manifest lists, the folder of its token shards (`shards`) as the dataset.
     (Anything else the user gave must agree with the manifest: `contradictions`.)"""
     data = json.loads(json.dumps(manifest.config))
     for dotted in PER_PEER:
@@ -174,11 +178,18 @@ def config_for_peer(manifest: Manifest, user_settings: dict, tokenizer_file: Opt
     if tokenizer_file is not None:
         _put(data, TOKENIZER_FIELD, str(tokenizer_file))
         _put(data, "task.data.special_tokens", manifest.tokenizer_special_tokens)
+    if shards is not None:
+        _put(data, DATASET_FIELD, f"{SHARDS_PREFIX}{shards}")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise UserError(f"the run's manifest holds a config this collab cannot use ({describe_validation_error(e)});"
                         f" install the collab version the run uses ({manifest.collab_version})") from None
+
+
+def user_sets(user_settings: dict, dotted: str) -> bool:
+    """Whether the user's config file or flags set `dotted` (a dotted key such as task.data.dataset)."""
+    return _get(user_settings, dotted) is not _MISSING
 
 
 def contradictions(manifest: Manifest, local_raw: dict, source: Optional[str]) -> list[str]:

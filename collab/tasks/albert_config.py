@@ -32,7 +32,7 @@ class AlbertModelConfig(Section):
 
 
 class AlbertDataConfig(Section):
-    dataset: str = Field("embedded", min_length=1, description="embedded | text files/folders | hf:NAME")
+    dataset: str = Field("embedded", min_length=1, description="embedded | text files/folders | hf:NAME | shards:FOLDER (token shards)")
     tokenizer: str = Field("embedded", min_length=1, description="embedded | tokenizer.json | folder | hub name")
     vocab_size: int = Field(8000, ge=100, description="vocabulary of the embedded tokenizer")
     seq_length: int = Field(128, ge=16)

@@ -70,3 +70,32 @@ def test_a_dataset_for_a_task_without_text_gets_one_line(tmp_path):
     with pytest.raises(UserError, match="reads no text: --dataset prepares a text task's corpus"):
         create_run_folder("swav-run", shipped_config("swav-tiny"), load_config(shipped_config("swav-tiny")),
                           tmp_path / "run", False, dataset=str(_corpus(tmp_path / "corpus")))
+
+
+def test_the_organizers_peer_trains_on_the_runs_shards_in_its_own_order(tmp_path, micro_config):
+    from collab.data.text import token_windows
+    from collab.run.joining import as_organizer
+    from collab.tasks import build_task
+
+    corpus = _corpus(tmp_path / "corpus")
+    create_run_folder("data-run", micro_config, load_config(micro_config), tmp_path / "run", False,
+                      dataset=str(corpus), shard_tokens=1000)
+    config, _ = as_organizer(tmp_path / "run", {}, None, "QmOrganizer")
+    assert config.task.data.dataset == f"shards:{tmp_path / 'run' / DATA}"
+    task = build_task(config)
+    stream = np.concatenate([s.tokens for s in open_shards(tmp_path / "run" / DATA, load_run_folder(
+        tmp_path / "run").manifest.data.shards)]).astype(np.int64)
+    windows = token_windows(config.task.data.dataset, task.tokenizer, 50, seed=1)
+    for _ in range(30):  # each window is 50 consecutive tokens of the shards
+        window = next(windows).numpy()
+        at = [i for i in range(0, len(stream) - 49) if np.array_equal(stream[i:i + 50], window)]
+        assert at, window
+    other = token_windows(config.task.data.dataset, task.tokenizer, 50, seed=2)  # another peer, another order
+    assert [next(other).tolist() for _ in range(5)] != [w.tolist() for w, _ in zip(
+        token_windows(config.task.data.dataset, task.tokenizer, 50, seed=1), range(5))]
+    batch = next(task.batches(4, seed=1))  # and the task's batches come from them
+    assert batch["input_ids"].shape[0] == 4 and float(task.loss(batch)) > 0
+    with pytest.raises(UserError, match="trains on the token shards its manifest lists: leave --dataset"):
+        as_organizer(tmp_path / "run", {"task": {"data": {"dataset": str(corpus)}}}, None, "QmOrganizer")
+    with pytest.raises(UserError, match="holds no shards.json: it is not a folder of token shards"):
+        next(token_windows(f"shards:{corpus}", task.tokenizer, 50, seed=1))
