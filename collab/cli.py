@@ -12,6 +12,8 @@ import sys
 import threading
 from typing import Optional, Sequence
 
+from collab.commands import dashboard, init, invite, join, revoke, simulate, status
+from collab.commands import id as id_command
 from collab.errors import InternalError, UserError
 from collab.process.defaults import debug_loggers_from_env, set_process_defaults, timestamp_own_logs
 from collab.process.reaper import watch_this_process
@@ -26,10 +28,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # imported once main() has set the process defaults that hivemind reads when it is imported
-    from collab.commands import dashboard, init, invite, join, revoke, simulate, status
-    from collab.commands import id as id_command
-
     parser = OneLineParser(prog="collab", description="Train one model together over the internet.")
     parser.add_argument("--version", action="version", version=f"collab {__import__('collab').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)

@@ -8,6 +8,7 @@ key instead of a silently ignored setting. Task-specific sections live next to t
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -26,8 +27,6 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # hivemind forbids dots in
 
 def check_run_id(run_id: str, flag: str = "--run-id") -> str:
     """A run id hivemind can use as a DHT key prefix, or a UserError naming `flag` (checked before heavy imports)."""
-    import re
-
     if not re.match(RUN_ID_PATTERN, run_id):
         raise UserError(f"{flag} {run_id!r} is invalid; use 1-64 letters, digits, '_' or '-' "
                         "(no dots: hivemind's DHT keys forbid them)")

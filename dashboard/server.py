@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Optional
@@ -42,8 +43,6 @@ class BackgroundDashboard:
 
 def serve_forever(collector: Collector, host: str, port: int, fd: Optional[int] = None) -> None:
     """The foreground server of `collab dashboard`; Ctrl-C stops uvicorn, which stops the collector."""
-    import gc
-
     # hivemind imports torch: a heap of ~10^6 long-lived objects that every full collection walks,
     # stalling every open request (the p99 of a busy dashboard). Freeze them out of the collector.
     gc.collect()

@@ -24,8 +24,11 @@ peers still running then get SIGTERM (they leave gracefully), and SIGKILL 15 s l
 from __future__ import annotations
 
 import atexit
+import ctypes
+import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -246,8 +250,6 @@ PRELOAD = ["hivemind", "transformers.models.albert.modeling_albert", "collab.com
 
 
 def _preload() -> None:
-    import importlib
-
     set_process_defaults()  # hivemind reads these at import
     for module in PRELOAD:
         importlib.import_module(module)
@@ -259,8 +261,6 @@ def _enter_netns(name: str) -> None:
         if hasattr(os, "setns"):
             os.setns(fd, CLONE_NEWNET)
             return
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.setns(fd, CLONE_NEWNET) != 0:
             error = ctypes.get_errno()
@@ -291,8 +291,6 @@ def _child(request: dict) -> None:
         from collab.hivemind_hooks.patches import fresh_process_state
 
         fresh_process_state()
-        import runpy
-
         # the command runs as `python -m collab ...` or `python script.py ...` would (its SystemExit is its code)
         if request["kind"] == "collab":
             sys.argv = ["collab", *request["argv"]]
@@ -305,8 +303,6 @@ def _child(request: dict) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the peer's log is where its crash must show
-        import traceback
-
         traceback.print_exc()
     finally:
         try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
+from hivemind.p2p import P2P, PeerID
 
 from collab.peers.forkserver import ForkServer
 
@@ -86,8 +87,6 @@ class PeerProcess:
 
     def make_identity(self) -> None:
         """Create the libp2p key now (the peer reuses it), so its peer id is known before it starts."""
-        from hivemind.p2p import P2P, PeerID
-
         if not self.identity_path.exists():
             P2P.generate_identity(str(self.identity_path))
         self.peer_id = PeerID.from_identity(self.identity_path.read_bytes()).to_base58()

@@ -23,6 +23,7 @@ arrived, then:
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Optional, Sequence
@@ -132,8 +133,6 @@ class RobustPartReducer(TensorPartReducer):
         return await current_part_future
 
     async def _wait_for_previous_parts(self) -> None:
-        import asyncio
-
         await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
         if self.finished.is_set():

@@ -80,7 +80,7 @@ class Blockwise8Bit(BlockwiseQuantization):
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         try:
-            from bitsandbytes.functional import dequantize_blockwise
+            from bitsandbytes.functional import dequantize_blockwise  # optional: only this codec needs it
         except ImportError:
             raise ValueError("a blockwise 8-bit part needs bitsandbytes to decode (pip install bitsandbytes)") from None
         buffer = serialized_tensor.buffer

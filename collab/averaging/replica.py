@@ -20,8 +20,10 @@ from concurrent.futures import InvalidStateError
 from typing import Optional
 
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import Behind
@@ -107,9 +109,6 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, Train
         starved or late) and will not come back for it. A round that found its group runs to its end; a
         background step that has not started its round yet is waited for (its round may yet need giving up),
         for `limit` seconds at most: then hivemind's own wait, with its own timeouts, takes over."""
-        from hivemind.averaging.control import AveragingStage
-        from hivemind.utils.timed_storage import get_dht_time
-
         cancelled, give_up_at = 0, time.monotonic() + limit
         while not stop.is_set() and time.monotonic() < give_up_at:
             matching = [control for epoch, control in getattr(self, "rounds", []) if epoch <= up_to_epoch
@@ -170,7 +169,5 @@ def cancel_round(control) -> None:
     try:
         control.cancel()
     except InvalidStateError:  # the other thread set the round's cancel signal first: cancel the control itself
-        from hivemind.utils.mpfuture import MPFuture
-
         if not control.done():
             MPFuture.cancel(control)

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
+from functools import partial
 
-from collab.commands.status import add_watcher_flags
+from collab.commands.status import add_watcher_flags, watcher_swarm
+from collab.errors import UserError
+from collab.process.ports import require_free_port
+
+# the dashboard (fastapi, uvicorn), hivemind, torch and psutil are imported inside run(): 'collab --help' and flag
+# errors stay instant
 
 
 def add_parser(sub) -> None:
@@ -29,9 +37,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.errors import UserError
-    from collab.process.ports import require_free_port
-
     # flags first: a mistake is answered before hivemind and torch import (seconds)
     if args.fd is None:
         require_free_port(args.port, "--port", host=args.host)
@@ -45,17 +50,10 @@ def run(args: argparse.Namespace) -> int:
     from collab.process.lifecycle import reap_children
     from collab.swarm.node import peer_config_from_flags
 
-    from functools import partial
-
-    from collab.commands.status import watcher_swarm
-
     peer_config_from_flags(run_id=args.run_id, initial_peers=args.initial_peers)  # validates the flags
     collector = Collector(args.run_id, args.initial_peers, interval=args.interval, forget_after=args.forget_after,
                           make_swarm=partial(watcher_swarm, args))
     if args.fd is not None:
-        import os
-        import stat
-
         try:
             is_socket = stat.S_ISSOCK(os.fstat(args.fd).st_mode)
         except OSError:

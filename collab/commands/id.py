@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from collab.run.credentials import add_identity_flag
+from collab.records.identity import load_or_create_identity
+from collab.run.credentials import add_identity_flag, default_identity_path
 
 
 def add_parser(sub) -> None:
@@ -16,9 +17,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.records.identity import load_or_create_identity
-    from collab.run.credentials import default_identity_path
-
     path = args.identity if args.identity is not None else default_identity_path()
     print(load_or_create_identity(path).peer_id, flush=True)
     return 0

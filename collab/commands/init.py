@@ -7,8 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from collab.config import DEFAULT_CONFIG_NAME
+from collab.config import DEFAULT_CONFIG_NAME, check_run_id, load_config, resolve_config_path
+from collab.data.paths import dataset_parts
 from collab.errors import UserError
+from collab.run.folder import SHARD_TOKENS, create_run_folder
 
 
 def add_parser(sub) -> None:
@@ -31,8 +33,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.config import check_run_id, load_config, resolve_config_path
-
     check_run_id(args.run_id, "RUN_ID")
     config_path = resolve_config_path(args.config)
     config = load_config(config_path)
@@ -40,12 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.shard_tokens is not None and args.shard_tokens < 1:
         raise UserError(f"--shard-tokens must be at least 1, got {args.shard_tokens}; leave it out for 16777216")
     if args.dataset is not None:
-        from collab.data.paths import dataset_parts
-
         dataset_parts(args.dataset, "text, .jsonl or .parquet files")  # a missing path fails now, before any work
-
-    from collab.run.folder import SHARD_TOKENS, create_run_folder
-
     with _PreparationDisplay(args.dataset) as display:
         run_ = create_run_folder(args.run_id, config_path, config, folder, args.private, dataset=args.dataset,
                                  shard_tokens=args.shard_tokens or SHARD_TOKENS, progress=display.update)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from collab.errors import UserError
+from collab.run.access import make_invite, parse_duration
+from collab.run.folder import load_run_folder
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("invite", help="invite a peer to a private run (prints its token)",
@@ -17,10 +21,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.errors import UserError
-    from collab.run.access import make_invite, parse_duration
-    from collab.run.folder import load_run_folder
-
     lifetime = parse_duration(args.expires)
     check_peer_id(args.peer)
     folder = load_run_folder(args.run_dir)
@@ -32,9 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_peer_id(text: str) -> None:
-    from hivemind.p2p import PeerID
-
-    from collab.errors import UserError
+    from hivemind.p2p import PeerID  # heavy (hivemind, torch): imported when the command runs, not for --help
 
     try:
         PeerID.from_base58(text)

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 import threading
+import traceback
 from pathlib import Path
 
-from collab.config import COMPRESSIONS, DEFAULT_CONFIG_NAME, FLAG_TO_FIELD
-from collab.run.credentials import add_access_flags, add_identity_flag
+from collab.config import COMPRESSIONS, DEFAULT_CONFIG_NAME, FLAG_TO_FIELD, check_run_id, load_config, user_settings
+from collab.data.paths import dataset_parts, require_tokenizer_file
+from collab.errors import InternalError, UserError
+from collab.process.ports import require_free_port
+from collab.records.identity import load_or_create_identity
+from collab.run.credentials import add_access_flags, add_identity_flag, credentials_from_flags
+from collab.run.folder import MANIFEST, load_run_folder
+
+# hivemind, torch and the trainer are imported inside the functions that need them, once the flags and the config are
+# checked, and psutil (collab.process.lifecycle) inside run(): 'collab --help' and a flag or config mistake stay quick
 
 
 def add_parser(sub) -> None:
@@ -78,11 +88,6 @@ def _target(value: str):
 
 def raise_internal_error(error: Exception):
     """A bug, not a user mistake: one line on the terminal, the traceback in a file to attach to a report."""
-    import tempfile
-    import traceback
-
-    from collab.errors import InternalError
-
     fd, path = tempfile.mkstemp(prefix="collab-crash-", suffix=".log")
     with open(fd, "w") as f:
         traceback.print_exception(error, file=f)
@@ -105,9 +110,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_id(args: argparse.Namespace) -> str:
     """--run-id, or the run folder's; both given must agree."""
-    from collab.config import check_run_id
-    from collab.errors import UserError
-
     token = args.token is not None or args.token_file is not None
     if args.run_dir is None:
         if args.run_key is not None and not args.initial_peers:
@@ -120,8 +122,6 @@ def _run_id(args: argparse.Namespace) -> str:
     if args.run_key is not None or token:
         flag = "--run-key" if args.run_key is not None else "--token"
         raise UserError(f"{flag} is for volunteers; the organizer's peer (--run) holds the key itself: drop it")
-    from collab.run.folder import MANIFEST, load_run_folder
-
     folder_id = load_run_folder(args.run_dir).manifest.run_id
     if args.run_id is not None and args.run_id != folder_id:
         raise UserError(f"--run-id {args.run_id!r} differs from the run in {args.run_dir / MANIFEST} ({folder_id!r}); "
@@ -130,14 +130,9 @@ def _run_id(args: argparse.Namespace) -> str:
 
 
 def _join(args: argparse.Namespace, stop: threading.Event) -> int:
-    from collab.config import load_config, user_settings
-    from collab.errors import UserError
-
     if args.max_epochs is not None and args.max_epochs < 0:
         raise UserError(f"--max-epochs {args.max_epochs} is negative; pass a whole number >= 0")
     if args.dashboard_port is not None:
-        from collab.process.ports import require_free_port
-
         require_free_port(args.dashboard_port, "--dashboard-port")
     if args.wait_peers < 1:
         raise UserError(f"--wait-peers {args.wait_peers} must be at least 1")
@@ -164,8 +159,6 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
                                   dashboard_port=args.dashboard_port)
     swarm = None
     try:
-        from collab.records.identity import load_or_create_identity
-        from collab.run.credentials import credentials_from_flags
         from collab.swarm.node import Swarm
 
         if args.run_dir is not None:
@@ -206,8 +199,6 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
 
 def _check_data_flags(args: argparse.Namespace, task: str) -> None:
     """A --dataset or --tokenizer path that does not exist is an error now, before torch is imported."""
-    from collab.data.paths import dataset_parts, require_tokenizer_file
-
     if args.dataset is not None:
         dataset_parts(args.dataset, "image files" if task == "swav" else "text files")
     if args.tokenizer is not None:

@@ -6,6 +6,16 @@ import argparse
 import time
 from pathlib import Path
 
+from collab.commands.invite import check_peer_id
+from collab.data.cache import write_atomically
+from collab.errors import UserError
+from collab.records.identity import load_or_create_identity
+from collab.run.access import Revocations, make_invite
+from collab.run.folder import REVOKED, load_run_folder
+
+# hivemind, torch and psutil are imported inside _publish_now(), only when a list is published now: 'collab --help'
+# and flag errors stay instant
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("revoke", help="revoke a peer's invite to a private run",
@@ -20,12 +30,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collab.commands.invite import check_peer_id
-    from collab.data.cache import write_atomically
-    from collab.errors import UserError
-    from collab.run.access import Revocations
-    from collab.run.folder import REVOKED, load_run_folder
-
     check_peer_id(args.peer)
     folder = load_run_folder(args.run_dir)
     manifest = folder.manifest
@@ -56,10 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _publish_now(folder, initial_peers: list[str], listed) -> None:
     """A short-lived client peer, invited by the organizer key on the spot, stores the list in the swarm."""
-    from collab.errors import UserError
     from collab.process.lifecycle import reap_children
-    from collab.records.identity import load_or_create_identity
-    from collab.run.access import make_invite
     from collab.run.gate import REVOKED_SUFFIX, RunAuthorizer
     from collab.run.watch import publish
     from collab.swarm.node import Swarm, peer_config_from_flags

@@ -6,8 +6,19 @@ import argparse
 import math
 import os
 import tempfile
+import threading
 import uuid
 from pathlib import Path
+
+from collab.config import load_config, resolve_config_path
+from collab.errors import UserError
+from collab.peers.churn import ChurnSpec
+from collab.peers.netns import NetworkError
+from collab.peers.profiles import load_profile
+from collab.process.ports import require_free_port
+
+# the simulation's launcher and report (hivemind, torch, psutil) and collab.process.lifecycle (psutil) are imported
+# inside run(), once the flags are checked: 'collab --help' and flag errors stay instant
 
 
 def add_parser(sub) -> None:
@@ -36,18 +47,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import threading
-
-    from collab.config import load_config, resolve_config_path
-    from collab.errors import UserError
-    from collab.peers.churn import ChurnSpec
-    from collab.peers.launcher import LaunchError
-    from collab.peers.netns import NetworkError
-    from collab.peers.profiles import load_profile
-    from collab.peers.simulation import Simulation, SimulationSpec
-    from collab.process.lifecycle import StopOnSignal
-    from collab.process.ports import require_free_port
-
     if args.peers < 1:
         raise UserError(f"--peers {args.peers} must be at least 1")
     if args.max_epochs is not None and args.max_epochs < 1:
@@ -62,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile else None
     config_path = resolve_config_path(Path(args.config) if args.config else None)
     load_config(config_path)  # fail here, once, rather than in every peer
+
+    from collab.peers.launcher import LaunchError
+    from collab.peers.simulation import Simulation, SimulationSpec
+    from collab.process.lifecycle import StopOnSignal
+
     max_epochs = args.max_epochs if args.max_epochs is not None else (15 if args.duration is None else None)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="collab-simulate-"))
     # peers share this machine's cores: one torch thread each keeps them from fighting over them

@@ -6,6 +6,11 @@ import argparse
 import json
 import time
 
+from collab.run.credentials import add_access_flags, add_identity_flag, credentials_from_flags
+
+# hivemind, torch, psutil and rich are imported inside the functions that need them: 'collab --help' and flag errors
+# stay instant
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show a run's progress and peers",
@@ -22,8 +27,6 @@ def add_parser(sub) -> None:
 
 def add_watcher_flags(p) -> None:
     """A reader of a run is a peer: it may check the run's key, and needs an invite to read a private run."""
-    from collab.run.credentials import add_access_flags, add_identity_flag
-
     p.add_argument("--run-key", default=None, metavar="FINGERPRINT",
                    help="the organizer's key (from the join line): read the run only if its manifest is signed by it")
     add_identity_flag(p)
@@ -32,7 +35,6 @@ def add_watcher_flags(p) -> None:
 
 def watcher_swarm(args: argparse.Namespace, peer):
     """The reader's client peer, with its invite if it has one; --run-key checked against the run's manifest."""
-    from collab.run.credentials import credentials_from_flags
     from collab.swarm.node import Swarm
 
     credentials = credentials_from_flags(args, args.run_id)

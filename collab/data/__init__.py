@@ -9,7 +9,7 @@ def stream_hf_dataset(name: str):
     """The train split of a Hugging Face dataset (a hub name or a local folder), streamed: a real run's
     data does not fit in memory. Any failure is a UserError that names the dataset."""
     try:
-        import datasets
+        import datasets  # optional (collab[hf]): a missing one is this one-line error
     except ImportError:
         raise UserError("hf: datasets need the 'datasets' package; pip install 'collab[hf]'") from None
     try:

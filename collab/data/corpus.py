@@ -44,7 +44,7 @@ def _paragraphs():
                 seen.add(paragraph)
                 yield paragraph
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # large, and read only while the corpus is built
     except ImportError:  # some minimal builds strip pydoc_data
         topics = {}
     for name in sorted(topics):

@@ -18,8 +18,11 @@ import random
 from pathlib import Path
 from typing import Iterator
 
+import kornia.augmentation as K
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from collab.data import stream_hf_dataset
 from collab.data.crops_config import MultiCropConfig, Scale
@@ -34,7 +37,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def embedded_digits(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All 1,797 digits as [N, 3, S, S] floats in [0, 1], and their labels [N]."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # about a second to import: only the embedded source needs it
 
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixel values are 0..16
@@ -57,9 +60,6 @@ def image_files(spec: str) -> list[Path]:
 
 def to_square_tensor(image, size: int) -> torch.Tensor:
     """A PIL image as [3, size, size] in [0, 1]: shorter side resized to `size`, centre cropped."""
-    import numpy as np
-    from PIL import ImageOps
-
     square = ImageOps.fit(image.convert("RGB"), (size, size))
     return torch.from_numpy(np.asarray(square, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
 
@@ -74,8 +74,6 @@ def shuffled_tensors(images: torch.Tensor, seed: int) -> Iterator[torch.Tensor]:
 
 def folder_images(files: list[Path], size: int, seed: int) -> Iterator[torch.Tensor]:
     """Images decoded lazily (a real folder does not fit in memory); unreadable files are skipped."""
-    from PIL import Image, UnidentifiedImageError
-
     rng, order = random.Random(seed), list(files)
     while True:
         rng.shuffle(order)
@@ -95,9 +93,9 @@ def folder_images(files: list[Path], size: int, seed: int) -> Iterator[torch.Ten
 
 def streamed_images(name: str, size: int, seed: int, buffer_size: int = 1000) -> Iterator[torch.Tensor]:
     """Images from a Hugging Face dataset, streamed; the first column holding images is used."""
-    import datasets
+    dataset = stream_hf_dataset(name)  # first: a missing `datasets` package is its one-line error, not ours
+    import datasets  # optional (collab[hf]): only hf: sources need it, and stream_hf_dataset has found it
 
-    dataset = stream_hf_dataset(name)
     features = dataset.features or {}
     column = next((key for key, feature in features.items() if isinstance(feature, datasets.Image)), None)
     if column is None:
@@ -133,8 +131,6 @@ class MultiCrop:
         self.local_views = self._pipeline(config.local_size, config.local_scale)
 
     def _pipeline(self, size: int, scale: Scale):
-        import kornia.augmentation as K
-
         s = self.config.color_jitter
         blur_kernel = max(3, int(0.1 * size) // 2 * 2 + 1)  # odd, about a tenth of the crop, as in SimCLR/SwAV
         return K.AugmentationSequential(

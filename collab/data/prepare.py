@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
+from tokenizers import Tokenizer
 
+from collab.data import stream_hf_dataset
 from collab.data.cache import write_atomically
+from collab.data.corpus import embedded_corpus_path
 from collab.data.paths import HF_PREFIX, dataset_parts
 from collab.data.shards import ShardInfo, ShardWriter, file_sha256
 from collab.errors import UserError
@@ -47,8 +50,6 @@ class PreparedCorpus:
 
 def source_files(spec: str) -> list[Path]:
     """The files of a comma-separated --dataset (text, .jsonl or .parquet; folders searched), sorted."""
-    from collab.data.corpus import embedded_corpus_path
-
     if spec == "embedded":
         return [embedded_corpus_path()]
     files: list[Path] = []
@@ -91,7 +92,7 @@ def _json_lines(path: Path, field: str) -> Iterator[str]:
 
 def _parquet_rows(path: Path, field: str) -> Iterator[str]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional (collab[hf]): only .parquet sources need it
     except ImportError:
         raise UserError("reading .parquet needs pyarrow; pip install 'collab[hf]'") from None
     table = pq.ParquetFile(path)
@@ -105,8 +106,6 @@ def _parquet_rows(path: Path, field: str) -> Iterator[str]:
 def documents(spec: str, field: str = "text") -> Iterator[str]:
     """Every document of a --dataset, in a fixed order (files sorted, rows as stored)."""
     if spec.startswith(HF_PREFIX):
-        from collab.data import stream_hf_dataset
-
         for row in stream_hf_dataset(spec[len(HF_PREFIX):]):
             text = row.get(field)
             if isinstance(text, str) and text.strip():
@@ -144,8 +143,6 @@ def prepare_corpus(spec: str, tokenizer_file: Path, out: Path, shard_tokens: int
     """Tokenize every document of `spec` into shards of `shard_tokens` tokens in `out`, each document followed by
     `separator` when one is given (a causal LM's end-of-text id). `progress(bytes, tokens)` is called as the
     reading starts (0, 0) and after each batch. Resumes an interrupted preparation of the same source and tokenizer."""
-    from tokenizers import Tokenizer
-
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     unknown_token = getattr(tokenizer.model, "unk_token", None)

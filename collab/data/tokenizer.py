@@ -11,6 +11,7 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from collab.data.cache import cache_dir, write_atomically
@@ -53,8 +54,6 @@ def embedded_tokenizer_file(vocab_size: int) -> Path:
 
 def _train_bpe(corpus: Path, vocab_size: int):
     # BPE trains in seconds on the ~1 MB corpus (Unigram, ALBERT's original choice, is 10-20x slower).
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])

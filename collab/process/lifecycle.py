@@ -8,10 +8,12 @@ is gone within the promised 10 seconds, p2pd included.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 
 import psutil
@@ -126,9 +128,6 @@ class StopOnSignal:
             self._watchdog.cancel()
 
     def _force_exit(self, reason: str) -> None:
-        import faulthandler
-        import tempfile
-
         for callback in self._before_force_exit:
             _quietly(callback, reason)
 

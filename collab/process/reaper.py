@@ -30,6 +30,9 @@ import subprocess
 import sys
 from typing import Optional
 
+# psutil is imported inside the functions that use it, which run in the watcher process and when reaping: collab.cli
+# imports this module for every command, 'collab --help' included
+
 LOOK_EVERY_SECONDS = 0.5
 KILL_AFTER_SECONDS = 3.0
 

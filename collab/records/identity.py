@@ -20,6 +20,9 @@ from typing import Iterator, Optional
 
 from collab.errors import UserError
 
+# hivemind (with torch), cryptography and multihash are imported inside the functions that use them: the command
+# modules import this module (through collab.run.credentials and collab.run.folder), so 'collab --help' does
+
 _OWNER = re.compile(rb"\[owner:(.+?)\]")  # hivemind.dht.crypto.RSASignatureValidator's marker
 
 

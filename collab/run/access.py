@@ -91,7 +91,7 @@ def read_invite(text: str, where: str = "--token") -> Invite:
 
 
 def signed_by(organizer_key: str, payload: bytes, signature: bytes) -> bool:
-    from hivemind.utils.crypto import RSAPublicKey
+    from hivemind.utils.crypto import RSAPublicKey  # heavy (hivemind, torch): command modules import this module
 
     try:
         return RSAPublicKey.from_bytes(organizer_key.encode()).verify(payload, signature)

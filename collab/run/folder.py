@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from collab.data.prepare import prepare_corpus
-from collab.data.shards import write_shard_list
 from collab.errors import UserError
 from collab.records.identity import rsa_key_from_der
 from collab.run.manifest import (DataManifest, Manifest, ShardEntry, SignedManifest, make_manifest, run_tokenizer, sign,
                                  verify)
+
+# hivemind (with torch) is imported inside the functions that make a key, and numpy and tokenizers inside
+# prepare_data: the command modules import this module, so 'collab --help' would wait for them
 
 KEY, CONFIG, TOKENIZER, MANIFEST = "organizer.key", "config.yaml", "tokenizer.json", "manifest.json"
 DATA = "data"
@@ -90,6 +91,10 @@ def create_run_folder(run_id: str, config_path: Path, config, folder: Path, priv
 
 def prepare_data(dataset: str, tokenizer_file: Path, out: Path, shard_tokens: int, progress=None) -> DataManifest:
     """The corpus as token shards in `out`, and what the manifest says of them."""
+    # numpy and tokenizers: only when a corpus is prepared, not for `collab --help` (which imports this module)
+    from collab.data.prepare import prepare_corpus
+    from collab.data.shards import write_shard_list
+
     prepared = prepare_corpus(dataset, tokenizer_file, out, shard_tokens, progress=progress)
     write_shard_list(out, prepared.shards)  # what the organizer's own peer reads the folder by
     return DataManifest(shard_tokens=shard_tokens, total_tokens=prepared.total_tokens,

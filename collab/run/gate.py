@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Optional
 
 from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.crypto import RSAPublicKey
 
 from collab.records.identity import peer_id_of, signer_peer_id
 from collab.run.access import AccessList, Invite, expired, invite_payload, newest_revocations, signed_by
@@ -51,8 +53,6 @@ class RunAuthorizer(TokenAuthorizerBase):
         return verdict == "member"
 
     def _check(self, token: AccessToken) -> str:
-        from hivemind.utils.crypto import RSAPublicKey
-
         raw = token.SerializeToString()
         known = self._valid.get(raw)
         if known is None:
@@ -84,8 +84,6 @@ async def _set_revoked(revoked: frozenset, _dht, node) -> None:
 
 def apply_revocations_in_dht(dht, revoked: frozenset) -> None:
     """The DHT runs in its own process: hand it the revoked peer ids."""
-    from functools import partial
-
     dht.run_coroutine(partial(_set_revoked, frozenset(revoked)), return_future=True)
 
 

@@ -105,7 +105,7 @@ def sign(manifest: Manifest, organizer_key) -> SignedManifest:
 def verify(blob: bytes, run_id: str, run_key: Optional[str]) -> Manifest:
     """The manifest in `blob` if its signature holds and it is `run_id`'s (and `run_key`'s, if given); else a
     UserError that says which check failed."""
-    from hivemind.utils.crypto import RSAPublicKey
+    from hivemind.utils.crypto import RSAPublicKey  # heavy (hivemind, torch): command modules import this module
 
     try:
         signed = SignedManifest.model_validate_json(blob)

@@ -7,16 +7,20 @@ not duplicated), and the key that signs its DHT records, so that no record can c
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shlex
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
@@ -44,8 +48,6 @@ class PeerConfig(BaseModel):
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
     def _valid_multiaddrs(cls, values: list[str], info):
-        from hivemind.utils.multiaddr import Multiaddr
-
         flag = "--" + info.field_name.replace("_", "-")
         for value in values:
             try:
@@ -58,8 +60,6 @@ class PeerConfig(BaseModel):
 
 
 def peer_config_from_flags(**flags) -> PeerConfig:
-    from pydantic import ValidationError
-
     try:
         return PeerConfig(**flags)
     except ValidationError as e:
@@ -183,10 +183,6 @@ def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:
 def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
     """The DHT of a private run answers nobody without an invite: ask an initial peer directly (over a libp2p
     stream, which needs none) whether that is why, so the user reads how to get in rather than 'unreachable'."""
-    import asyncio
-
-    from hivemind.p2p import P2P
-
     async def ask() -> Optional[dict]:
         with identity.file_for_p2pd() as path:
             p2p = await P2P.create(initial_peers=peer.initial_peers, host_maddrs=peer.host_maddrs,
@@ -199,8 +195,6 @@ def _refuse_if_private(identity: Identity, peer: PeerConfig) -> None:
             return None
         finally:
             await p2p.shutdown()
-
-    from concurrent.futures import ThreadPoolExecutor
 
     # only on the way to an error, so it may take its time: on a busy machine (peers training beside more
     # processes starting) 20 s in all can be too little, and the user would read "unreachable"

@@ -19,6 +19,9 @@ import time
 from functools import partial
 from typing import Optional
 
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
 logger = logging.getLogger(__name__)
 REJOIN_EVERY = 20.0  # seconds between two passes; a pass pings only the peers missing from the routing table
 REMEMBER_SECONDS = 600.0  # forget a peer not seen for this long (its address leaves p2pd's peerstore too)
@@ -35,9 +38,6 @@ async def ping_lost_peers(initial_peers: tuple, _dht, node) -> int:
 
 
 async def _ping_lost_peers(initial_peers: tuple, node) -> int:
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
     table, now = node.protocol.routing_table, time.monotonic()
     seen: dict = node.__dict__.setdefault("_collab_seen", {})  # peer id -> when last in the routing table
     if not seen:

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from transformers import AlbertConfig, AlbertForPreTraining, DataCollatorForLanguageModeling
+from pytorch_optimizer import Lamb
+from transformers import (
+    AlbertConfig,
+    AlbertForPreTraining,
+    DataCollatorForLanguageModeling,
+    get_linear_schedule_with_warmup,
+)
 
 from collab.data.text import sentence_order_example, token_windows
 from collab.data.tokenizer import load_tokenizer
@@ -52,8 +58,6 @@ class AlbertTask(Task):
                 {"params": no_decay, "weight_decay": 0.0}]
 
     def optimizer_factory(self) -> OptimizerFactory:
-        from pytorch_optimizer import Lamb
-
         lr, clip = self.training.learning_rate, self.training.max_grad_norm
         return lambda groups: Lamb(groups, lr=lr, max_grad_norm=clip)
 
@@ -61,8 +65,6 @@ class AlbertTask(Task):
         return {"betas": (0.0, 0.999)}  # LAMB's first moment is then this step's (averaged) gradient
 
     def scheduler_factory(self) -> SchedulerFactory:
-        from transformers import get_linear_schedule_with_warmup
-
         warmup, total = self.training.warmup_steps, self.training.total_steps
         return lambda opt: get_linear_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=total)
 

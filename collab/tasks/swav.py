@@ -21,8 +21,9 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from pytorch_optimizer import LARS
 from torch import nn
-from transformers import ResNetConfig, ResNetModel
+from transformers import ResNetConfig, ResNetModel, get_cosine_with_min_lr_schedule_with_warmup
 
 from collab.data.images import MultiCrop, image_stream
 from collab.tasks import Batch, OptimizerFactory, SchedulerFactory, Task
@@ -158,8 +159,6 @@ class SwavTask(Task):
         return [{"params": list(self.model.parameters()), "weight_decay": self.training.weight_decay}]
 
     def optimizer_factory(self) -> OptimizerFactory:
-        from pytorch_optimizer import LARS
-
         lr, lars = self.training.learning_rate, self.config.lars
         return lambda groups: LARS(groups, lr=lr, momentum=lars.momentum, trust_coefficient=lars.trust_coefficient)
 
@@ -167,8 +166,6 @@ class SwavTask(Task):
         return {"momentum": 0.0}
 
     def scheduler_factory(self) -> SchedulerFactory:
-        from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
         warmup, total, ratio = self.training.warmup_steps, self.training.total_steps, self.config.lars.final_lr_ratio
         return lambda opt: get_cosine_with_min_lr_schedule_with_warmup(
             opt, num_warmup_steps=warmup, num_training_steps=total, min_lr_rate=ratio)

@@ -27,7 +27,7 @@ def save_checkpoint(directory: Path, epoch: int, task: Task, optimizer, keep: in
     final = directory / f"epoch-{epoch:06d}"
     tmp = directory / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # heavy, and a linreg run needs no transformers
 
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would break the live display
     task.save_pretrained(tmp)

@@ -31,6 +31,7 @@ class ProgressDisplay:
 
     def __enter__(self):
         if self.live:
+            # rich takes tens of ms to import: only the live bar on a terminal needs it
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self._progress = Progress(
