@@ -147,6 +147,8 @@ def prepare_corpus(spec: str, tokenizer_file: Path, out: Path, shard_tokens: int
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     unknown_token = getattr(tokenizer.model, "unk_token", None)
     unknown_id = tokenizer.token_to_id(unknown_token) if unknown_token else None
+    # the batch encoding without offsets (tokenizers >= 0.20): a sixth faster, the same ids
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     out.mkdir(parents=True, exist_ok=True)
     key = {"source": source_fingerprint(spec), "tokenizer": file_sha256(tokenizer_file), "field": field,
            "shard_tokens": shard_tokens, "separator": separator}
@@ -171,15 +173,15 @@ def prepare_corpus(spec: str, tokenizer_file: Path, out: Path, shard_tokens: int
         if index + len(batch) <= first:  # done before the interruption: not even tokenized again
             index += len(batch)
             continue
-        encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
+        encoded = [e.ids for e in encode(batch, add_special_tokens=False)]
         if unknown_id is not None:  # judged before anything of the batch is written: nothing half-done is left
-            unknown += sum(e.ids.count(unknown_id) for e in encoded)
-            _check_coverage(spec, unknown_token, unknown, tokens_seen + sum(len(e.ids) for e in encoded))
-        for text, encoding in zip(batch, encoded):
+            unknown += sum(ids.count(unknown_id) for ids in encoded)
+            _check_coverage(spec, unknown_token, unknown, tokens_seen + sum(map(len, encoded)))
+        for text, ids in zip(batch, encoded):
             if index < first:
                 index += 1
                 continue
-            ids = np.asarray(encoding.ids, dtype=np.int64)
+            ids = np.asarray(ids, dtype=np.int64)
             if separator is not None:
                 ids = np.append(ids, separator)
             offset = skip if index == first else 0
