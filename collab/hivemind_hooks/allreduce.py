@@ -14,7 +14,22 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 
-class RunnerHooks(AllReduceRunner):
+class AggregatePartHooks:
+    """The handler of a sender's stream of parts, in the averager (which finds the round's runner) and in the runner
+    (which reduces them): members only and whole replies, each through the public name."""
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in self.serve_aggregate_part(stream, context):
+            yield message
+
+    async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+
+class RunnerHooks(AggregatePartHooks, AllReduceRunner):
     """AllReduceRunner, its private steps handed to collab's public ones (see the module)."""
 
     # the stub a sender streams its parts through: wrapped to count bytes, read replies whole, take averages
@@ -50,16 +65,7 @@ class RunnerHooks(AllReduceRunner):
         async for message in super()._accumulate_parts_streaming(stream, sender_index):
             yield message
 
-    # the reducer's handler: holds a finished reply stream open until the sender has read it
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in self.serve_aggregate_part(stream, context):
-            yield message
-
-    async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                   ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
+    # (rpc_aggregate_part, the reducer's handler, comes from AggregatePartHooks: whole replies hold it open)
 
     async def ban_sender(self, peer_id: PeerID) -> None:
         """hivemind's ban of a sender that stopped short (collab's reducer loop calls it)."""

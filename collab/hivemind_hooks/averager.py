@@ -16,8 +16,10 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from collab.hivemind_hooks.allreduce import AggregatePartHooks
 
-class AveragerHooks(DecentralizedAverager):
+
+class AveragerHooks(AggregatePartHooks, DecentralizedAverager):
     """DecentralizedAverager, its private steps handed to collab's public ones (see the module)."""
 
     # one averaging step in the averager's process: a refused round ends it; banned leaders are never followed
@@ -56,7 +58,8 @@ class AveragerHooks(DecentralizedAverager):
     async def shut_down_in_process(self, timeout: Optional[float]) -> None:
         await super()._shutdown(timeout)
 
-    # the three RPC handlers: banned peers and non-members are refused before hivemind sees the request
+    # the RPC handlers (rpc_aggregate_part from AggregatePartHooks): banned peers and non-members are refused
+    # before hivemind sees the request
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         async for message in self.serve_join_request(request, context):
@@ -65,16 +68,6 @@ class AveragerHooks(DecentralizedAverager):
     async def serve_join_request(self, request: averaging_pb2.JoinRequest, context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         async for message in super().rpc_join_group(request, context):
-            yield message
-
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in self.serve_aggregate_part(stream, context):
-            yield message
-
-    async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-                                   ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
