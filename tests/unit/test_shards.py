@@ -185,3 +185,18 @@ def test_peers_that_join_one_by_one_take_the_largest_gap_and_then_read_disjoint_
     overlap = _overlap(orders, each)
     print(f"\noverlap of 8 peers joining one by one, each taking the largest gap: {overlap:.3f}")
     assert overlap < 0.15, (starts, overlap)
+
+
+def test_a_pool_of_tokenizing_processes_writes_the_same_shards(tmp_path, monkeypatch):
+    """A large corpus is tokenized by a process per core (spawned, each with its own tokenizer); the shards are the
+    ones a single process writes, byte for byte."""
+    import collab.data.prepare as prepare
+
+    tokenizer, corpus = _tokenizer(tmp_path / "tokenizer.json"), _corpus(tmp_path / "corpus")
+    alone = prepare.prepare_corpus(str(corpus), tokenizer, tmp_path / "alone", shard_tokens=500, separator=1)
+    monkeypatch.setattr(prepare, "POOL_FROM_BYTES", 0)
+    monkeypatch.setattr(prepare, "BATCH_DOCUMENTS", 64)
+    monkeypatch.setattr(prepare.os, "cpu_count", lambda: 2)
+    assert prepare._workers(str(corpus)) == 2
+    pooled = prepare.prepare_corpus(str(corpus), tokenizer, tmp_path / "pooled", shard_tokens=500, separator=1)
+    assert pooled.shards == alone.shards
