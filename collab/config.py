@@ -18,6 +18,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, mode
 from collab.errors import UserError
 from collab.sections import Section
 from collab.tasks.albert_config import AlbertTaskConfig
+from collab.tasks.causal_lm_config import CausalLmTaskConfig
 from collab.tasks.linreg_config import LinregTaskConfig
 from collab.tasks.swav_config import SwavTaskConfig
 
@@ -254,8 +255,8 @@ class CheckpointConfig(Section):
 
 
 # task.name -> that task's config section; `name` may be left out for the default task, albert
-TASK_CONFIGS: dict[str, type[BaseModel]] = {"albert": AlbertTaskConfig, "swav": SwavTaskConfig,
-                                             "linreg": LinregTaskConfig}
+TASK_CONFIGS: dict[str, type[BaseModel]] = {"albert": AlbertTaskConfig, "causal-lm": CausalLmTaskConfig,
+                                             "swav": SwavTaskConfig, "linreg": LinregTaskConfig}
 
 
 def _task_name(value: Any) -> Any:

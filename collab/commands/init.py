@@ -11,6 +11,7 @@ from collab.config import DEFAULT_CONFIG_NAME, check_run_id, load_config, resolv
 from collab.data.paths import dataset_parts
 from collab.errors import UserError
 from collab.run.folder import SHARD_TOKENS, create_run_folder
+from collab.run.manifest import shards_url
 
 
 def add_parser(sub) -> None:
@@ -27,6 +28,9 @@ def add_parser(sub) -> None:
                    help="tokenize this corpus once into the run's token shards, which peers fetch from the swarm: "
                         "text files or folders, .jsonl (a 'text' field), .parquet (a 'text' column), hf:NAME or "
                         "'embedded'; comma-separated for several. Run the same command again to resume")
+    p.add_argument("--shards-url", default=None, metavar="URL",
+                   help="a URL prefix (or hf:REPO, a hub dataset repository) where you upload the shards too: peers "
+                        "download them from there first, and from the swarm when it fails")
     p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
                    help="tokens per shard (default: 16777216, 32 MiB of 16-bit ids)")
     p.set_defaults(run=run)
@@ -39,15 +43,21 @@ def run(args: argparse.Namespace) -> int:
     folder = args.dir if args.dir is not None else Path(args.run_id)
     if args.shard_tokens is not None and args.shard_tokens < 1:
         raise UserError(f"--shard-tokens must be at least 1, got {args.shard_tokens}; leave it out for 16777216")
+    url = shards_url(args.shards_url) if args.shards_url is not None else None
+    if url is not None and args.dataset is None:
+        raise UserError("--shards-url says where the run's token shards live: add the --dataset they are made from")
     if args.dataset is not None:
         dataset_parts(args.dataset, "text, .jsonl or .parquet files")  # a missing path fails now, before any work
     with _PreparationDisplay(args.dataset) as display:
         run_ = create_run_folder(args.run_id, config_path, config, folder, args.private, dataset=args.dataset,
-                                 shard_tokens=args.shard_tokens or SHARD_TOKENS, progress=display.update)
+                                 shard_tokens=args.shard_tokens or SHARD_TOKENS, progress=display.update,
+                                 shards_url=url)
     data = run_.manifest.data
     if data is not None:
         print(f"Prepared {data.total_tokens:,} tokens of {args.dataset} in {len(data.shards)} shard(s) in "
               f"{folder}/data/ ({display.rate()}).", flush=True)
+        if data.url is not None:
+            print(f"Upload {folder}/data/*.shard to {data.url} (peers try there first, then the swarm).", flush=True)
     kind = "private" if args.private else "open"
     print(f"Created {kind} run {args.run_id!r} in {folder}/ (organizer key {run_.fingerprint}).\n"
           f"Keep {folder}/organizer.key safe: whoever holds it defines the run.\n"

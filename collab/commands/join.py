@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--dataset", default=None,
                    help="'embedded', local text files/folders (comma-separated), or hf:NAME (a Hugging Face dataset)")
+    p.add_argument("--data-cache-gb", type=float, default=None, metavar="GB",
+                   help="disk the run's token shards may take on this machine (default 20); the least recently "
+                        "used go first")
     p.add_argument("--tokenizer", default=None, help="'embedded', a tokenizer.json, a tokenizer folder, or a hub name")
     p.add_argument("--compression", default=None, choices=COMPRESSIONS,
                    help="how gradients travel, for a new run (default fp16; powersgd sends ~10x+ fewer bytes)")
@@ -136,6 +139,11 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
         require_free_port(args.dashboard_port, "--dashboard-port")
     if args.wait_peers < 1:
         raise UserError(f"--wait-peers {args.wait_peers} must be at least 1")
+    if args.data_cache_gb is not None and not args.data_cache_gb > 0:
+        raise UserError(f"--data-cache-gb {args.data_cache_gb} must be a positive number of gigabytes")
+    if args.data_cache_gb is not None and (args.run_dir is not None or not args.initial_peers):
+        raise UserError("--data-cache-gb bounds the shards a volunteer fetches; the organizer's peer reads its run "
+                        "folder: drop it")
     run_id = _run_id(args)
     overrides = {FLAG_TO_FIELD[name]: getattr(args, name) for name in FLAG_TO_FIELD}
     config = load_config(args.config, overrides)  # a bad config is reported before hivemind and torch import
@@ -173,7 +181,9 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
         else:  # the run's config and tokenizer come from the swarm: join it first
             credentials = credentials_from_flags(args, run_id)
             swarm = Swarm(peer, credentials.identity, authorizer=credentials.authorizer())
-            config, shared = joining.as_volunteer(swarm, credentials.run_key, user, source, stop, credentials.invite)
+            cache_gb = args.data_cache_gb if args.data_cache_gb is not None else joining.DATA_CACHE_GB
+            config, shared = joining.as_volunteer(swarm, credentials.run_key, user, source, stop, credentials.invite,
+                                                  cache_gb)
         summary = trainer.run(config, peer, options, stop, shared=shared, swarm=swarm)
     except UserError:
         if not stop.is_set():

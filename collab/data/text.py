@@ -17,18 +17,16 @@ import random
 from pathlib import Path
 from typing import Iterator, Optional
 
-import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from collab.data import stream_hf_dataset
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
-from collab.data.order import WindowOrder, start_for_peer
-from collab.data.paths import HF_PREFIX, SHARD_LIST, SHARDS_PREFIX, dataset_parts
-from collab.data.shards import open_shards, read_shard_list
+from collab.data.feed import ShardFeed
+from collab.data.order import start_for_peer
+from collab.data.paths import HF_PREFIX, SHARDS_PREFIX, dataset_parts
 from collab.errors import UserError
-
 
 
 def local_text_files(spec: str) -> list[Path]:
@@ -110,20 +108,19 @@ def streamed_windows(name: str, tokenizer: PreTrainedTokenizerBase, length: int,
 
 
 def shard_windows(folder: Path, length: int, seed: int) -> Iterator[torch.Tensor]:
-    """Windows of the token shards in `folder`, in this peer's order: the ring of shards is the same for every peer
-    of the run (its seed is the shard list's digest), and `seed` (this peer's) sets where this peer enters it."""
-    infos = read_shard_list(folder)
-    shards = open_shards(folder, infos)
-    run_seed = int.from_bytes(hashlib.sha256((folder / SHARD_LIST).read_bytes()).digest()[:8], "little")
-    try:
-        order = WindowOrder([s.tokens for s in infos], length, run_seed, start_for_peer(run_seed, str(seed)))
-    except ValueError:
-        raise UserError(f"the token shards in {folder} hold no sequence of {length} tokens; add text") from None
-    for window in order.iterate():
-        yield torch.from_numpy(shards[window.shard].tokens[window.start:window.start + length].astype(np.int64))
+    """Windows of the token shards in `folder`, in the order of a peer whose own seed is `seed` (the ring of shards is
+    the same for every peer of the run; `seed` sets where this peer enters it). A peer of a run reads through the
+    ShardFeed its trainer made (collab.data.feed), which also fetches and resumes."""
+    feed = ShardFeed.from_folder(folder, 0.0)
+    feed.start = start_for_peer(feed.seed, str(seed))
+    return feed.windows(length)
 
 
-def token_windows(spec: str, tokenizer: PreTrainedTokenizerBase, length: int, seed: int) -> Iterator[torch.Tensor]:
+def token_windows(spec: str, tokenizer: PreTrainedTokenizerBase, length: int, seed: int,
+                  feed: Optional[ShardFeed] = None) -> Iterator[torch.Tensor]:
+    """Windows of `length` tokens from the dataset `spec`, or from the run's shards through `feed` when given."""
+    if feed is not None:
+        return feed.windows(length)
     if spec.startswith(SHARDS_PREFIX):
         dataset_parts(spec, "token shards")  # the folder and its list exist
         return shard_windows(Path(spec[len(SHARDS_PREFIX):]).expanduser(), length, seed)

@@ -23,8 +23,12 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MODEL_INPUT_NAMES = ["input_ids", "token_type_ids", "attention_mask"]
 
 
-def load_tokenizer(spec: str, vocab_size: int, special_tokens: Optional[dict[str, str]] = None
-                   ) -> PreTrainedTokenizerBase:
+ALBERT_NEEDS = ("cls_token", "sep_token", "mask_token", "pad_token")
+
+
+def load_tokenizer(spec: str, vocab_size: int, special_tokens: Optional[dict[str, str]] = None,
+                   needs: tuple[str, ...] = ALBERT_NEEDS) -> PreTrainedTokenizerBase:
+    """The run's tokenizer; `needs`: the special tokens the task cannot do without (ALBERT's by default)."""
     if spec == "embedded":
         tokenizer = _wrap(embedded_tokenizer_file(vocab_size))
     elif spec.endswith(".json"):
@@ -38,9 +42,15 @@ def load_tokenizer(spec: str, vocab_size: int, special_tokens: Optional[dict[str
                 f"cannot load tokenizer '{spec}' ({str(e).splitlines()[0]}); pass --tokenizer embedded, "
                 "a tokenizer.json, a local tokenizer folder or a reachable hub name"
             ) from None
-    missing = [name for name in ("cls_token", "sep_token", "mask_token", "pad_token") if getattr(tokenizer, name) is None]
+    missing = [name for name in needs if getattr(tokenizer, name) is None]
     if missing:
-        raise UserError(f"tokenizer '{spec}' lacks {', '.join(missing)}; ALBERT needs [CLS], [SEP], [MASK] and [PAD]")
+        raise UserError(f"tokenizer '{spec}' lacks {', '.join(missing)}, which the task needs; pass a tokenizer that "
+                        f"has them (--tokenizer)")
+    if "mask_token" not in needs and tokenizer.eos_token is None and tokenizer.sep_token is None:
+        raise UserError(f"tokenizer '{spec}' has no eos (or sep) token to end documents with; pass a tokenizer that "
+                        "has one (--tokenizer)")
+    if tokenizer.pad_token is None:  # a causal LM never pads (sequences are packed), but collators ask for one
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.sep_token
     return tokenizer
 
 
@@ -85,8 +95,9 @@ def run_tokenizer_file(spec: str, vocab_size: int) -> tuple[Path, dict[str, str]
     return path, {name: getattr(tokenizer, name) for name in DEFAULT_SPECIAL_TOKENS}
 
 
+# the embedded tokenizer's [SEP] also ends a document for a causal LM (its eos)
 DEFAULT_SPECIAL_TOKENS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
-                          "mask_token": "[MASK]"}
+                          "mask_token": "[MASK]", "eos_token": "[SEP]"}
 
 
 def _wrap(file: Path, special_tokens: Optional[dict[str, str]] = None) -> PreTrainedTokenizerFast:

@@ -69,6 +69,10 @@ class PeerMetricsRecord(pydantic.BaseModel):
     progress_steps: Optional[pydantic.confloat(ge=0, le=1e12, strict=True)] = None
     base_batch_size: Optional[pydantic.conint(gt=0, le=10**9, strict=True)] = None
     total_steps: Optional[pydantic.conint(gt=0, le=10**12, strict=True)] = None
+    # the run's token shards (collab.data.feed): where this peer entered the ring of shards and how many windows it has
+    # read; with the manifest's shard list, anyone can list the text it trained on (collab.data.order)
+    data_start: Optional[pydantic.confloat(ge=0, lt=1, strict=True)] = None
+    data_position: Optional[pydantic.conint(ge=0, le=10**15, strict=True)] = None
     rejected: Dict[pydantic.constr(max_length=128, strict=True),
                    Dict[pydantic.constr(max_length=160, strict=True), pydantic.conint(ge=0, le=10**12, strict=True)]] = {}
 

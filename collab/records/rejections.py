@@ -20,7 +20,8 @@ from collab.records.metrics import MAX_PEERS_IN_RECORD, MAX_REASONS_PER_PEER
 # when the parts a reducer combined were three or more and it clipped them, though, an honest reducer's result
 # lies within the honest parts' spread, and one far outside it is evidence
 HARD_EVIDENCE = ("part not finite", "weight not a finite number >= 0", "part of the wrong shape",
-                 "returned a non-finite average", "returned an implausible average of a clipped group")
+                 "returned a non-finite average", "returned an implausible average of a clipped group",
+                 "served a shard that does not match the manifest's sha256")  # collab.run.shard_fetch.REFUSED
 
 
 class RejectionLog:
@@ -30,6 +31,10 @@ class RejectionLog:
         self._caught: list[str] = []  # peers caught with hard evidence, not yet taken by `take_caught`
         self._ever_caught: set[str] = set()
 
+    def add(self, peer: str, reason: str, what: str) -> None:
+        """A finding of this process (the averagers' come through `queue`)."""
+        self._count(peer, reason, what)
+
     def drain(self) -> dict[str, dict[str, int]]:
         while True:
             try:
@@ -38,13 +43,16 @@ class RejectionLog:
                 break
             except (OSError, ValueError, EOFError):  # the queue was closed at shutdown
                 break
-            key = f"{reason} ({what})"
-            if reason in HARD_EVIDENCE and str(peer) not in self._ever_caught:
-                self._ever_caught.add(str(peer))
-                self._caught.append(str(peer))
-            by_reason = self.counts.setdefault(str(peer)[:128], {})
-            by_reason[key] = by_reason.get(key, 0) + 1
+            self._count(peer, reason, what)
         return self.counts
+
+    def _count(self, peer, reason: str, what: str) -> None:
+        key = f"{reason} ({what})"
+        if reason in HARD_EVIDENCE and str(peer) not in self._ever_caught:
+            self._ever_caught.add(str(peer))
+            self._caught.append(str(peer))
+        by_reason = self.counts.setdefault(str(peer)[:128], {})
+        by_reason[key] = by_reason.get(key, 0) + 1
 
     def take_caught(self) -> list[str]:
         """Peers caught with hard evidence since the last call: the state averager never takes a state from them

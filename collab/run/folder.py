@@ -56,7 +56,8 @@ def ephemeral_run(run_id: str, config, private: bool = False) -> Run:
 
 
 def create_run_folder(run_id: str, config_path: Path, config, folder: Path, private: bool,
-                      dataset: Optional[str] = None, shard_tokens: int = SHARD_TOKENS, progress=None) -> Run:
+                      dataset: Optional[str] = None, shard_tokens: int = SHARD_TOKENS, progress=None,
+                      shards_url: Optional[str] = None) -> Run:
     """Make the run's folder. With `dataset`, tokenize it into the folder's token shards first (`progress(bytes,
     tokens)` after each batch); an init interrupted while doing so resumes when run again on the same folder."""
     from hivemind.utils.crypto import RSAPrivateKey
@@ -82,22 +83,32 @@ def create_run_folder(run_id: str, config_path: Path, config, folder: Path, priv
         if tokenizer is None:
             raise UserError(f"task {config.task.name} reads no text: --dataset prepares a text task's corpus; "
                             "leave it out, or set the task's data.dataset in the config")
-        data = prepare_data(dataset, folder / TOKENIZER, folder / DATA, shard_tokens, progress)
+        # a causal LM learns where a document ends: each is followed by the end-of-text token in the shards
+        end = tokenizer[1].get("eos_token") or tokenizer[1].get("sep_token") if config.task.name == "causal-lm" else None
+        data = prepare_data(dataset, folder / TOKENIZER, folder / DATA, shard_tokens, progress, end)
+        data.url = shards_url
     manifest = make_manifest(run_id, config, key, private, data)
     signed = sign(manifest, key).to_bytes()
     (folder / MANIFEST).write_bytes(signed)
     return Run(manifest, signed, key, folder / TOKENIZER if tokenizer else None, folder)
 
 
-def prepare_data(dataset: str, tokenizer_file: Path, out: Path, shard_tokens: int, progress=None) -> DataManifest:
-    """The corpus as token shards in `out`, and what the manifest says of them."""
+def prepare_data(dataset: str, tokenizer_file: Path, out: Path, shard_tokens: int, progress=None,
+                 end_token: Optional[str] = None) -> DataManifest:
+    """The corpus as token shards in `out`, each document followed by `end_token` if given, and what the manifest
+    says of them."""
     # numpy and tokenizers: only when a corpus is prepared, not for `collab --help` (which imports this module)
     from collab.data.prepare import prepare_corpus
     from collab.data.shards import write_shard_list
 
-    prepared = prepare_corpus(dataset, tokenizer_file, out, shard_tokens, progress=progress)
+    separator = None
+    if end_token is not None:
+        from tokenizers import Tokenizer
+
+        separator = Tokenizer.from_file(str(tokenizer_file)).token_to_id(end_token)
+    prepared = prepare_corpus(dataset, tokenizer_file, out, shard_tokens, separator=separator, progress=progress)
     write_shard_list(out, prepared.shards)  # what the organizer's own peer reads the folder by
-    return DataManifest(shard_tokens=shard_tokens, total_tokens=prepared.total_tokens,
+    return DataManifest(shard_tokens=shard_tokens, total_tokens=prepared.total_tokens, separator=separator,
                         shards=[ShardEntry(name=s.name, tokens=s.tokens, sha256=s.sha256) for s in prepared.shards])
 
 

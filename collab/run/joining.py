@@ -3,7 +3,8 @@
 - the organizer, `collab join --run DIR`: the folder's manifest and key;
 - the first peer of a quick-start run (no `--initial-peers`, no folder): a key and manifest made now;
 - everyone else: the manifest fetched from the swarm and checked against `--run-key` (without it,
-  the one key the swarm offers is trusted, and said), then the tokenizer fetched and checked.
+  the one key the swarm offers is trusted, and said), then the tokenizer fetched and checked; the run's
+  token shards are fetched as training reaches them (collab.data.feed, collab.run.shard_fetch).
 
 In every case the config a peer trains with is the manifest's, with only the per-peer settings its
 user gave; a run-wide setting the user gave that differs from the manifest's is refused.
@@ -11,22 +12,29 @@ user gave; a run-wide setting the user gave that differs from the manifest's is 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 from typing import Optional
 
 from collab.config import RunConfig
 from collab.data.cache import cache_dir, write_atomically
+from collab.data.feed import AHEAD
+from collab.data.paths import SHARDS_PREFIX
+from collab.data.shard_cache import ShardCache
+from collab.data.shards import file_sha256
 from collab.errors import UserError
 from collab.run.access import AccessList, make_invite
 from collab.run.folder import DATA, REVOKED, ephemeral_run, load_run_folder
 from collab.run.gate import MEMBERS_SUFFIX
-from collab.run.manifest import DATASET_FIELD, Manifest, config_for_peer, contradictions, user_sets
+from collab.run.manifest import DATASET_FIELD, Manifest, config_for_peer, contradictions, user_sets, user_value
+from collab.run.shard_fetch import RunShards, max_shard_bytes, shard_infos
 from collab.run.sharer import SharedRun
 from collab.run.sharing import TOKENIZER_NAME, fetch_manifest, fetch_run_file
 from collab.run.watch import PrivateRun, publish
 
 ORGANIZER_INVITE_SECONDS = 10 * 365 * 86400.0  # the organizer's own peer: as long as the run lives
+DATA_CACHE_GB = 20.0  # default disk budget for the run's token shards on a volunteer's machine
 
 
 def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) -> tuple[RunConfig, SharedRun]:
@@ -35,14 +43,14 @@ def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) 
     shards = None
     if run.manifest.data is not None:
         _refuse_own_dataset(run.manifest, user)
-        shards = folder / DATA
-    config = config_for_peer(run.manifest, user, run.tokenizer_file, shards)
+        shards = RunShards(run.manifest.data, folder / DATA)
+    config = config_for_peer(run.manifest, user, run.tokenizer_file, shards.folder if shards else None)
     private = None
     if run.manifest.private:  # the organizer's peer invites itself, and publishes what 'collab revoke' writes
 
         invite = make_invite(run.manifest.run_id, peer_id, run.organizer_key, lifetime=ORGANIZER_INVITE_SECONDS)
         private = PrivateRun(invite, AccessList(run.manifest.run_id, run.manifest.organizer_key), folder / REVOKED)
-    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, private, run.organizer_key)
+    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, private, run.organizer_key, shards)
 
 
 def as_first_peer(run_id: str, local: RunConfig, user: dict) -> tuple[RunConfig, SharedRun]:
@@ -52,8 +60,10 @@ def as_first_peer(run_id: str, local: RunConfig, user: dict) -> tuple[RunConfig,
 
 
 def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str],
-                 stop: threading.Event, invite=None) -> tuple[RunConfig, SharedRun]:
-    """`invite`: this peer's invite to a private run (its DHT node already presents it on every request)."""
+                 stop: threading.Event, invite=None,
+                 data_cache_gb: float = DATA_CACHE_GB) -> tuple[RunConfig, SharedRun]:
+    """`invite`: this peer's invite to a private run (its DHT node already presents it on every request);
+    `data_cache_gb`: how much disk the run's token shards may take here (the least recently used go first)."""
     run_id = swarm.peer.run_id
     if invite is not None:  # members serve the run's files to members only: be one before asking for them
 
@@ -63,9 +73,7 @@ def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str
         print(f"No --run-key given: trusting the key the swarm offers for run {run_id!r} ({manifest.fingerprint}). "
               f"Pass --run-key {manifest.fingerprint} to be sure it is the organizer's.", flush=True)
     _refuse_contradictions(manifest, user, source)
-    if manifest.data is not None:
-        raise UserError(f"run {run_id!r} trains on the token shards its organizer prepared, and this collab cannot "
-                        "fetch them from the swarm yet; upgrade collab")
+    shards = volunteer_shards(manifest, user, data_cache_gb) if manifest.data is not None else None
     tokenizer = None
     if manifest.tokenizer_sha256 is not None:
         tokenizer = cache_dir() / "runs" / f"tokenizer-{manifest.tokenizer_sha256}.json"
@@ -76,11 +84,38 @@ def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str
                                   manifest.tokenizer_sha256)
             tokenizer.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(tokenizer, data)
-    config = config_for_peer(manifest, user, tokenizer)
+    config = config_for_peer(manifest, user, tokenizer, shards.folder if shards is not None else None)
     private = None
     if invite is not None:
         private = PrivateRun(invite, AccessList(run_id, manifest.organizer_key))
-    return config, SharedRun(signed, manifest.fingerprint, tokenizer, private)
+    return config, SharedRun(signed, manifest.fingerprint, tokenizer, private, shards=shards)
+
+
+def volunteer_shards(manifest: Manifest, user: dict, cache_gb: float) -> RunShards:
+    """Where a volunteer reads the run's shards: a copy it brought (--dataset), used only if every shard in it is the
+    manifest's, or else its disk cache, which fetching from the swarm fills."""
+    data, infos = manifest.data, shard_infos(manifest.data)
+    if user_sets(user, DATASET_FIELD):
+        given = str(user_value(user, DATASET_FIELD))
+        folder = Path(given.removeprefix(SHARDS_PREFIX)).expanduser()
+        for info in infos:
+            path = folder / info.name
+            problem = "missing" if not path.is_file() else None
+            if problem is None and file_sha256(path) != info.sha256:
+                problem = "its sha256 is not the manifest's"
+            if problem is not None:
+                raise UserError(f"--dataset {given} is not a copy of run {manifest.run_id!r}'s token shards ({info.name}: "
+                                f"{problem}); leave --dataset out and the shards come from the swarm")
+        return RunShards(data, folder)
+    biggest = max(max_shard_bytes(info.tokens) for info in infos)
+    # the shard being read and the ones fetched ahead must fit, or each fetch would evict the next one to read
+    need = (AHEAD + 2) * biggest * 1e-9
+    if cache_gb < need:
+        raise UserError(f"--data-cache-gb {cache_gb:g} cannot hold the {AHEAD + 2} shards a peer reads and fetches "
+                        f"ahead (up to {biggest / 1e6:.0f} MB each); pass --data-cache-gb {need:.2f} or more")
+    digest = hashlib.sha256("".join(i.sha256 for i in infos).encode()).hexdigest()[:16]
+    cache = ShardCache(cache_dir() / "shards" / digest, infos, int(cache_gb * 1e9))
+    return RunShards(data, cache.folder, cache)
 
 
 def _refuse_own_dataset(manifest: Manifest, user: dict) -> None:

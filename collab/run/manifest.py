@@ -54,6 +54,7 @@ class DataManifest(BaseModel):
     shard_tokens: int = Field(ge=1)  # every shard holds this many tokens, the last one up to it
     total_tokens: int = Field(ge=1)
     separator: Optional[int] = Field(None, ge=0)  # the id after each document, if any
+    url: Optional[str] = Field(None, pattern=r"^https?://[^\s]+/$", max_length=2048)  # where the shards also live
     shards: list[ShardEntry] = Field(min_length=1)
 
 
@@ -185,6 +186,24 @@ def config_for_peer(manifest: Manifest, user_settings: dict, tokenizer_file: Opt
     except ValidationError as e:
         raise UserError(f"the run's manifest holds a config this collab cannot use ({describe_validation_error(e)});"
                         f" install the collab version the run uses ({manifest.collab_version})") from None
+
+
+HF_DATASETS = "https://huggingface.co/datasets/"
+
+
+def shards_url(spec: str) -> str:
+    """Where `collab init --shards-url` says the shards also live: a URL prefix, or hf:REPO for a hub dataset repo."""
+    if spec.startswith("hf:"):
+        return f"{HF_DATASETS}{spec[3:].strip('/')}/resolve/main/"
+    if not spec.startswith(("http://", "https://")) or any(c.isspace() for c in spec):
+        raise UserError(f"--shards-url {spec!r} is neither an http(s):// URL prefix nor hf:REPO; pass where the "
+                        "shards' files can be downloaded from")
+    return spec if spec.endswith("/") else spec + "/"
+
+
+def user_value(user_settings: dict, dotted: str) -> Any:
+    """What the user's config file or flags set `dotted` to (check user_sets first)."""
+    return _get(user_settings, dotted)
 
 
 def user_sets(user_settings: dict, dotted: str) -> bool:

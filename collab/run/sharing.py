@@ -1,8 +1,8 @@
-"""How peers share a run's manifest and tokenizer: the manifest in the DHT, files over libp2p streams.
+"""How peers share a run's manifest and files: the manifest in the DHT, files over libp2p streams.
 
 Every peer that holds the verified manifest stores it in the DHT under its own key (so nobody can
 overwrite another's copy, and it outlives the organizer's peer) and serves the run's files (the
-tokenizer) to peers that ask. A joining peer reads the manifest, checks it (collab.run.manifest),
+tokenizer, and the token shards it holds: collab.run.shard_fetch) to peers that ask. A joining peer reads the manifest, checks it (collab.run.manifest),
 and fetches each file from the peers that hold it, checking its sha256 before using it.
 """
 
@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
@@ -87,8 +87,10 @@ class RunFileServer:
     a private run (`access`) to members only. Anyone may ask about themselves (ACCESS_NAME): a stranger learns
     that the run is private and how to get in, a revoked peer that it was revoked."""
 
-    def __init__(self, dht, files: dict[str, Path], access=None):
+    def __init__(self, dht, files: dict[str, Path], access=None,
+                 shards: Optional[Callable[[str], Optional[Path]]] = None):
         self.dht, self.files = dht, {name: Path(path) for name, path in files.items()}
+        self.shards = shards  # a shard's name -> its verified file here, or None (collab.run.shard_fetch.RunShards)
         self.access = access  # collab.run.access.AccessList, kept current by collab.run.watch; None: open run
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -122,8 +124,12 @@ class RunFileServer:
         try:
             name = (await asyncio.wait_for(P2P.receive_raw_data(reader), timeout=10)).decode()
             verdict = "member" if self.access is None else self.access.verdict(stream_info.peer_id.to_base58())
-            path = self.files.get(name) if verdict == "member" else None
-            data = path.read_bytes() if path is not None and path.is_file() else b""
+            path = None
+            if verdict == "member":
+                path = self.files.get(name) or (self.shards(name) if self.shards is not None else None)
+            data = b""
+            if path is not None and path.is_file():  # a shard is tens of MB: read it off the serving loop
+                data = await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
             if name == ACCESS_NAME:
                 data = json.dumps({"private": self.access is not None, "verdict": verdict}).encode()
             await P2P.send_raw_data(data, writer)

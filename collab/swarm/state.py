@@ -50,6 +50,8 @@ class PeerState(BaseModel):
     rejected_by_reason: dict[str, int] = {}
     reported_by: int = 0  # how many other peers refused something from it
     suspect: bool = False  # reported by at least half of the other peers (one peer's word is not enough)
+    data_start: Optional[float] = None  # where it entered the run's shards, and windows read since (collab.data.order)
+    data_position: Optional[int] = None
 
 
 class RunState(BaseModel):
@@ -131,6 +133,8 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
             pseudo_gradient_norm=r.pseudo_gradient_norm if r else None,
             merges_per_minute=r.merges_per_minute if r else None,
             merge_update_norm=r.merge_update_norm if r else None,
+            data_start=r.data_start if r else None,
+            data_position=r.data_position if r else None,
         ))
     _estimate_spread(peers, records)
     _flag_suspects(peers, records)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 if TYPE_CHECKING:  # the task configs live in this package, and reading a config must not import torch
     import torch
+
+    from collab.data.feed import ShardFeed
 
 Batch = dict[str, "torch.Tensor"]
 OptimizerFactory = Callable[[list], "torch.optim.Optimizer"]
@@ -24,8 +26,9 @@ class Task(ABC):
     model: torch.nn.Module
 
     @abstractmethod
-    def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
-        """An endless stream of micro-batches, in an order that depends on `seed`."""
+    def batches(self, micro_batch_size: int, seed: int, feed: Optional[ShardFeed] = None) -> Iterator[Batch]:
+        """An endless stream of micro-batches, in an order that depends on `seed`; a text task reads the run's
+        token shards through `feed` when the run has them (collab.data.feed), which then decides the order."""
 
     @abstractmethod
     def loss(self, batch: Batch) -> torch.Tensor:
@@ -68,6 +71,10 @@ def build_task(config) -> Task:
         from collab.tasks.albert import AlbertTask
 
         return AlbertTask(config.task, config.training)
+    if config.task.name == "causal-lm":
+        from collab.tasks.causal_lm import CausalLmTask
+
+        return CausalLmTask(config.task, config.training)
     if config.task.name == "swav":
         from collab.tasks.swav import SwavTask
 

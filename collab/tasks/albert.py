@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from pytorch_optimizer import Lamb
@@ -19,6 +19,7 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
+from collab.data.feed import ShardFeed
 from collab.data.text import sentence_order_example, token_windows
 from collab.data.tokenizer import load_tokenizer
 from collab.tasks import Batch, OptimizerFactory, SchedulerFactory, Task
@@ -36,11 +37,11 @@ class AlbertTask(Task):
             torch.manual_seed(training.seed)
             self.model = AlbertForPreTraining(model_config)
 
-    def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
+    def batches(self, micro_batch_size: int, seed: int, feed: Optional[ShardFeed] = None) -> Iterator[Batch]:
         collator = DataCollatorForLanguageModeling(self.tokenizer, mlm_probability=self.config.data.mlm_probability,
                                                    return_tensors="pt", seed=seed)
         rng = random.Random(seed)
-        windows = token_windows(self.config.data.dataset, self.tokenizer, self.config.data.seq_length - 3, seed)
+        windows = token_windows(self.config.data.dataset, self.tokenizer, self.config.data.seq_length - 3, seed, feed)
         cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
         while True:
             examples = [sentence_order_example(next(windows), cls_id, sep_id, rng) for _ in range(micro_batch_size)]

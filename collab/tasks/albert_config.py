@@ -4,11 +4,12 @@ costs no second of imports."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from collab.sections import Section
+from collab.tasks.text_config import TextDataConfig, TextTaskConfig
 
 
 class AlbertModelConfig(Section):
@@ -31,26 +32,12 @@ class AlbertModelConfig(Section):
         return self
 
 
-class AlbertDataConfig(Section):
-    dataset: str = Field("embedded", min_length=1, description="embedded | text files/folders | hf:NAME | shards:FOLDER (token shards)")
-    tokenizer: str = Field("embedded", min_length=1, description="embedded | tokenizer.json | folder | hub name")
-    vocab_size: int = Field(8000, ge=100, description="vocabulary of the embedded tokenizer")
+class AlbertDataConfig(TextDataConfig):
     seq_length: int = Field(128, ge=16)
     mlm_probability: float = Field(0.15, gt=0, lt=1)
-    # set from the run's manifest for a tokenizer exported from a folder or the hub (its own special tokens)
-    special_tokens: Optional[dict[str, str]] = None
 
 
-class AlbertTaskConfig(Section):
+class AlbertTaskConfig(TextTaskConfig):
     name: Literal["albert"] = "albert"
     model: AlbertModelConfig = Field(default_factory=AlbertModelConfig)
     data: AlbertDataConfig = Field(default_factory=AlbertDataConfig)
-
-    @model_validator(mode="after")
-    def _sequence_fits_positions(self):
-        if self.data.seq_length > self.model.max_position_embeddings:
-            raise ValueError(
-                f"data.seq_length ({self.data.seq_length}) exceeds model.max_position_embeddings "
-                f"({self.model.max_position_embeddings}); lower task.data.seq_length"
-            )
-        return self

@@ -26,7 +26,7 @@ class LinregTask(Task):
         with torch.no_grad():
             self.model.weight.copy_((self.w_star + config.distance * offset / offset.norm())[None])
 
-    def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
+    def batches(self, micro_batch_size: int, seed: int, feed=None) -> Iterator[Batch]:  # no text: no shards
         generator = torch.Generator().manual_seed(seed)
         while True:
             x = torch.randn(micro_batch_size, self.config.dim, generator=generator)

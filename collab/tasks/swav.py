@@ -111,7 +111,7 @@ class SwavTask(Task):
         if self.queue is None and loss.queue_length > 0 and step >= loss.queue_start_step:
             self.queue = torch.zeros(self.config.crops.num_global, loss.queue_length, self.config.model.projection_size)
 
-    def batches(self, micro_batch_size: int, seed: int) -> Iterator[Batch]:
+    def batches(self, micro_batch_size: int, seed: int, feed=None) -> Iterator[Batch]:  # no text: no shards
         return self.multicrop_batches(image_stream(self.config.data.dataset, self.config.data.image_size, seed),
                                       micro_batch_size, seed)
 

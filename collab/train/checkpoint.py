@@ -22,7 +22,8 @@ TRAINING_STATE = "training_state.pt"
 _NAME = re.compile(r"^epoch-(\d+)$")
 
 
-def save_checkpoint(directory: Path, epoch: int, task: Task, optimizer, keep: int) -> Path:
+def save_checkpoint(directory: Path, epoch: int, task: Task, optimizer, keep: int, extra: Optional[dict] = None) -> Path:
+    """`extra`: more of the peer's training state (its place in the run's data), saved beside the optimizer's."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"epoch-{epoch:06d}"
     tmp = directory / f".tmp-{final.name}-{os.getpid()}"
@@ -36,6 +37,7 @@ def save_checkpoint(directory: Path, epoch: int, task: Task, optimizer, keep: in
             "epoch": epoch,
             "optimizer": optimizer.state_averager.optimizer.state_dict(),
             "scheduler": optimizer.state_averager.scheduler.state_dict() if optimizer.state_averager.scheduler else None,
+            **(extra or {}),
         },
         tmp / TRAINING_STATE,
     )

@@ -12,6 +12,7 @@ from collab.dashboard.server import BackgroundDashboard
 from collab.modes import AveragingMode
 from collab.run.sharer import RunSharer, SharedRun
 from collab.swarm.node import Swarm
+from collab.train.data_feed import PeerData
 from collab.train.plan_keeper import PlanKeeper, start_plan_keeper
 
 
@@ -24,6 +25,7 @@ class PeerServices:
         self.dashboard: Optional[BackgroundDashboard] = None
         self.keeper: Optional[PlanKeeper] = None
         self.opt: Optional[AveragingMode] = None
+        self.data: Optional[PeerData] = None
         self._stack = ExitStack()
         self._stack.callback(swarm.shutdown)
 
@@ -39,6 +41,16 @@ class PeerServices:
         if shared is not None:
             self.sharer = RunSharer(self.swarm, shared, on_lost=on_lost).start()
             self._stack.callback(self.sharer.stop)
+
+    def start_data(self, data: Optional[PeerData], resume: Optional[dict]) -> None:
+        """Place this peer in the run's token shards (its checkpoint's place, its saved one, or the largest gap
+        between the others') and start fetching what it lacks."""
+        if data is not None:
+            self.data = data
+            place = data.place_on(self.swarm, resume)
+            self._stack.callback(data.close)
+            print(f"Data: the run's token shards from window {place.position} at {place.start:.4f} of the ring "
+                  f"({place.came_from})", flush=True)
 
     def start_dashboard(self, port: Optional[int]) -> None:
         if port is not None:  # read through this peer's own DHT node: no second one

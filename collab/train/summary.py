@@ -53,6 +53,8 @@ class Summary:
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
     mode: str = "sync"  # averaging.mode
+    # a run with token shards (collab.train.data_feed): its place in them, what it fetched and from whom
+    data: dict = field(default_factory=dict)
     # diloco: each outer step as this peer saw it (outer step -> norm, weight, probe, applied; collab.modes.diloco)
     outer_steps: dict[int, dict] = field(default_factory=dict)
     # gossip: exchanges asked, answered, failed and refused, the recent merges, this replica's norm and sketch

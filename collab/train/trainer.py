@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from collab.config import RunConfig
+from collab.data.feed import FeedStopped
 from collab.modes import AveragingMode
 from collab.process.lifecycle import StopOnSignal
 from collab.records.identity import load_or_create_identity
@@ -21,6 +22,7 @@ from collab.swarm.node import PeerConfig, Swarm
 from collab.swarm.state import read_run_state
 from collab.tasks import Task, build_task
 from collab.train.checkpoint import load_model_weights, restore_training_state, save_checkpoint
+from collab.train.data_feed import PLACE_KEY, PeerData
 from collab.train.guard import RELOAD_AFTER, BatchGuard
 from collab.train.make_optimizer import build_optimizer
 from collab.train.plan_keeper import plan_fields, plan_in_force
@@ -60,15 +62,21 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     # Each peer draws its own data order: the seed comes from its signing key, i.e. from who it is.
     identity = swarm.identity if swarm is not None else load_or_create_identity(peer.identity)
     seed = int.from_bytes(hashlib.sha256(identity.key.to_bytes()).digest()[:4], "little")
-    batches = task.batches(config.training.micro_batch_size, seed)
+    # a run with token shards: this peer reads them through a feed, which fetches what it lacks from the swarm
+    data = PeerData(shared, stop) if shared is not None and shared.shards is not None else None
+    batches = task.batches(config.training.micro_batch_size, seed, data.feed if data is not None else None)
     # the DHT's process is forked before this one initialises CUDA (as in hivemind's own examples): a fork of a
     # CUDA process must never touch the GPU, and nothing then depends on the DHT's code never doing so
     services = PeerServices(swarm if swarm is not None else Swarm(peer, identity))
     try:
         with services:
+            services.start_data(data, resume)  # its place in the shards is set before the warm-up reads from them
             precision.attach(task.model)
             summary.device = precision.describe()
-            _warm_up(task, precision, batches)
+            try:
+                _warm_up(task, precision, batches)
+            except FeedStopped:  # asked to leave while the first shard was on its way
+                pass
             if stop.is_set():
                 summary.exit_reason = "stopped by signal"
                 return summary
@@ -86,6 +94,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     finally:
         if services.keeper is not None:
             summary.plans_issued, summary.plans_read_late = services.keeper.issued, services.keeper.late
+        if data is not None:
+            summary.data = data.report()
         if summary.exit_reason == "running":
             summary.exit_reason = "failed"  # an exception is on its way up
         write_summary(summary, options.summary_path)
@@ -203,7 +213,11 @@ class TrainingLoop:
         opt, guard, precision, summary = self.opt, self.guard, self.precision, self.summary
         computing = time.monotonic()
         with precision.autocast():
-            loss = self.task.loss(precision.to_device(next(self.batches)))
+            try:
+                batch = next(self.batches)
+            except FeedStopped:  # asked to leave while a shard was on its way: the loop ends on the stop event
+                return False
+            loss = self.task.loss(precision.to_device(batch))
         loss_ok = guard.loss_ok(loss)
         if loss_ok:
             precision.backward(loss)
@@ -267,13 +281,20 @@ class TrainingLoop:
     def _checkpoint(self) -> None:
         opt, config = self.opt, self.config
         opt.state_averager.step(wait_for_delayed_updates=True)  # never save a half-applied step
-        path = save_checkpoint(config.checkpoint.dir, opt.local_epoch, self.task, opt, config.checkpoint.keep)
+        data = self.services.data
+        extra = {PLACE_KEY: data.now()} if data is not None else {}  # a restart resumes the data where it was
+        path = save_checkpoint(config.checkpoint.dir, opt.local_epoch, self.task, opt, config.checkpoint.keep, extra)
         self.summary.checkpoint = str(path)
 
     def _publish(self) -> None:
         opt, config, swarm, summary, log = self.opt, self.config, self.swarm, self.summary, self.log
         report = opt.mode_report()
         gossip = report.gossip
+        data = self.services.data
+        if data is not None:
+            for peer, why in data.take_refusals():  # bad shards: counted and attributed like bad gradients
+                opt.rejections.add(peer, why, "data")
+            data.save()
         record = PeerMetricsRecord(
             peer_id=swarm.peer_id,
             role="trainer",
@@ -298,6 +319,7 @@ class TrainingLoop:
                     param_norm=gossip["param_norm"], param_sketch=gossip["sketch"]) if gossip else {}),
             **report.noise,
             **plan_fields(opt.plan_keeper, opt.local_epoch, config.training),
+            **({"data_start": data.feed.start, "data_position": data.feed.position} if data is not None else {}),
         )
         publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, METRICS_RECORD_LIFETIME)
 

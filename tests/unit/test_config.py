@@ -33,7 +33,7 @@ def test_cli_flags_override_the_file(micro_config):
     ({"averaging.compression": "zip"}, "averaging.compression: input should be 'none', 'fp16'"),
     ({"task.model.num_attention_heads": 3}, "hidden_size (64) is not divisible by num_attention_heads (3)"),
     ({"task.data.seq_length": 512}, "data.seq_length (512) exceeds model.max_position_embeddings (64)"),
-    ({"task.name": "gpt"}, "task.name: 'gpt' is not a task; use one of 'albert', 'swav'"),
+    ({"task.name": "gpt"}, "task.name: 'gpt' is not a task; use one of 'albert', 'causal-lm', 'swav'"),
     ({"averaging.mode": "diloco", "averaging.compression": "dgc"},
      "averaging.compression dgc keeps per-round state for gradients and cannot carry diloco's pseudo-gradients; "
      "use fp16, uniform8bit or none"),

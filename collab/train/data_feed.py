@@ -1,0 +1,117 @@
+"""Where in the run's token shards this peer reads, and from where it gets them.
+
+A peer of a run whose manifest lists token shards reads them through a ShardFeed (collab.data.feed). Its place
+(start on the ring of shards, position = windows read) comes, in order, from its checkpoint, from the place it last
+saved for this run and identity (a peer restarted without a checkpoint resumes too), or, for a new peer, from the
+largest gap between the starts the others publish in their records (collab.data.order.start_in_largest_gap), so
+concurrent peers read different text. A volunteer's feed fetches what it lacks from the swarm (collab.run.shard_fetch).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from collab.data.cache import cache_dir, write_atomically
+from collab.data.feed import ShardFeed
+from collab.data.order import start_for_peer, start_in_largest_gap
+from collab.run.shard_fetch import ShardFetcher
+from collab.run.sharer import SharedRun
+from collab.swarm.state import read_run_state
+
+PLACE_KEY = "data"  # in a checkpoint's training state
+
+
+@dataclass
+class DataPlace:
+    start: float
+    position: int
+    came_from: str  # "checkpoint", "saved", "largest gap" or "own hash"
+
+    def as_dict(self) -> dict:
+        return {"start": self.start, "position": self.position}
+
+    @staticmethod
+    def parse(value, came_from: str) -> Optional["DataPlace"]:
+        """A place read back from a file or checkpoint, or None if it is not one."""
+        if not isinstance(value, dict):
+            return None
+        start, position = value.get("start"), value.get("position")
+        if not isinstance(start, float) or not 0.0 <= start < 1.0:
+            return None
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            return None
+        return DataPlace(start, position, came_from)
+
+
+class PeerData:
+    """The feed of one peer of a run with token shards, and the bookkeeping around it."""
+
+    def __init__(self, shared: SharedRun, stop: threading.Event):
+        self.shared, self.shards = shared, shared.shards
+        self.feed = ShardFeed(self.shards.folder, self.shards.infos, start=0.0, cache=self.shards.cache, interrupt=stop,
+                              notify=lambda message: print(message, flush=True))
+        self.fetcher: Optional[ShardFetcher] = None
+        self.place: Optional[DataPlace] = None
+        self.refusals: list[tuple[str, str]] = []  # (peer, why) not yet counted by the trainer's RejectionLog
+        self._lock = threading.Lock()
+        self._saved_file: Optional[Path] = None
+
+    def place_on(self, swarm, resume: Optional[dict]) -> DataPlace:
+        """Set the feed's start and position (before the first window is read) and, on a volunteer, its fetcher."""
+        run_id, peer_id = swarm.peer.run_id, swarm.peer_id
+        self._saved_file = cache_dir() / "runs" / f"place-{run_id}-{self.shared.fingerprint}-{peer_id}.json"
+        place = DataPlace.parse((resume or {}).get(PLACE_KEY), "checkpoint") or self._read_saved()
+        if place is None:
+            own = start_for_peer(self.feed.seed, peer_id)
+            taken = [p.data_start for p in read_run_state(swarm.dht, run_id).peers
+                     if p.online and p.peer_id != peer_id and p.data_start is not None]
+            start = start_in_largest_gap(taken, own)
+            place = DataPlace(start, 0, "largest gap" if taken else "own hash")
+        self.feed.start, self.feed.position, self.place = place.start, place.position, place
+        if self.shards.cache is not None:
+            initial = [maddr.rsplit("/p2p/", 1)[-1] for maddr in swarm.peer.initial_peers if "/p2p/" in maddr]
+            self.fetcher = ShardFetcher(swarm.dht, run_id, peer_id, self.shards.data, known=initial,
+                                        url=self.shards.data.url, on_refused=self._refused)
+            self.feed.fetch = self.fetcher
+        return place
+
+    def _refused(self, peer: str, why: str) -> None:
+        with self._lock:
+            self.refusals.append((peer, why))
+
+    def take_refusals(self) -> list[tuple[str, str]]:
+        with self._lock:
+            taken, self.refusals = self.refusals, []
+        return taken
+
+    def _read_saved(self) -> Optional[DataPlace]:
+        try:
+            return DataPlace.parse(json.loads(self._saved_file.read_text()), "saved")
+        except (OSError, ValueError):
+            return None
+
+    def save(self) -> None:
+        """Remember this peer's place for this run (also without a checkpoint, a restart resumes from it)."""
+        if self._saved_file is not None:
+            write_atomically(self._saved_file, json.dumps(self.now()).encode())
+
+    def now(self) -> dict:
+        return {"start": self.feed.start, "position": self.feed.position}
+
+    def report(self) -> dict:
+        """For the peer's summary: its place, and what it fetched from whom."""
+        fetcher = self.fetcher
+        return {**self.now(), "came_from": self.place.came_from if self.place else None,
+                "shards_fetched": self.feed.fetched, "waited_seconds": round(self.feed.waited, 1),
+                "bytes_from": dict(fetcher.served) if fetcher else {},
+                "refused_from": dict(fetcher.refused) if fetcher else {}}
+
+    def close(self) -> None:
+        self.feed.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
+        self.save()

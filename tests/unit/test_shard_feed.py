@@ -1,0 +1,95 @@
+"""A peer's feed of windows from the run's shards (collab.data.feed): fetched ahead into a bounded cache, the same
+windows whether the shards were local or fetched, resumed at a position, and a damaged cache file fetched again.
+The fetcher here is a function over a folder; the swarm's (collab.run.shard_fetch) is tested with real peers."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+
+from collab.data.feed import ShardFeed
+from collab.data.shard_cache import ShardCache
+from collab.data.shards import ShardWriter, write_shard_list
+from collab.errors import UserError
+
+
+def _source(folder, count: int = 6, tokens: int = 4096):
+    writer = ShardWriter(folder, 5000, tokens)
+    infos = writer.add(np.random.default_rng(0).integers(0, 5000, size=count * tokens))
+    write_shard_list(folder, infos)
+    return infos
+
+
+class _Fetch:
+    """Reads from the organizer's folder, and remembers what was asked."""
+
+    def __init__(self, folder, fail_first: int = 0):
+        self.folder, self.asked, self.fail_first = folder, [], fail_first
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str) -> bytes:
+        with self.lock:
+            self.asked.append(name)
+            if len(self.asked) <= self.fail_first:
+                raise UserError("no peer of the run holds it yet")
+        return (self.folder / name).read_bytes()
+
+
+def _take(feed: ShardFeed, count: int, length: int = 100) -> list[list[int]]:
+    return [w.tolist() for w in itertools.islice(feed.windows(length), count)]
+
+
+def test_fetched_shards_give_the_same_windows_as_local_ones_within_the_cache_budget(tmp_path):
+    infos = _source(tmp_path / "organizer")
+    local = ShardFeed.from_folder(tmp_path / "organizer", start=0.3)
+    expected = _take(local, 200)  # 40 windows a shard: five shards
+    size = (tmp_path / "organizer" / infos[0].name).stat().st_size
+    fetch = _Fetch(tmp_path / "organizer", fail_first=2)  # the swarm had nobody at first: it tries again
+    cache = ShardCache(tmp_path / "cache", infos, budget_bytes=4 * size)
+    feed = ShardFeed(tmp_path / "cache", infos, start=0.3, fetch=fetch, cache=cache, ahead=2)
+    try:
+        assert _take(feed, 200) == expected
+        assert feed.position == 200 and feed.fetched >= 5 and feed.fetch_failures == 2
+        # no shard fetched over and over: the ones about to be read are never evicted for the ones after them (one
+        # may come twice: the last ones fetched ahead are the next pass's first, evicted since their first read)
+        assert len(set(fetch.asked)) == len(infos) and feed.fetched <= len(infos) + 1, fetch.asked
+        held = list((tmp_path / "cache").glob("*.shard"))
+        assert len(held) <= 4 and sum(p.stat().st_size for p in held) <= 4 * size
+    finally:
+        feed.close()
+
+
+def test_a_feed_resumes_at_its_position_and_refetches_a_damaged_file(tmp_path):
+    infos = _source(tmp_path / "organizer")
+    whole = _take(ShardFeed.from_folder(tmp_path / "organizer", start=0.6), 120)
+    cache = ShardCache(tmp_path / "cache", infos)
+    fetch = _Fetch(tmp_path / "organizer")
+    first = ShardFeed(tmp_path / "cache", infos, start=0.6, fetch=fetch, cache=cache, ahead=1)
+    assert _take(first, 50) == whole[:50]
+    first.close()
+    for path in (tmp_path / "cache").glob("*.shard"):  # a crash of another tool: every file cut short
+        path.write_bytes(path.read_bytes()[:-100])
+    again = ShardFeed(tmp_path / "cache", infos, start=0.6, position=first.position, fetch=fetch, cache=cache)
+    try:
+        assert _take(again, 70) == whole[50:120]  # where it was, not from the start
+        assert again.fetched >= 1
+    finally:
+        again.close()
+
+
+def test_a_feed_that_nobody_serves_gives_up_in_one_line(tmp_path):
+    infos = _source(tmp_path / "organizer", count=2)
+
+    def nobody(name):
+        raise UserError("no peer of the run holds shard " + name)
+
+    feed = ShardFeed(tmp_path / "cache", infos, start=0.0, fetch=nobody, cache=ShardCache(tmp_path / "cache", infos),
+                     patience=1.0)
+    try:
+        with pytest.raises(UserError, match=r"no peer of the run sent shard 0000\d.shard within 1 s \(last: no peer"):
+            next(feed.windows(100))
+    finally:
+        feed.close()
