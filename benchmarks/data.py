@@ -13,6 +13,13 @@ For each size (MB of generated English-like text), in a fresh process each so pe
     python3 benchmarks/data.py [--sizes 100,1000,5000] [--windows 20000] [--shard-tokens 16777216]
 
 Prints one row per size and the ratios (read rate / bound, RSS growth / bound).
+
+    python3 benchmarks/data.py --swarm [--epochs 12]
+
+The shards served by the swarm instead: `collab init --dataset` on the embedded corpus (small shards), the organizer's
+peer, then three volunteers with nothing but the join line, one after another, all on 127.0.0.1. Prints the bytes
+each volunteer fetched from the organizer's peer and from the other volunteers: the organizer's share of what was
+served, against 1.0 for volunteers that could only download from the organizer.
 """
 
 from __future__ import annotations
@@ -103,11 +110,68 @@ def _child(*args: str) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def _swarm(epochs: int, peers: int = 4) -> int:
+    """Who served the shards: the organizer's peer, or the volunteers that hold verified copies."""
+    import re
+    import shutil
+    import uuid
+
+    from collab.data.corpus import embedded_corpus_path
+    from collab.peers.launcher import LocalSwarm
+    from collab.run.folder import load_run_folder
+    from tests.conftest import peer_env, read_summary, run_cli, swarm_config
+
+    run_id = f"data-bench-{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory(prefix="collab-data-swarm-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "corpus").mkdir()
+        shutil.copyfile(embedded_corpus_path(), tmp / "corpus" / "docs.txt")
+        config = swarm_config(tmp, 2, {"training.target_batch_size": 256})  # rounds of 2 or more: nobody waits
+        init = run_cli("init", run_id, "--config", str(config), "--dir", str(tmp / "run"), "--dataset",
+                       str(tmp / "corpus"), "--shard-tokens", "16384", timeout=300)
+        if init.returncode != 0:
+            raise SystemExit(init.stderr)
+        run = load_run_folder(tmp / "run")
+        args = {0: ["--run", str(tmp / "run")], **{i: ["--run-key", run.fingerprint] for i in range(1, peers)}}
+        caches = {i: {"COLLAB_CACHE_DIR": str(tmp / f"cache{i}")} for i in range(1, peers)}
+        with LocalSwarm(peers, run_id, tmp / "peers", ["--no-live", "--max-epochs", str(epochs)], env=peer_env(),
+                        per_peer_args=args, per_peer_env=caches) as swarm:
+            swarm.start(count=2, wait_peers=2)
+            for i in range(2, peers):  # one after another, as volunteers come: each when the last one trains
+                deadline = time.monotonic() + 300
+                while not re.search(r"^epoch \d+ .*loss \d", swarm.peers[i - 1].log_text(), re.M):
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"peer {i - 1} did not train:\n{swarm.peers[i - 1].log_text()[-2000:]}")
+                    time.sleep(1)
+                swarm.start_peer(i, ["--wait-peers", "2"])
+            if not swarm.wait(timeout=1800):
+                raise SystemExit("the swarm did not finish")
+            summaries = [read_summary(p) for p in swarm.peers]
+    organizer = summaries[0]["peer_id"]
+    rows, total_org, total_other = [], 0, 0
+    for i, s in enumerate(summaries[1:], start=1):
+        got = s["data"]["bytes_from"]
+        mine = got.get(organizer, 0)
+        others = sum(v for k, v in got.items() if k != organizer)
+        total_org, total_other = total_org + mine, total_other + others
+        rows.append(f"{i:>9} {s['data']['shards_fetched']:>8} {mine / 1e6:>16.2f} {others / 1e6:>18.2f}")
+    print(f"{len(run.manifest.data.shards)} shards of {run.manifest.data.shard_tokens} tokens, {peers} peers, "
+          f"{epochs} epochs")
+    print(f"{'volunteer':>9} {'fetched':>8} {'MB from organizer':>16} {'MB from volunteers':>18}")
+    print("\n".join(rows))
+    share = total_org / max(1, total_org + total_other)
+    print(f"organizer served {share:.2f} of the bytes (1.00 if volunteers could only download from it); "
+          f"other peers {1 - share:.2f}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1000,5000", help="corpus sizes in MB of text, comma-separated")
     parser.add_argument("--windows", type=int, default=20000)
     parser.add_argument("--shard-tokens", type=int, default=1 << 24)
+    parser.add_argument("--swarm", action="store_true", help="measure who serves the shards in a 4-peer swarm")
+    parser.add_argument("--epochs", type=int, default=12, help="--swarm: epochs the swarm trains")
     parser.add_argument("--prepare", default=None, help=argparse.SUPPRESS)  # a child: SIZE:FOLDER
     parser.add_argument("--read", default=None, help=argparse.SUPPRESS)  # a child: FOLDER
     args = parser.parse_args()
@@ -118,6 +182,8 @@ def main() -> int:
     if args.read is not None:
         print(json.dumps(_read(Path(args.read), args.windows)))
         return 0
+    if args.swarm:
+        return _swarm(args.epochs)
     rows = []
     for size in (float(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="collab-data-bench-") as tmp:

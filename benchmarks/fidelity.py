@@ -1,7 +1,7 @@
 """What each compression choice and averaging mode costs in learning: 3 real collab peers against one process.
 
-For each row and each seed: 3 `collab join` peers (collab.peers.launcher, 127.0.0.1) train ALBERT-tiny on the
-embedded corpus; one process trains the same model (same seed, so the same initial weights), optimizer and
+For each row and each seed: 3 `collab join` peers (collab.peers.launcher, 127.0.0.1) train ALBERT-tiny (or, with
+--task causal-lm, the Llama-style causal-lm-tiny) on the embedded corpus; one process trains the same model (same seed, so the same initial weights), optimizer and
 schedule with plain gradient accumulation to the same batch. The swarm's peers keep their identities (so their
 data order) across rows: rows differ only in the codec or mode. Rows: sync codecs (fp16, uniform8bit, powersgd,
 dgc, ...; CODEC+AGGREGATION for another aggregation, e.g. fp16+adasum against fp16+mean; ROW@OVERLAP for another
@@ -24,6 +24,7 @@ gossip: replicas within 1% of the norm at the end, >= 0.85 of sync's progress.
     python3 benchmarks/fidelity.py [--codecs fp16,uniform8bit,powersgd,powersgd-r8,dgc,diloco-h10,gossip-loss]
                                    [--seeds 0,1,2] [--steps 60] [--batch 48] [--seq-length 128]
                                    [--overlap none] [--inner-lr 1e-3] [--inner-warmup 10] [--gossip-k 10]
+                                   [--task albert|causal-lm]
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ from collab.peers.report import aligned  # noqa: E402
 from tests.conftest import peer_env, read_summary  # noqa: E402
 
 PEERS, LAST = 3, 5
+TASK_CONFIGS = {"albert": "albert-tiny.yaml", "causal-lm": "causal-lm-tiny.yaml"}
+
+
+def task_config(args) -> dict:
+    return yaml.safe_load((ROOT / "configs" / TASK_CONFIGS[getattr(args, "task", "albert")]).read_text())
 EVAL_BATCHES = 24
 
 
@@ -68,7 +74,7 @@ def local_steps(row: str) -> bool:
 
 
 def run_config(args, row: str, seed: int) -> dict:
-    config = yaml.safe_load((ROOT / "configs" / "albert-tiny.yaml").read_text())
+    config = task_config(args)
     config["task"]["data"]["seq_length"] = args.seq_length
     config["training"].update(target_batch_size=args.batch, seed=seed, total_steps=max(args.steps * 2, 100))
     # a round as soon as all 3 are in it; parameters averaged rarely: the gradients' codec is what is measured
@@ -100,7 +106,7 @@ def steps_for(args, row: str) -> int:
     h = diloco_h(row)
     if h is None:
         return args.steps
-    micro = yaml.safe_load((ROOT / "configs" / "albert-tiny.yaml").read_text())["training"]["micro_batch_size"]
+    micro = task_config(args)["training"]["micro_batch_size"]
     return max(1, round(args.steps * args.batch / (h * PEERS * micro)))
 
 
@@ -232,6 +238,8 @@ def main() -> int:
                         help="averaging.overlap of the swarm's peers (none: the default; optimizer: the LAMB step in "
                              "the background, which makes one micro-batch per peer per step stale)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--task", default="albert", choices=sorted(TASK_CONFIGS),
+                        help="which tiny model the rows train (causal-lm: the Llama-style decoder)")
     args = parser.parse_args()
     codecs, seeds = args.codecs.split(","), [int(s) for s in args.seeds.split(",")]
     from hivemind.p2p import P2P
@@ -285,7 +293,7 @@ def main() -> int:
     header = ("row", "held-out loss", "held-out ratio", "kB/sample", f"train loss (last {LAST})", "progress ratio",
               "MB/peer/step", "vs fp32",
               f"vs fp32, last {RECENT_ROUNDS} rounds", "replica spread", "wall/run")
-    print(f"\n3 peers, {args.steps * args.batch} samples per run ({args.steps} sync steps of {args.batch}; "
+    print(f"\n{args.task}: 3 peers, {args.steps * args.batch} samples per run ({args.steps} sync steps of {args.batch}; "
           f"diloco and gossip rows the same samples, in {args.local_codec}), seq {args.seq_length}, "
           f"overlap {args.overlap}, "
           f"seeds {args.seeds}; "

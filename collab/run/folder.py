@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from collab.data.paths import SHARD_LIST
 from collab.errors import UserError
 from collab.records.identity import rsa_key_from_der
 from collab.run.manifest import (DataManifest, Manifest, ShardEntry, SignedManifest, make_manifest, run_tokenizer, sign,
@@ -26,6 +27,7 @@ from collab.run.manifest import (DataManifest, Manifest, ShardEntry, SignedManif
 
 KEY, CONFIG, TOKENIZER, MANIFEST = "organizer.key", "config.yaml", "tokenizer.json", "manifest.json"
 DATA = "data"
+EMBEDDED_SHARD_TOKENS = 1 << 16  # the embedded corpus (about 450k tokens) in a few shards, fetched in well under a second
 SHARD_TOKENS = 1 << 24  # tokens per shard: 32 MiB of uint16 ids, a few seconds to fetch on a home uplink
 REVOKED = "revoked.json"  # written by 'collab revoke'; the organizer's peer publishes it
 
@@ -39,6 +41,7 @@ class Run:
     organizer_key: object  # hivemind RSAPrivateKey
     tokenizer_file: Optional[Path]
     folder: Optional[Path] = None  # None: made on the fly by a first peer, for this run only
+    shards_folder: Optional[Path] = None  # where its token shards are, if the manifest lists any
 
     @property
     def fingerprint(self) -> str:
@@ -46,13 +49,35 @@ class Run:
 
 
 def ephemeral_run(run_id: str, config, private: bool = False) -> Run:
-    """A first peer started without `collab init`: a key and a manifest made now, for this run only."""
+    """A first peer started without `collab init`: a key and a manifest made now, for this run only. On the embedded
+    corpus, the run's data is that corpus as token shards (made once per machine and tokenizer), which volunteers
+    fetch from the swarm as they would a real run's: the quick start takes the same path."""
     from hivemind.utils.crypto import RSAPrivateKey
 
     key = RSAPrivateKey()
-    manifest = make_manifest(run_id, config, key, private)
     tokenizer = run_tokenizer(config)
-    return Run(manifest, sign(manifest, key).to_bytes(), key, tokenizer[0] if tokenizer else None)
+    data = embedded_shards(config, tokenizer) if tokenizer is not None else None
+    manifest = make_manifest(run_id, config, key, private, data[0] if data else None)
+    return Run(manifest, sign(manifest, key).to_bytes(), key, tokenizer[0] if tokenizer else None,
+               shards_folder=data[1] if data else None)
+
+
+def embedded_shards(config, tokenizer: tuple[Path, dict]) -> Optional[tuple[DataManifest, Path]]:
+    """The embedded corpus as the run's token shards, in this machine's cache, when the run reads it (and not when
+    each peer brings its own --dataset)."""
+    if config.task.data.dataset != "embedded":
+        return None
+    from collab.data.cache import cache_dir
+    from collab.data.shards import file_sha256, read_shard_list
+
+    end = _end_token(config, tokenizer[1])
+    folder = cache_dir() / "shards" / f"embedded-{file_sha256(tokenizer[0])[:16]}-{end or 'plain'}"
+    if (folder / SHARD_LIST).is_file():  # written last: the preparation finished
+        infos = read_shard_list(folder)
+        return DataManifest(shard_tokens=EMBEDDED_SHARD_TOKENS, total_tokens=sum(i.tokens for i in infos),
+                            separator=_token_id(tokenizer[0], end),
+                            shards=[ShardEntry(name=i.name, tokens=i.tokens, sha256=i.sha256) for i in infos]), folder
+    return prepare_data("embedded", tokenizer[0], folder, EMBEDDED_SHARD_TOKENS, end_token=end), folder
 
 
 def create_run_folder(run_id: str, config_path: Path, config, folder: Path, private: bool,
@@ -83,14 +108,14 @@ def create_run_folder(run_id: str, config_path: Path, config, folder: Path, priv
         if tokenizer is None:
             raise UserError(f"task {config.task.name} reads no text: --dataset prepares a text task's corpus; "
                             "leave it out, or set the task's data.dataset in the config")
-        # a causal LM learns where a document ends: each is followed by the end-of-text token in the shards
-        end = tokenizer[1].get("eos_token") or tokenizer[1].get("sep_token") if config.task.name == "causal-lm" else None
-        data = prepare_data(dataset, folder / TOKENIZER, folder / DATA, shard_tokens, progress, end)
+        data = prepare_data(dataset, folder / TOKENIZER, folder / DATA, shard_tokens, progress,
+                            _end_token(config, tokenizer[1]))
         data.url = shards_url
     manifest = make_manifest(run_id, config, key, private, data)
     signed = sign(manifest, key).to_bytes()
     (folder / MANIFEST).write_bytes(signed)
-    return Run(manifest, signed, key, folder / TOKENIZER if tokenizer else None, folder)
+    return Run(manifest, signed, key, folder / TOKENIZER if tokenizer else None, folder,
+               folder / DATA if data is not None else None)
 
 
 def prepare_data(dataset: str, tokenizer_file: Path, out: Path, shard_tokens: int, progress=None,
@@ -101,15 +126,26 @@ def prepare_data(dataset: str, tokenizer_file: Path, out: Path, shard_tokens: in
     from collab.data.prepare import prepare_corpus
     from collab.data.shards import write_shard_list
 
-    separator = None
-    if end_token is not None:
-        from tokenizers import Tokenizer
-
-        separator = Tokenizer.from_file(str(tokenizer_file)).token_to_id(end_token)
+    separator = _token_id(tokenizer_file, end_token)
     prepared = prepare_corpus(dataset, tokenizer_file, out, shard_tokens, separator=separator, progress=progress)
     write_shard_list(out, prepared.shards)  # what the organizer's own peer reads the folder by
     return DataManifest(shard_tokens=shard_tokens, total_tokens=prepared.total_tokens, separator=separator,
                         shards=[ShardEntry(name=s.name, tokens=s.tokens, sha256=s.sha256) for s in prepared.shards])
+
+
+def _end_token(config, special_tokens: dict) -> Optional[str]:
+    """A causal LM learns where a document ends: in its shards each is followed by the end-of-text token."""
+    if config.task.name != "causal-lm":
+        return None
+    return special_tokens.get("eos_token") or special_tokens.get("sep_token")
+
+
+def _token_id(tokenizer_file: Path, token: Optional[str]) -> Optional[int]:
+    if token is None:
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_file)).token_to_id(token)
 
 
 def load_run_folder(folder: Path) -> Run:
@@ -136,4 +172,4 @@ def load_run_folder(folder: Path) -> Run:
     if tokenizer is not None and hashlib.sha256(tokenizer.read_bytes()).hexdigest() != manifest.tokenizer_sha256:
         raise UserError(f"{tokenizer} is not the tokenizer the manifest was signed with (it changed after "
                         "'collab init'); restore it, or make a new run")
-    return Run(manifest, signed, key, tokenizer, folder)
+    return Run(manifest, signed, key, tokenizer, folder, folder / DATA if manifest.data is not None else None)

@@ -25,7 +25,7 @@ from collab.data.shard_cache import ShardCache
 from collab.data.shards import file_sha256
 from collab.errors import UserError
 from collab.run.access import AccessList, make_invite
-from collab.run.folder import DATA, REVOKED, ephemeral_run, load_run_folder
+from collab.run.folder import REVOKED, ephemeral_run, load_run_folder
 from collab.run.gate import MEMBERS_SUFFIX
 from collab.run.manifest import DATASET_FIELD, Manifest, config_for_peer, contradictions, user_sets, user_value
 from collab.run.shard_fetch import RunShards, max_shard_bytes, shard_infos
@@ -43,7 +43,7 @@ def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) 
     shards = None
     if run.manifest.data is not None:
         _refuse_own_dataset(run.manifest, user)
-        shards = RunShards(run.manifest.data, folder / DATA)
+        shards = RunShards(run.manifest.data, run.shards_folder)
     config = config_for_peer(run.manifest, user, run.tokenizer_file, shards.folder if shards else None)
     private = None
     if run.manifest.private:  # the organizer's peer invites itself, and publishes what 'collab revoke' writes
@@ -55,8 +55,11 @@ def as_organizer(folder: Path, user: dict, source: Optional[str], peer_id: str) 
 
 def as_first_peer(run_id: str, local: RunConfig, user: dict) -> tuple[RunConfig, SharedRun]:
     run = ephemeral_run(run_id, local)
-    config = config_for_peer(run.manifest, user, run.tokenizer_file)  # user: its checkpoint dir, not shared
-    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, organizer_key=run.organizer_key)
+    shards = RunShards(run.manifest.data, run.shards_folder) if run.manifest.data is not None else None
+    # user: its checkpoint dir, not shared
+    config = config_for_peer(run.manifest, user, run.tokenizer_file, run.shards_folder)
+    return config, SharedRun(run.signed, run.fingerprint, run.tokenizer_file, organizer_key=run.organizer_key,
+                             shards=shards)
 
 
 def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str],
@@ -95,7 +98,7 @@ def volunteer_shards(manifest: Manifest, user: dict, cache_gb: float) -> RunShar
     """Where a volunteer reads the run's shards: a copy it brought (--dataset), used only if every shard in it is the
     manifest's, or else its disk cache, which fetching from the swarm fills."""
     data, infos = manifest.data, shard_infos(manifest.data)
-    if user_sets(user, DATASET_FIELD):
+    if _brings_data(user):
         given = str(user_value(user, DATASET_FIELD))
         folder = Path(given.removeprefix(SHARDS_PREFIX)).expanduser()
         for info in infos:
@@ -118,8 +121,13 @@ def volunteer_shards(manifest: Manifest, user: dict, cache_gb: float) -> RunShar
     return RunShards(data, cache.folder, cache)
 
 
+def _brings_data(user: dict) -> bool:
+    """Whether the user named data of their own (the default, `embedded`, written out in a config file, is none)."""
+    return user_sets(user, DATASET_FIELD) and user_value(user, DATASET_FIELD) != "embedded"
+
+
 def _refuse_own_dataset(manifest: Manifest, user: dict) -> None:
-    if user_sets(user, DATASET_FIELD):
+    if _brings_data(user):
         raise UserError(f"run {manifest.run_id!r} trains on the token shards its manifest lists: leave --dataset "
                         "(and the config's task.data.dataset) out")
 

@@ -2,7 +2,7 @@
 
 A peer of a run whose manifest lists token shards reads them through a ShardFeed (collab.data.feed). Its place
 (start on the ring of shards, position = windows read) comes, in order, from its checkpoint, from the place it last
-saved for this run and identity (a peer restarted without a checkpoint resumes too), or, for a new peer, from the
+saved for this corpus and identity (a peer restarted without a checkpoint resumes too), or, for a new peer, from the
 largest gap between the starts the others publish in their records (collab.data.order.start_in_largest_gap), so
 concurrent peers read different text. A volunteer's feed fetches what it lacks from the swarm (collab.run.shard_fetch).
 """
@@ -63,7 +63,8 @@ class PeerData:
     def place_on(self, swarm, resume: Optional[dict]) -> DataPlace:
         """Set the feed's start and position (before the first window is read) and, on a volunteer, its fetcher."""
         run_id, peer_id = swarm.peer.run_id, swarm.peer_id
-        self._saved_file = cache_dir() / "runs" / f"place-{run_id}-{self.shared.fingerprint}-{peer_id}.json"
+        # per corpus and identity: a peer restarted into a run re-made on the same data (a quick start) resumes too
+        self._saved_file = cache_dir() / "runs" / f"place-{self.feed.seed:016x}-{peer_id}.json"
         place = DataPlace.parse((resume or {}).get(PLACE_KEY), "checkpoint") or self._read_saved()
         if place is None:
             own = start_for_peer(self.feed.seed, peer_id)
