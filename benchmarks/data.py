@@ -148,6 +148,8 @@ def _swarm(epochs: int, peers: int = 4) -> int:
                 raise SystemExit("the swarm did not finish")
             summaries = [read_summary(p) for p in swarm.peers]
     organizer = summaries[0]["peer_id"]
+    from_organizer = [name for s in summaries[1:] for name, who in s["data"]["shards_from"] if who == organizer]
+    distinct = {name for s in summaries[1:] for name, _ in s["data"]["shards_from"]}
     rows, total_org, total_other = [], 0, 0
     for i, s in enumerate(summaries[1:], start=1):
         got = s["data"]["bytes_from"]
@@ -162,6 +164,10 @@ def _swarm(epochs: int, peers: int = 4) -> int:
     share = total_org / max(1, total_org + total_other)
     print(f"organizer served {share:.2f} of the bytes (1.00 if volunteers could only download from it); "
           f"other peers {1 - share:.2f}")
+    print(f"the volunteers fetched {len(distinct)} distinct shards; the organizer sent {len(from_organizer)} shard "
+          f"copies: {len(from_organizer) / max(1, len(distinct)):.2f} per shard (at least 1.00: a shard nobody else "
+          f"held yet; {sum(len(s['data']['shards_from']) for s in summaries[1:]) / max(1, len(distinct)):.2f} if "
+          "every fetch went to the organizer)")
     return 0
 
 

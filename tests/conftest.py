@@ -49,6 +49,11 @@ MICRO_CONFIG = {
     "checkpoint": {"every_epochs": 100, "keep": 1},
 }
 
+# MICRO_CONFIG's task as a causal LM (collab.tasks.causal_lm): a Llama-style decoder of the same size
+MICRO_LM = {"name": "causal-lm", "data": {**MICRO_CONFIG["task"]["data"]},
+            "model": {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "max_position_embeddings": 64}}
+
 
 # a valid metrics record, for tests that change one field or sign it under another key
 METRICS_RECORD = dict(peer_id="12D3KooWTest", role="trainer", epoch=3, loss=5.2, samples_per_second=12.5,

@@ -94,6 +94,11 @@ def format_state(state) -> str:
         columns[4:4] = ["inner steps", "last pseudo-grad norm"]
     if gossip:
         columns[4:4] = ["merges/min", "last merge |Δ|", "from mean"]
+    # a run with token shards: where each peer entered their ring and how many windows it read (collab.data.order
+    # lists exactly which text that is)
+    shards = any(p.data_start is not None for p in state.peers)
+    if shards:
+        columns.append("data start+windows")
     for column in columns:
         table.add_column(column)
     for p in state.peers:
@@ -108,6 +113,8 @@ def format_state(state) -> str:
             cells[4:4] = [f"{p.merges_per_minute:.0f}" if p.merges_per_minute is not None else "-",
                           f"{p.merge_update_norm:.4g}" if p.merge_update_norm is not None else "-",
                           f"{p.distance_to_mean:.2%}" if p.distance_to_mean is not None else "-"]
+        if shards:
+            cells.append(f"{p.data_start:.4f}+{p.data_position}" if p.data_start is not None else "-")
         table.add_row(*cells)
     console = Console(width=140, record=True)
     with console.capture() as capture:

@@ -115,7 +115,7 @@ def volunteer_shards(manifest: Manifest, user: dict, cache_gb: float) -> RunShar
     need = (AHEAD + 2) * biggest * 1e-9
     if cache_gb < need:
         raise UserError(f"--data-cache-gb {cache_gb:g} cannot hold the {AHEAD + 2} shards a peer reads and fetches "
-                        f"ahead (up to {biggest / 1e6:.0f} MB each); pass --data-cache-gb {need:.2f} or more")
+                        f"ahead (up to {biggest / 1e6:.3g} MB each); pass --data-cache-gb {need:.2g} or more")
     digest = hashlib.sha256("".join(i.sha256 for i in infos).encode()).hexdigest()[:16]
     cache = ShardCache(cache_dir() / "shards" / digest, infos, int(cache_gb * 1e9))
     return RunShards(data, cache.folder, cache)

@@ -3,9 +3,10 @@
 Every peer that serves files (not a client behind NAT) lists in the DHT the indices of the shards it holds, each a
 verified copy (the organizer's folder, or a cache where only shards that matched the manifest's sha256 are kept),
 under its own key: nobody can speak for another. A peer that needs a shard asks the run's URL prefix first when the
-manifest names one, then the holders in random order, so the organizer's uplink is one among many. A copy whose
-sha256 is not the manifest's is refused, counted against the peer that sent it, and that peer is not asked for
-shards again for BAN_SECONDS (its record is untrusted input too: indices out of range are dropped).
+manifest names one, then the holders, those that hold the fewest shards first (in random order among equals): a
+peer that holds them all, the organizer's, is asked last, so its uplink serves only what no volunteer holds yet. A
+copy whose sha256 is not the manifest's is refused, counted against the peer that sent it, and that peer is not
+asked for shards again for BAN_SECONDS (its record is untrusted input too: indices out of range are dropped).
 """
 
 from __future__ import annotations
@@ -80,17 +81,22 @@ def publish_holdings(dht, run_id: str, subkey: bytes, indices: list[int]) -> Non
 
 
 def read_holdings(dht, run_id: str, shard_count: int) -> dict[int, list[str]]:
-    """Shard index -> the peers that say they hold it. A record that is not a list of indices is ignored."""
+    """Shard index -> the peers that say they hold it, those that hold the fewest shards first (a peer that holds
+    them all, the organizer's or a mirror, is asked last: its uplink serves everyone else's misses). A record that
+    is not a list of indices is ignored."""
     found = dht.get(run_id + HOLDINGS_SUFFIX, latest=True)
     entries = found.value if found is not None and isinstance(found.value, dict) else {}
-    holders: dict[int, list[str]] = {}
+    held: dict[str, set[int]] = {}
     for subkey, item in entries.items():
         peer, indices = signer_peer_id(subkey), getattr(item, "value", None)
         if peer is None or not isinstance(indices, list) or len(indices) > shard_count:
             continue
-        for index in indices:
-            if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < shard_count:
-                holders.setdefault(index, []).append(peer)
+        held[peer] = {i for i in indices if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < shard_count}
+    order = sorted(held, key=lambda peer: (len(held[peer]), random.random()))
+    holders: dict[int, list[str]] = {}
+    for peer in order:
+        for index in held[peer]:
+            holders.setdefault(index, []).append(peer)
     return holders
 
 
@@ -106,6 +112,7 @@ class ShardFetcher:
         self.infos = {s.name: (i, s) for i, s in enumerate(data.shards)}
         self.known, self.url, self.on_refused = [p for p in known if p != own_peer_id], url, on_refused
         self.served: dict[str, int] = {}  # who sent how many verified bytes (the URL counts as "url")
+        self.got: list[tuple[str, str]] = []  # (shard, who sent it), in order
         self.refused: dict[str, int] = {}
         self._banned_until: dict[str, float] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -118,10 +125,10 @@ class ShardFetcher:
         if self.url is not None:
             data = self._from_url(name, limit)
             if data is not None and self._verified("url", data, entry.sha256):
+                self.got.append((name, "url"))
                 return data
         listed = read_holdings(self.dht, self.run_id, len(self.infos)).get(index, [])
-        peers = [p for p in dict.fromkeys(listed) if p != self.own]
-        random.shuffle(peers)  # spread the load over every holder, the organizer's peer one among them
+        peers = [p for p in dict.fromkeys(listed) if p != self.own]  # partial holders first, in random order
         peers += [p for p in self.known if p not in peers]
         now = time.monotonic()
         peers = [p for p in peers if self._banned_until.get(p, 0.0) < now]
@@ -134,6 +141,7 @@ class ShardFetcher:
                 except Exception:
                     continue  # gone, behind NAT, too slow, or it does not hold it: the next one
                 if data and self._verified(peer, data, entry.sha256):
+                    self.got.append((name, peer))
                     return data
         raise UserError(f"none of {len(peers)} peers sent a good copy of shard {name}")
 

@@ -109,6 +109,7 @@ class PeerData:
         return {**self.now(), "came_from": self.place.came_from if self.place else None,
                 "shards_fetched": self.feed.fetched, "waited_seconds": round(self.feed.waited, 1),
                 "bytes_from": dict(fetcher.served) if fetcher else {},
+                "shards_from": [list(pair) for pair in fetcher.got[-1000:]] if fetcher else [],
                 "refused_from": dict(fetcher.refused) if fetcher else {}}
 
     def close(self) -> None:

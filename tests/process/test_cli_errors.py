@@ -54,6 +54,13 @@ from tests.conftest import run_cli, write_config
      "/nonexistent/run is not a run folder"),
     (["init", "r", "--dir", "{dir}", "--dataset", "/nonexistent/corpus"], "dataset path /nonexistent/corpus does not exist"),
     (["init", "r", "--dir", "{dir}", "--shard-tokens", "0"], "--shard-tokens must be at least 1"),
+    (["init", "r", "--dir", "{dir}", "--shards-url", "ftp://host/x"], "--shards-url 'ftp://host/x' is neither an "
+                                                                       "http(s):// URL prefix nor hf:REPO"),
+    (["init", "r", "--dir", "{dir}", "--shards-url", "hf:me/corpus"], "--shards-url says where the run's token "
+                                                                       "shards live: add the --dataset"),
+    (["join", "--run-id", "r", "--data-cache-gb", "0"], "--data-cache-gb 0.0 must be a positive number of gigabytes"),
+    (["join", "--run-id", "r", "--data-cache-gb", "5"], "--data-cache-gb bounds the shards a volunteer fetches; the "
+                                                        "organizer's peer reads its run folder: drop it"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
     import socket

@@ -1,5 +1,6 @@
 """The run's token shards come from the swarm: a volunteer with nothing but the join line fetches them from the
-organizer's peer, and a later one from that volunteer once the organizer's peer is gone (real DHT, p2pd, averaging)."""
+organizer's peer, and a later one from that volunteer once the organizer's peer is gone (real DHT, p2pd, averaging).
+The run trains the causal LM (the quick start's ALBERT runs read the embedded corpus's shards in every swarm test)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collab.data.corpus import embedded_corpus_path
 from collab.data.shards import Shard, file_sha256
 from collab.peers.launcher import LocalSwarm
 from collab.run.folder import load_run_folder
-from tests.conftest import fork_server, peer_env, read_summary, run_cli, swarm_config, wait_for
+from tests.conftest import MICRO_LM, fork_server, peer_env, read_summary, run_cli, swarm_config, wait_for
 
 
 def test_volunteers_train_on_shards_fetched_from_the_organizer_then_from_each_other(tmp_path, run_id,
@@ -19,7 +20,8 @@ def test_volunteers_train_on_shards_fetched_from_the_organizer_then_from_each_ot
     corpus.mkdir()
     shutil.copyfile(embedded_corpus_path(), corpus / "docs.txt")
     folder = tmp_path / "run"
-    init = run_cli("init", run_id, "--config", str(swarm_config(tmp_path, 2, {"training.target_batch_size": 512})),
+    config = swarm_config(tmp_path, 2, {"training.target_batch_size": 512, "task": MICRO_LM})
+    init = run_cli("init", run_id, "--config", str(config),
                    "--dir", str(folder), "--dataset", str(corpus), "--shard-tokens", "131072", timeout=180)
     assert init.returncode == 0, init.stderr
     run = load_run_folder(folder)

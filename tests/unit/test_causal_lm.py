@@ -14,11 +14,8 @@ from collab.data.shards import open_shards
 from collab.run.folder import DATA, create_run_folder
 from collab.run.joining import as_organizer
 from collab.tasks import build_task
-from tests.conftest import MICRO_CONFIG
+from tests.conftest import MICRO_CONFIG, MICRO_LM
 
-MICRO_LM = {"name": "causal-lm", "data": {**MICRO_CONFIG["task"]["data"]},
-            "model": {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "max_position_embeddings": 64}}
 
 
 def _config(tmp_path, **training):

@@ -15,7 +15,8 @@ from tests.conftest import METRICS_RECORD
 @pytest.mark.parametrize("field, value", [
     ("loss", math.nan), ("loss", math.inf), ("loss", -1.0), ("samples_per_second", 1e30),
     ("samples_contributed", -5), ("epoch", "3"), ("role", "boss"), ("client_mode", "yes"),
-    ("unexpected", 1),
+    ("unexpected", 1), ("data_start", 1.0), ("data_start", -0.1), ("data_start", math.nan), ("data_position", -1),
+    ("data_position", 10**16), ("data_position", 1.5),
 ])
 def test_schema_rejects_absurd_values(field, value):
     with pytest.raises(v1.ValidationError):

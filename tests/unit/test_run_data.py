@@ -4,6 +4,7 @@ manifest; an interrupted init resumes. No process, no socket."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -99,3 +100,27 @@ def test_the_organizers_peer_trains_on_the_runs_shards_in_its_own_order(tmp_path
         as_organizer(tmp_path / "run", {"task": {"data": {"dataset": str(corpus)}}}, None, "QmOrganizer")
     with pytest.raises(UserError, match="holds no shards.json: it is not a folder of token shards"):
         next(token_windows(f"shards:{corpus}", task.tokenizer, 50, seed=1))
+
+
+def test_a_volunteers_own_copy_is_used_only_if_every_shard_matches_and_the_cache_must_hold_what_it_reads(tmp_path,
+                                                                                                      micro_config):
+    from collab.run.joining import volunteer_shards
+
+    run = create_run_folder("data-run", micro_config, load_config(micro_config), tmp_path / "run", private=False,
+                            dataset=str(_corpus(tmp_path / "corpus")), shard_tokens=1000)
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "run" / DATA, copy)
+    shards = volunteer_shards(run.manifest, {"task": {"data": {"dataset": str(copy)}}}, 20.0)
+    assert shards.folder == copy and shards.cache is None and shards.held() == list(range(len(run.manifest.data.shards)))
+    last = run.manifest.data.shards[-1].name
+    blob = bytearray((copy / last).read_bytes())
+    blob[70] ^= 1  # one token changed
+    (copy / last).write_bytes(bytes(blob))
+    with pytest.raises(UserError, match=rf"--dataset {copy} is not a copy of run 'data-run''s token shards \({last}: "
+                                        r"its sha256 is not the manifest's\); leave --dataset out"):
+        volunteer_shards(run.manifest, {"task": {"data": {"dataset": str(copy)}}}, 20.0)
+    cached = volunteer_shards(run.manifest, {"task": {"data": {"dataset": "embedded"}}}, 20.0)  # the default: none
+    assert cached.cache is not None and cached.held() == []
+    with pytest.raises(UserError, match=r"--data-cache-gb 1e-06 cannot hold the 5 shards a peer reads and fetches "
+                                        r"ahead \(up to 0\.0121 MB each\); pass --data-cache-gb 6e-05 or more"):
+        volunteer_shards(run.manifest, {}, 1e-6)
