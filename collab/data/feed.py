@@ -151,9 +151,9 @@ class ShardFeed:
                     self.cache.put(name, self.fetch(name), keep=wanted)
                     self.fetched += 1
                     self.error = None
-                except (UserError, ShardRefused, OSError) as e:
+                except Exception as e:  # noqa: BLE001 - any failure of one fetch (a peer gone, the DHT busy): retry
                     self.fetch_failures += 1
-                    self.error = str(e)
+                    self.error = str(e) if isinstance(e, (UserError, ShardRefused)) else f"{type(e).__name__}: {e}"
                     break  # try again in a moment: the holders may change
                 self._changed.set()
             if self.error is not None:

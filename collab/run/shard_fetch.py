@@ -171,7 +171,13 @@ class ShardFetcher:
                                                               timeout=ASK_TIMEOUT))
 
     def close(self) -> None:
-        with self._lock:
+        # a fetch still under way (the feed's thread gave up waiting for it) holds the lock for up to ASK_TIMEOUT:
+        # leaving must not wait that long; its loop then goes with the process
+        if not self._lock.acquire(timeout=5.0):
+            return
+        try:
             if self._loop is not None:
                 close_loop(self._loop, self._p2p)
                 self._loop = None
+        finally:
+            self._lock.release()

@@ -84,10 +84,18 @@ class PeerData:
         with self._lock:
             self.refusals.append((peer, why))
 
-    def take_refusals(self) -> list[tuple[str, str]]:
+    def settle(self, rejections) -> None:
+        """Count the bad shards refused since the last call against their senders, like bad gradients
+        (collab.records.rejections.RejectionLog), and save this peer's place."""
         with self._lock:
             taken, self.refusals = self.refusals, []
-        return taken
+        for peer, why in taken:
+            rejections.add(peer, why, "data")
+        self.save()
+
+    def record_fields(self) -> dict:
+        """This peer's place, for its signed metrics record."""
+        return {"data_start": self.feed.start, "data_position": self.feed.position}
 
     def _read_saved(self) -> Optional[DataPlace]:
         try:

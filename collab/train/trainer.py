@@ -292,9 +292,7 @@ class TrainingLoop:
         gossip = report.gossip
         data = self.services.data
         if data is not None:
-            for peer, why in data.take_refusals():  # bad shards: counted and attributed like bad gradients
-                opt.rejections.add(peer, why, "data")
-            data.save()
+            data.settle(opt.rejections)
         record = PeerMetricsRecord(
             peer_id=swarm.peer_id,
             role="trainer",
@@ -319,7 +317,7 @@ class TrainingLoop:
                     param_norm=gossip["param_norm"], param_sketch=gossip["sketch"]) if gossip else {}),
             **report.noise,
             **plan_fields(opt.plan_keeper, opt.local_epoch, config.training),
-            **({"data_start": data.feed.start, "data_position": data.feed.position} if data is not None else {}),
+            **(data.record_fields() if data is not None else {}),
         )
         publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, METRICS_RECORD_LIFETIME)
 

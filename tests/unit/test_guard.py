@@ -8,6 +8,7 @@ import torch
 
 from collab.records.metrics import PeerMetricsRecord
 from collab.records.rejections import RejectionLog
+from collab.run.shard_fetch import REFUSED
 from collab.swarm.state import PeerState, _flag_suspects
 from collab.train.guard import RELOAD_AFTER, BatchGuard
 
@@ -70,6 +71,10 @@ def test_a_peer_caught_with_hard_evidence_is_handed_over_once_and_a_clipped_one_
     assert log.drain()["QmNaN"] == {"part not finite (gradients)": 3}
     # and a leaving peer does not stay on as the state donor of one it caught (collab.modes.sync._serve_peers_behind)
     assert {"QmNaN", "QmGarbage"} <= log.caught_ever() and "QmFlip" not in log.caught_ever()
+    # a peer that served a shard whose sha256 is not the manifest's (the trainer's own finding: collab.run.shard_fetch)
+    log.add("QmBadShards", REFUSED, "data")
+    assert log.take_caught() == ["QmBadShards"]
+    assert log.for_record()["QmBadShards"] == {f"{REFUSED} (data)": 1}
 
 
 def test_a_straggler_is_flagged_with_its_reason_compute_or_link():
