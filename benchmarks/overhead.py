@@ -8,6 +8,7 @@ and reports samples/s over its training loop; the plain loop runs in this proces
 
     python3 benchmarks/overhead.py [--config albert-tiny] [--epochs 6] [--threads 2]
     python3 benchmarks/overhead.py --config albert-base --device cuda --precision fp16 --micro-batch-size 16
+    python3 benchmarks/overhead.py --compile on      # both compiled (torch.compile; its time is not counted)
 
 On a GPU both sides compute in the same autocast precision; the plain loop uses torch's GradScaler for fp16
 (what a user would write), collab its own per-micro-batch loss scaling (collab.train.precision).
@@ -36,7 +37,8 @@ def collab_alone(args, env: dict) -> float:
         subprocess.run([sys.executable, "-m", "collab", "join", "--run-id", f"bench-{os.getpid()}",
                         "--config", args.config, "--max-epochs", str(args.epochs),
                         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--device", args.device, "--precision", args.precision,
-                        "--micro-batch-size", str(args.micro_batch_size), "--summary-json", str(summary), "--no-live"],
+                        "--micro-batch-size", str(args.micro_batch_size), "--compile", args.compile,
+                        "--summary-json", str(summary), "--no-live"],
                        check=True, env=env, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, timeout=3600)
         s = json.loads(summary.read_text())
     return s["samples_contributed"] / s["train_seconds"]
@@ -52,6 +54,8 @@ def plain_loop(args, config, samples: int) -> float:
     task = build_task(config)
     device = torch.device(args.device)
     task.model.to(device)
+    if args.compile == "on":  # what a strong user writes: the model compiled, the warm-up step below compiles it
+        task.model.compile(dynamic=False)
     micro, target = args.micro_batch_size, config.training.target_batch_size
     optimizer = task.optimizer_factory()(task.parameter_groups())
     scheduler = task.scheduler_factory()(optimizer)
@@ -90,6 +94,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the config's")
+    parser.add_argument("--compile", default="off", choices=("on", "off"),
+                        help="torch.compile the model, in collab (--compile) and in the plain loop alike")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HIVEMIND_LOGLEVEL="ERROR")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -107,7 +113,7 @@ def main() -> None:
             ("collab join, alone (hivemind.Optimizer, DHT, p2pd)", f"{collab_sps:.2f}",
              f"{collab_sps / plain_sps:.2f}")]
     print(f"config {args.config}: micro-batch {args.micro_batch_size}, target {config.training.target_batch_size}, "
-          f"{args.epochs} steps, {args.precision} on {args.device}, {args.threads} threads")
+          f"{args.epochs} steps, {args.precision} on {args.device}, {args.threads} threads, compile {args.compile}")
     print(f"{'':52} {'samples/s':>10} {'ratio':>6}")
     for name, sps, ratio in rows:
         print(f"{name:52} {sps:>10} {ratio:>6}")

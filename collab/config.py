@@ -86,7 +86,10 @@ class TrainingConfig(Section):
                                                    "if torch sees one); each peer's own choice")
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto", description="forward and backward passes' precision (autocast; fp16 with loss scaling); auto: "
-        "fp16 on a GPU, fp32 on a CPU. The optimizer and the averaged gradients stay fp32")
+        "bf16 on a GPU that has it, else fp16; fp32 on a CPU. The optimizer and the averaged gradients stay fp32")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile the model (the first micro-batch compiles it; a failure falls back to "
+        "eager with one warning); auto: on a GPU, and on a CPU with a C++ compiler. Each peer's own choice")
 
     @model_validator(mode="before")
     @classmethod
@@ -307,6 +310,7 @@ FLAG_TO_FIELD = {
     "bandwidth": "averaging.bandwidth",
     "device": "training.device",
     "precision": "training.precision",
+    "compile": "training.compile",
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every_epochs",
 }

@@ -38,8 +38,10 @@ MICRO_CONFIG = {
     # 1024 samples: ~2 s of compute per epoch for 3 peers on 2 cores. A swarm test sets averaging.group_size to
     # its number of peers (swarm_config), so a round begins once all are in it, not after matchmaking_time:
     # measured, 3 peers x 5 epochs took 61 s at 2048 samples, 39 s at 1024 with group_size 3 (same loss curve)
+    # compile off: a peer's 30 s compile on 2 cores is longer than most tests train (tests/process/test_compiling.py
+    # and the volunteer of tests/swarm/test_run_manifest.py compile)
     "training": {"micro_batch_size": 8, "target_batch_size": 1024, "learning_rate": 0.01, "warmup_steps": 1,
-                 "total_steps": 1000},
+                 "total_steps": 1000, "compile": "off"},
     # 3 peers x 5 processes share 2 cores: shorter matchmaking than 5 s misses peers, and a peer starved
     # of CPU for 10 s mid-round is cut out of it (hivemind then returns a partial average as a success).
     # A micro round takes seconds; one that finds no group waits averaging_timeout - at 60 s, in a CI run three

@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
                    help="where this peer computes (default auto: its GPU if torch sees one)")
     p.add_argument("--precision", default=None, choices=("auto", "fp32", "fp16", "bf16"),
                    help="autocast precision of forward/backward (default auto: fp16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--compile", default=None, choices=("auto", "on", "off"),
+                   help="torch.compile the model (default auto: on a GPU, and on a CPU with a C++ compiler); a "
+                        "failure falls back to eager")
     p.add_argument("--target-batch-size", type=_target, default=None, metavar="N|auto",
                    help="swarm-wide batch per optimizer step; auto: it follows the measured gradient noise scale")
     p.add_argument("--learning-rate", type=float, default=None)

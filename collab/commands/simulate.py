@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--churn", default=None, metavar="ACTION:EVERY:DOWNTIME",
                    help="hit a random peer every EVERY s and bring it back after DOWNTIME s; ACTION is kill "
                         "(kill -9, restart), term (SIGTERM, restart) or stop (SIGSTOP, SIGCONT); e.g. kill:30:20")
+    p.add_argument("--compile", default="off", choices=("auto", "on", "off"),
+                   help="torch.compile each peer's model (default off: peers started together on one machine's cores "
+                        "would spend longer compiling than a short simulation gains; auto: as collab join)")
     p.add_argument("--max-epochs", type=int, default=None, metavar="N",
                    help="stop at this global epoch (default 15, or none when --duration is given)")
     p.add_argument("--duration", type=float, default=None, metavar="S",
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     spec = SimulationSpec(peers=args.peers, run_id=f"sim-{uuid.uuid4().hex[:8]}", workdir=workdir,
                           config_path=config_path, profile=profile, churn=churn,
                           duration=args.duration or 600.0, max_epochs=max_epochs,
-                          dashboard_port=args.dashboard_port, env=env, seed=args.seed)
+                          dashboard_port=args.dashboard_port, env=env, seed=args.seed,
+                          join_args=["--compile", args.compile])
     print(f"Starting {args.peers} peers for run {spec.run_id}", flush=True)
     stop = threading.Event()
     # Ctrl-C ends the run early and still prints the report; stopping peers and namespaces takes a while

@@ -12,6 +12,8 @@ a bad batch: collab.train.guard never sees it, and it never counts toward reload
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from dataclasses import dataclass, field
 
 import torch
@@ -35,10 +37,23 @@ def choose_device(device: str) -> torch.device:
 
 
 def uses_precision(training) -> str:
-    """training.precision with "auto" decided: fp16 on a GPU, fp32 on a CPU."""
+    """training.precision with "auto" decided: bf16 on a GPU that has it (no loss scaling: fp32's range), fp16 on an
+    older one, fp32 on a CPU."""
     if training.precision != "auto":
         return training.precision
-    return "fp16" if choose_device(training.device).type == "cuda" else "fp32"
+    device = choose_device(training.device)
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def uses_compile(training, device: torch.device) -> bool:
+    """training.compile with "auto" decided: on a GPU, and on a CPU where a C++ compiler is at hand (inductor's CPU
+    kernels are C++). On 2 cores it takes ALBERT-tiny from 28 to 33 samples/s after a 30 s compile
+    (benchmarks/overhead.py, docs/benchmarks.md); without a compiler it would only fail, and fall back, at start."""
+    if training.compile != "auto":
+        return training.compile == "on"
+    return device.type == "cuda" or any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "c++", "clang++"))
 
 
 @dataclass
@@ -48,6 +63,7 @@ class Precision:
     scale: float = INITIAL_SCALE
     clean_in_a_row: int = 0
     overflows: int = 0  # fp16 micro-batches skipped because their gradients overflowed
+    compile: bool = False  # torch.compile the model (training.compile decided)
     _parameters: list = field(default_factory=list)
 
     @classmethod
@@ -57,11 +73,15 @@ class Precision:
         if precision == "fp16" and device.type != "cuda":
             raise UserError(f"training.precision fp16 needs a GPU (this peer computes on {device.type}); use "
                             "--precision bf16 or fp32 on a CPU")
-        return cls(device=device, precision=precision)
+        return cls(device=device, precision=precision, compile=uses_compile(training, device))
 
     def attach(self, model: torch.nn.Module) -> None:
         model.to(self.device)
         self._parameters = [p for p in model.parameters() if p.requires_grad]
+        if self.compile:
+            # in place: the module keeps its parameters (the ones hivemind averages) and its state_dict's names;
+            # nothing compiles until the first forward pass (the trainer's warm-up: collab.train.compiling)
+            model.compile(dynamic=False)
 
     def to_device(self, batch: dict) -> dict:
         if self.device.type == "cpu":
@@ -104,4 +124,4 @@ class Precision:
 
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
-        return f"{self.precision} on {self.device.type} ({name})"
+        return f"{self.precision}{', compiled' if self.compile else ''} on {self.device.type} ({name})"

@@ -65,6 +65,8 @@ class Summary:
     # estimate against, round by round, on a task whose B_noise is known)
     noise_inputs: list = field(default_factory=list)
     device: str = ""  # where and in what precision this peer computed (collab.train.precision)
+    # its first micro-batch: seconds, graphs compiled, later recompiles, why it fell back to eager (collab.train.compiling)
+    compile: dict = field(default_factory=dict)
     # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
     fp16_overflows: int = 0
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so

@@ -22,6 +22,7 @@ from collab.swarm.node import PeerConfig, Swarm
 from collab.swarm.state import read_run_state
 from collab.tasks import Task, build_task
 from collab.train.checkpoint import load_model_weights, restore_training_state, save_checkpoint
+from collab.train.compiling import warm_up
 from collab.train.data_feed import PLACE_KEY, PeerData
 from collab.train.guard import RELOAD_AFTER, BatchGuard
 from collab.train.make_optimizer import build_optimizer
@@ -68,13 +69,15 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     # the DHT's process is forked before this one initialises CUDA (as in hivemind's own examples): a fork of a
     # CUDA process must never touch the GPU, and nothing then depends on the DHT's code never doing so
     services = PeerServices(swarm if swarm is not None else Swarm(peer, identity))
+    first_step = None
     try:
         with services:
             services.start_data(data, resume)  # its place in the shards is set before the warm-up reads from them
             precision.attach(task.model)
             summary.device = precision.describe()
             try:
-                _warm_up(task, precision, batches)
+                first_step = warm_up(task, precision, batches)  # and compiles the model, if this peer does
+                summary.device = precision.describe()
             except FeedStopped:  # asked to leave while the first shard was on its way
                 pass
             if stop.is_set():
@@ -96,19 +99,12 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             summary.plans_issued, summary.plans_read_late = services.keeper.issued, services.keeper.late
         if data is not None:
             summary.data = data.report()
+        if first_step is not None:
+            summary.compile = first_step.as_dict()
         if summary.exit_reason == "running":
             summary.exit_reason = "failed"  # an exception is on its way up
         write_summary(summary, options.summary_path)
     return summary
-
-
-def _warm_up(task: Task, precision: Precision, batches) -> None:
-    """One throw-away forward/backward: the first step of a process is several times slower (allocator, data
-    pipeline, CUDA kernels), and a peer that announced itself before it would look stalled to the swarm."""
-    with precision.autocast():
-        warm_up = task.loss(precision.to_device(next(batches)))
-    precision.backward(warm_up)
-    task.model.zero_grad(set_to_none=True)
 
 
 class TrainingLoop:

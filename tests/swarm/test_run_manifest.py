@@ -50,7 +50,8 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
     checkpoints = {i: tmp_path / f"ckpt{i}" for i in range(2)}
     with LocalSwarm(2, run_id, tmp_path / "peers", ["--max-epochs", "3"], env=peer_env(), forks=fork_server(),
                     per_peer_args={0: ["--run", str(folder), "--checkpoint-dir", str(checkpoints[0])],
-                                   1: ["--run-key", key, "--checkpoint-dir", str(checkpoints[1])]},
+                                   # and it compiles its model (training.compile), the organizer's peer does not
+                                   1: ["--run-key", key, "--checkpoint-dir", str(checkpoints[1]), "--compile", "on"]},
                     per_peer_env={1: {"COLLAB_CACHE_DIR": str(other_cache)}}) as swarm:
         # the organizer alone first, waiting for its volunteer: the refused joins below then share the 2 cores
         # with nobody's training (beside two training peers, CI took 106 s here, and once a starved volunteer
@@ -80,6 +81,9 @@ def test_a_volunteer_with_only_the_join_line_trains_the_runs_model(tmp_path, mic
     for summary in (organizer, volunteer):
         assert summary["final_epoch"] == 3 and summary["rounds_joined"] >= 2, summary
         assert max(summary["group_sizes"]) == 2, summary  # they averaged together
+    # a compiled peer and an eager one: the compiled one compiled once, trained on, nothing recompiled
+    assert volunteer["compile"]["compiled"] and volunteer["compile"]["recompiles"] == 0, volunteer["compile"]
+    assert not organizer["compile"]["compiled"] and "compiled" in volunteer["device"]
     # the volunteer trained with the run's tokenizer, fetched from the organizer, not its own
     fetched = AutoTokenizer.from_pretrained(list_checkpoints(checkpoints[1])[-1])
     run_tokenizer = AutoTokenizer.from_pretrained(list_checkpoints(checkpoints[0])[-1])

@@ -16,7 +16,7 @@ def test_two_swav_peers_average_and_learn(tmp_path, run_id, no_leftover_processe
     # 16 micro-batches per peer per epoch: with fewer, a peer reached the target before the progress
     # tracker showed it the other one, stepped alone and ran ahead. No warm-up to speak of, so the loss
     # moves within a few epochs. Averaging as in the ALBERT tests: 2 peers x 5 processes on 2 cores
-    data["training"].update(target_batch_size=2048, warmup_steps=1)
+    data["training"].update(target_batch_size=2048, warmup_steps=1, compile="off")
     data["averaging"].update(matchmaking_time=5.0, averaging_timeout=60.0, next_chunk_timeout=30.0,
                              load_state_timeout=30.0, average_state_every=1, group_size=2)
     config = tmp_path / "swav.yaml"
