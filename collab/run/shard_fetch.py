@@ -33,12 +33,18 @@ from collab.run.sharing import ask_for_file, close_loop, own_p2p
 HOLDINGS_SUFFIX = "_shards"
 HOLDINGS_LIFETIME = 300.0  # seconds; a serving peer republishes well before
 BAN_SECONDS = 600.0
-ASK_TIMEOUT = 120.0  # seconds for one shard from one peer: 32 MiB at 2 Mbit/s
+SLOWEST_UPLINK = 512 * 1024  # bytes/s (4 Mbit/s) a peer's upload may take before it is given up on for a shard
 REFUSED = "served a shard that does not match the manifest's sha256"
 
 
 def shard_infos(data: DataManifest) -> list[ShardInfo]:
     return [ShardInfo(name=s.name, tokens=s.tokens, sha256=s.sha256) for s in data.shards]
+
+
+def ask_timeout(tokens: int) -> float:
+    """Seconds one peer gets to send a shard of `tokens` tokens: a 32 MiB shard of 16-bit ids from a 2 Mbit/s
+    uplink still arrives; a peer that stalls is given up on (and the next one asked) within a few minutes."""
+    return 30.0 + 4 * tokens / SLOWEST_UPLINK
 
 
 def max_shard_bytes(tokens: int) -> int:
@@ -137,7 +143,7 @@ class ShardFetcher:
         with self._lock:
             for peer in peers:
                 try:
-                    data = self._ask(peer, name, limit)
+                    data = self._ask(peer, name, limit, ask_timeout(entry.tokens))
                 except Exception:
                     continue  # gone, behind NAT, too slow, or it does not hold it: the next one
                 if data and self._verified(peer, data, entry.sha256):
@@ -157,21 +163,21 @@ class ShardFetcher:
 
     def _from_url(self, name: str, limit: int) -> Optional[bytes]:
         try:
-            with urllib.request.urlopen(self.url + name, timeout=ASK_TIMEOUT) as response:
+            with urllib.request.urlopen(self.url + name, timeout=60) as response:  # between bytes, not in all
                 data = response.read(limit + 1)
         except (OSError, ValueError):
             return None  # unreachable, 404, ...: the swarm has it too
         return data if len(data) <= limit else None
 
-    def _ask(self, peer: str, name: str, limit: int) -> bytes:
+    def _ask(self, peer: str, name: str, limit: int, timeout: float) -> bytes:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._p2p = self._loop.run_until_complete(own_p2p(self.dht))
         return self._loop.run_until_complete(asyncio.wait_for(ask_for_file(self._p2p, peer, name, limit),
-                                                              timeout=ASK_TIMEOUT))
+                                                              timeout=timeout))
 
     def close(self) -> None:
-        # a fetch still under way (the feed's thread gave up waiting for it) holds the lock for up to ASK_TIMEOUT:
+        # a fetch still under way (the feed's thread gave up waiting for it) holds the lock for up to ask_timeout:
         # leaving must not wait that long; its loop then goes with the process
         if not self._lock.acquire(timeout=5.0):
             return

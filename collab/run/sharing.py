@@ -31,6 +31,7 @@ MAX_FILE_BYTES = 64 * 1024 * 1024
 FILE_PROTOCOL = "collab-run-file"
 TOKENIZER_NAME = "tokenizer.json"
 ACCESS_NAME = "access"  # not a file: the server's verdict on the asker (is the run private, is it a member)
+SHARD_UPLOADS = 4  # shards sent at once: more would split the uplink thinner and hold more of them in memory
 
 
 def store_own_copy(dht, key: str, subkey: bytes, value, lifetime: float) -> None:
@@ -91,6 +92,7 @@ class RunFileServer:
                  shards: Optional[Callable[[str], Optional[Path]]] = None):
         self.dht, self.files = dht, {name: Path(path) for name, path in files.items()}
         self.shards = shards  # a shard's name -> its verified file here, or None (collab.run.shard_fetch.RunShards)
+        self._uploads: Optional[asyncio.Semaphore] = None  # made in the server's own loop
         self.access = access  # collab.run.access.AccessList, kept current by collab.run.watch; None: open run
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -118,18 +120,23 @@ class RunFileServer:
 
     async def _listen(self) -> None:
         self._p2p = await own_p2p(self.dht)
+        self._uploads = asyncio.Semaphore(SHARD_UPLOADS)
         await self._p2p.add_binary_stream_handler(FILE_PROTOCOL, self._serve)
 
     async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             name = (await asyncio.wait_for(P2P.receive_raw_data(reader), timeout=10)).decode()
             verdict = "member" if self.access is None else self.access.verdict(stream_info.peer_id.to_base58())
-            path = None
-            if verdict == "member":
-                path = self.files.get(name) or (self.shards(name) if self.shards is not None else None)
-            data = b""
-            if path is not None and path.is_file():  # a shard is tens of MB: read it off the serving loop
-                data = await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
+            path, shard = (self.files.get(name), None) if verdict == "member" else (None, None)
+            if verdict == "member" and path is None and self.shards is not None:
+                path = shard = self.shards(name)
+            if shard is not None:  # tens of MB: read off the serving loop, and only a few at once
+                async with self._uploads:
+                    data = await asyncio.get_running_loop().run_in_executor(None, shard.read_bytes)
+                    await P2P.send_raw_data(data, writer)
+                    await writer.drain()
+                return
+            data = path.read_bytes() if path is not None and path.is_file() else b""
             if name == ACCESS_NAME:
                 data = json.dumps({"private": self.access is not None, "verdict": verdict}).encode()
             await P2P.send_raw_data(data, writer)
