@@ -76,7 +76,9 @@ function renderRun(run) {
       cell.textContent = value;
       row.appendChild(cell);
     }
-    row.firstChild.title = p.peer_id;
+    // and, in a run with token shards, where it reads them: with the shard list, exactly which text it trained on
+    row.firstChild.title = p.peer_id + (finite(p.data_start)
+      ? `\ndata: entered the ring of shards at ${fmt(p.data_start, 4)}, ${p.data_position} windows read` : "");
     // what was refused, and why: a clipped part (odd data, or an attack) reads differently from a NaN
     row.children[8].title = Object.entries(p.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n")
       + (p.batches_dropped ? `\nits own dropped micro-batches: ${p.batches_dropped}` : "");
