@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from collab.errors import UserError
 from collab.sections import Section
@@ -66,7 +66,9 @@ class AutoTargetConfig(Section):
 
 
 class TrainingConfig(Section):
-    micro_batch_size: int = Field(8, gt=0, description="samples per local forward/backward")
+    micro_batch_size: Union[int, Literal["auto"]] = Field(
+        8, description="samples per local forward/backward; auto: the largest that fits this peer's GPU, found at "
+        "start (8 on a CPU)")
     target_batch_size: int = Field(256, gt=0, description="samples the whole swarm accumulates per optimizer step "
                                    "('auto': it follows the measured gradient noise scale, within auto_target)")
     auto_target: AutoTargetConfig = Field(default_factory=AutoTargetConfig)
@@ -106,20 +108,28 @@ class TrainingConfig(Section):
     def base_batch(self) -> int:
         return self.base_batch_size or self.target_batch_size
 
+    @field_validator("micro_batch_size", mode="before")  # before the union's own check: one message, not two
+    @classmethod
+    def _samples_or_auto(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        raise ValueError(f"must be a whole number of samples > 0 or 'auto', got {value!r}")
+
     @model_validator(mode="after")
     def _target_holds_a_micro_batch(self):
         auto = self.auto_target
         if auto.enabled and not auto.min <= self.target_batch_size <= auto.max:
             raise ValueError(f"auto_target: min ({auto.min}) <= start ({self.target_batch_size}) <= max ({auto.max}) "
                              "must hold; fix the bounds or auto_target.start")
-        if auto.enabled and auto.min < self.micro_batch_size:
+        micro = self.micro_batch_size if self.micro_batch_size != "auto" else 1  # auto never exceeds the target
+        if auto.enabled and auto.min < micro:
             raise ValueError(f"auto_target.min ({auto.min}) is smaller than micro_batch_size ({self.micro_batch_size})"
                              "; raise auto_target.min")
         lowest = auto.min if auto.enabled else self.target_batch_size
         if self.lr_scaling == "adascale" and self.base_batch > lowest:
             raise ValueError(f"base_batch_size ({self.base_batch}) is above the smallest target ({lowest}); AdaScale "
                              "scales the learning rate up from the base batch: lower base_batch_size")
-        if self.target_batch_size < self.micro_batch_size:
+        if self.target_batch_size < micro:
             raise ValueError(
                 f"target_batch_size ({self.target_batch_size}) is smaller than micro_batch_size "
                 f"({self.micro_batch_size}); raise training.target_batch_size or lower training.micro_batch_size"
@@ -331,7 +341,13 @@ def load_config(path: Optional[Path] = None, overrides: Optional[dict[str, Any]]
         if flag:
             raise UserError(f"{flag} does not apply to the {_task_name(raw.get('task', {}))} task of {path}; "
                             "remove the flag") from None
-        raise UserError(f"config error in {path}: {describe_validation_error(e)}") from None
+        described = describe_validation_error(e)
+        field = ".".join(str(part) for part in _without_task_tag(e.errors()[0]["loc"]))
+        if (overrides or {}).get(field) is not None and described.startswith(field + ": "):  # a flag's value
+            flag = FIELD_TO_FLAG.get(field, field)
+            message = described[len(field) + 2:].replace(f"; fix it in the file or with {flag}", "")
+            raise UserError(f"{flag} {overrides[field]}: {message}; pass another value") from None
+        raise UserError(f"config error in {path}: {described}") from None
 
 
 def user_settings(path: Optional[Path], overrides: Optional[dict[str, Any]] = None) -> dict:

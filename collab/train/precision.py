@@ -78,6 +78,9 @@ class Precision:
     def attach(self, model: torch.nn.Module) -> None:
         model.to(self.device)
         self._parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def compile_model(self, model: torch.nn.Module) -> None:
+        """Once the micro-batch size is known (its shape is what compiles)."""
         if self.compile:
             # in place: the module keeps its parameters (the ones hivemind averages) and its state_dict's names;
             # nothing compiles until the first forward pass (the trainer's warm-up: collab.train.compiling)

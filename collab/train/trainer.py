@@ -24,6 +24,7 @@ from collab.tasks import Task, build_task
 from collab.train.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.train.compiling import warm_up
 from collab.train.data_feed import PLACE_KEY, PeerData
+from collab.train.micro_batch import with_micro_batch
 from collab.train.guard import RELOAD_AFTER, BatchGuard
 from collab.train.make_optimizer import build_optimizer
 from collab.train.plan_keeper import plan_fields, plan_in_force
@@ -65,7 +66,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     seed = int.from_bytes(hashlib.sha256(identity.key.to_bytes()).digest()[:4], "little")
     # a run with token shards: this peer reads them through a feed, which fetches what it lacks from the swarm
     data = PeerData(shared, stop) if shared is not None and shared.shards is not None else None
-    batches = task.batches(config.training.micro_batch_size, seed, data.feed if data is not None else None)
+    feed = data.feed if data is not None else None
     # the DHT's process is forked before this one initialises CUDA (as in hivemind's own examples): a fork of a
     # CUDA process must never touch the GPU, and nothing then depends on the DHT's code never doing so
     services = PeerServices(swarm if swarm is not None else Swarm(peer, identity))
@@ -75,7 +76,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             services.start_data(data, resume)  # its place in the shards is set before the warm-up reads from them
             precision.attach(task.model)
             summary.device = precision.describe()
+            batches = None
             try:
+                config = with_micro_batch(config, task, precision, seed, feed)  # auto: the largest that fits
+                batches = task.batches(config.training.micro_batch_size, seed, feed)
+                precision.compile_model(task.model)  # for the micro-batch's shape
                 first_step = warm_up(task, precision, batches)  # and compiles the model, if this peer does
                 summary.device = precision.describe()
             except FeedStopped:  # asked to leave while the first shard was on its way

@@ -40,6 +40,7 @@ def test_a_compiled_model_trains_as_the_eager_one_on_the_same_parameters(capsys)
     parameters = list(compiled.model.parameters())
     names = list(compiled.model.state_dict())
     precision.attach(compiled.model)
+    precision.compile_model(compiled.model)
     report = warm_up(compiled, precision, compiled.batches(8, seed=2))
     assert report.compiled and report.fell_back is None and report.graphs >= 1, report
     assert "Compiled the model in" in capsys.readouterr().out
