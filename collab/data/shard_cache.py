@@ -55,11 +55,11 @@ class ShardCache:
         if hashlib.sha256(data).hexdigest() != info.sha256:
             raise ShardRefused(f"{name} does not match the manifest's sha256")
         path = self.folder / name
+        self.evict(keep={name, *keep}, incoming=len(data))  # room first: the cache never holds more than its budget
         tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-        self.evict(keep={name, *keep})
         return path
 
     def used(self, name: str) -> None:
@@ -70,8 +70,9 @@ class ShardCache:
         except FileNotFoundError:
             pass
 
-    def evict(self, keep: Iterable[str] = ()) -> list[str]:
-        """Delete the least recently used shards until the cache is within its budget; returns what went."""
+    def evict(self, keep: Iterable[str] = (), incoming: int = 0) -> list[str]:
+        """Delete the least recently used shards until the cache is within its budget with `incoming` bytes more;
+        returns what went."""
         if self.budget is None:
             return []
         keep = set(keep)
@@ -79,7 +80,7 @@ class ShardCache:
                        key=lambda p: p.stat().st_mtime)
         total, gone = sum(p.stat().st_size for p in files), []
         for path in files:
-            if total <= self.budget:
+            if total + incoming <= self.budget:
                 break
             if path.name in keep:
                 continue
