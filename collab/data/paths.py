@@ -33,6 +33,23 @@ def dataset_parts(spec: str, what: str) -> list[Path]:
     return parts
 
 
+TEXT_SUFFIXES = (".txt", ".md", ".text")  # what a folder's text files are called
+
+
+def dataset_files(spec: str, suffixes: tuple[str, ...], what: str) -> list[Path]:
+    """The files of a comma-separated --dataset whose names end in `suffixes` (folders searched, sorted), or one line
+    naming what the dataset should hold (`what`)."""
+    files: list[Path] = []
+    for path in dataset_parts(spec, what):
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes))
+        else:
+            files.append(path)
+    if not files:
+        raise UserError(f"dataset '{spec}' holds no {what}; point --dataset at them")
+    return files
+
+
 def require_tokenizer_file(spec: str) -> None:
     """A --tokenizer that names a tokenizer.json must be a file (a folder or hub name is checked on loading)."""
     if spec.endswith(".json") and not Path(spec).is_file():

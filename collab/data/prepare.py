@@ -31,12 +31,11 @@ from tokenizers import Tokenizer
 from collab.data import stream_hf_dataset
 from collab.data.cache import write_atomically
 from collab.data.corpus import embedded_corpus_path
-from collab.data.paths import HF_PREFIX, dataset_parts
+from collab.data.paths import HF_PREFIX, TEXT_SUFFIXES, dataset_files
 from collab.data.shards import ShardInfo, ShardWriter, file_sha256
 from collab.errors import UserError
 
 STATE_NAME = "prepare-state.json"
-TEXT_SUFFIXES = (".txt", ".md", ".text")
 BATCH_DOCUMENTS = 1024  # documents per call of the tokenizer's batch encoding (its threads share each batch)
 POOL_FROM_BYTES = 32e6  # a corpus this large is tokenized by a process per core (starting them takes seconds)
 MAX_UNKNOWN = 0.05  # a tokenizer that maps more of the data than this to its unknown token does not cover it
@@ -58,16 +57,7 @@ def source_files(spec: str) -> list[Path]:
     """The files of a comma-separated --dataset (text, .jsonl or .parquet; folders searched), sorted."""
     if spec == "embedded":
         return [embedded_corpus_path()]
-    files: list[Path] = []
-    for path in dataset_parts(spec, "text, .jsonl or .parquet files"):
-        if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.is_file()
-                                and p.suffix in (*TEXT_SUFFIXES, ".jsonl", ".parquet")))
-        else:
-            files.append(path)
-    if not files:
-        raise UserError(f"dataset '{spec}' holds no .txt, .md, .jsonl or .parquet files; point --dataset at them")
-    return files
+    return dataset_files(spec, (*TEXT_SUFFIXES, ".jsonl", ".parquet"), ".txt, .md, .jsonl or .parquet files")
 
 
 def _paragraphs(path: Path) -> Iterator[str]:

@@ -25,22 +25,14 @@ from collab.data.cache import cache_dir, write_atomically
 from collab.data.corpus import corpus_fingerprint, embedded_corpus_path
 from collab.data.feed import ShardFeed
 from collab.data.order import start_for_peer
-from collab.data.paths import HF_PREFIX, SHARDS_PREFIX, dataset_parts
+from collab.data.paths import HF_PREFIX, SHARDS_PREFIX, TEXT_SUFFIXES, dataset_files, dataset_parts
 from collab.errors import UserError
 
 
 def local_text_files(spec: str) -> list[Path]:
     if spec == "embedded":
         return [embedded_corpus_path()]
-    files: list[Path] = []
-    for path in dataset_parts(spec, "text files"):
-        if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".text")))
-        else:
-            files.append(path)
-    if not files:
-        raise UserError(f"dataset '{spec}' holds no .txt/.md files; point --dataset at text files")
-    return files
+    return dataset_files(spec, TEXT_SUFFIXES, ".txt or .md files")
 
 
 def tokenize_files(files: list[Path], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:

@@ -82,7 +82,7 @@ def test_local_text_files_dataset(tmp_path, tokenizer):
     assert "fox" in text or "jugs" in text or "dozen" in text or "lazy" in text
     with pytest.raises(UserError, match="does not exist"):
         local_text_files(str(tmp_path / "nope"))
-    with pytest.raises(UserError, match="holds no .txt/.md files"):
+    with pytest.raises(UserError, match="holds no .txt or .md files; point --dataset at them"):
         (tmp_path / "empty").mkdir()
         local_text_files(str(tmp_path / "empty"))
 
