@@ -81,8 +81,7 @@ def as_volunteer(swarm, run_key: Optional[str], user: dict, source: Optional[str
     if manifest.tokenizer_sha256 is not None:
         tokenizer = cache_dir() / "runs" / f"tokenizer-{manifest.tokenizer_sha256}.json"
         if not tokenizer.is_file():  # cached: a restarted peer does not fetch it again
-            initial = [maddr.rsplit("/p2p/", 1)[-1] for maddr in swarm.peer.initial_peers if "/p2p/" in maddr]
-            ask = list(dict.fromkeys([*holders, *initial]))  # every peer that holds the manifest, then the ones given
+            ask = list(dict.fromkeys([*holders, *swarm.peer.initial_peer_ids]))  # every peer that holds the manifest, then the ones given
             data = fetch_run_file(swarm.dht, [p for p in ask if p != swarm.peer_id], TOKENIZER_NAME,
                                   manifest.tokenizer_sha256)
             tokenizer.parent.mkdir(parents=True, exist_ok=True)

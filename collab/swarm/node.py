@@ -45,6 +45,11 @@ class PeerConfig(BaseModel):
     identity: Optional[Path] = None
     startup_timeout: float = Field(60.0, gt=0, description="p2pd can need more than 15 s on a busy machine")
 
+    @property
+    def initial_peer_ids(self) -> list[str]:
+        """The peer ids the --initial-peers multiaddrs end with (/p2p/ID): whom to ask before the DHT says more."""
+        return [maddr.rsplit("/p2p/", 1)[-1] for maddr in self.initial_peers if "/p2p/" in maddr]
+
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
     def _valid_multiaddrs(cls, values: list[str], info):

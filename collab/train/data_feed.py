@@ -74,9 +74,9 @@ class PeerData:
             place = DataPlace(start, 0, "largest gap" if taken else "own hash")
         self.feed.start, self.feed.position, self.place = place.start, place.position, place
         if self.shards.cache is not None:
-            initial = [maddr.rsplit("/p2p/", 1)[-1] for maddr in swarm.peer.initial_peers if "/p2p/" in maddr]
-            self.fetcher = ShardFetcher(swarm.dht, run_id, peer_id, self.shards.data, known=initial,
-                                        url=self.shards.data.url, on_refused=self._refused)
+            self.fetcher = ShardFetcher(swarm.dht, run_id, peer_id, self.shards.data,
+                                        known=swarm.peer.initial_peer_ids, url=self.shards.data.url,
+                                        on_refused=self._refused)
             self.feed.fetch = self.fetcher
         return place
 
