@@ -23,6 +23,27 @@ from collab.averaging.robust_rounds import CheckedRounds
 from collab.run.gate import MemberGate
 
 
+class SummedMicroBatches:
+    """A GradientAverager mixin: the trainer hands over a window of micro-batches at once (collab.train.window), their
+    gradients summed in .grad and their samples as the batch size: they count as that many micro-batches, each of
+    the micro-batch's size (hivemind counts one per call, and weighs a call by its size against the first's; so does
+    an averager built without a micro-batch size)."""
+
+    def __init__(self, *args, micro_batch_size: Optional[int] = None, **kwargs):
+        self.micro_batch_size = micro_batch_size
+        super().__init__(*args, **kwargs)
+
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int) -> None:
+        if self.micro_batch_size is None:
+            return super().accumulate_grads_(batch_size)
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += max(1, round(batch_size / self.micro_batch_size))
+        if not self.reuse_grad_buffers:  # else .grad is the accumulator itself, summed by the trainer
+            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators()):
+                grad_acc.add_(grad_buf.to(grad_acc.device))
+
+
 class OwnGradients:
     """A GradientAverager mixin: a copy of what this peer sent into its round, for a step if the round fails."""
 
@@ -63,7 +84,7 @@ class DGCSelection:
             self.dgc.compress_(averaged, self.round_epoch, self.round_peers)
 
 
-class CollabGradientAverager(MembersOnly, CheckedRounds, OwnGradients, GradientAverager):
+class CollabGradientAverager(MembersOnly, CheckedRounds, OwnGradients, SummedMicroBatches, GradientAverager):
     def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  traffic=None, **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
@@ -71,7 +92,8 @@ class CollabGradientAverager(MembersOnly, CheckedRounds, OwnGradients, GradientA
         super().__init__(*args, **kwargs)
 
 
-class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, PowerSGDGradientAverager):
+class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, SummedMicroBatches,
+                             PowerSGDGradientAverager):
     """PowerSGD (Vogels et al. 2019) as hivemind implements it, with two changes.
 
     Its starting projections Q are drawn from `seed` (the run's): hivemind draws them unseeded, so each peer
@@ -113,7 +135,8 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, PowerSGDG
         self._feedback_before = None
 
 
-class CollabDGCAverager(MembersOnly, CheckedRounds, OwnGradients, DGCSelection, GradientAverager):
+class CollabDGCAverager(MembersOnly, CheckedRounds, OwnGradients, DGCSelection, SummedMicroBatches,
+                        GradientAverager):
     """Deep Gradient Compression (collab.averaging.dgc); its sparse parts travel losslessly
     (collab.averaging.compression.SparseParts)."""
     measures_noise = False  # (collab.adaptive.noise_scale) its rounds carry no whole gradients

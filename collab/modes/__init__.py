@@ -59,14 +59,16 @@ class AveragingMode(Protocol):
     load_state_timeout: float
     own_step: Any  # the last step taken on this peer's own gradients, if any (collab.modes.replica_sync.OwnStep)
     plan_keeper: Any  # the run's batch plan it follows (collab.train.plan_keeper), or None
+    # step(batch_size=n * micro-batch) may bring n micro-batches' gradients summed in .grad (collab.train.window);
+    # False where each micro-batch is a step of its own
+    sums_micro_batches: bool
 
     def leave_at(self, epoch: Optional[int]) -> None: ...  # --max-epochs: no round starts for a later epoch
     def count_only_members(self, allows) -> None: ...  # a private run: others' progress records are ignored
     def mode_report(self) -> ModeReport: ...
-    def step(self, *args, **kwargs) -> Any: ...  # after each micro-batch's backward
+    def step(self, *args, **kwargs) -> Any: ...  # after a window of micro-batches (collab.train.window)
     def zero_grad(self, set_to_none: bool = True) -> None: ...
     def observe_loss(self, loss: float) -> None: ...  # gossip's loss rule, the noise guard
-    def drop_micro_batch(self) -> None: ...  # a non-finite micro-batch: never accumulated
     def in_sync(self) -> bool: ...
     def load_state_from_peers(self, deadline: Optional[float] = None, **kwargs) -> bool: ...
     def has_pending_updates(self) -> bool: ...

@@ -68,6 +68,8 @@ class _QuietLeave(logging.Filter):
 class SwarmOptimizer(OptimizerHooks):
     """hivemind.Optimizer with what every collab mode shares (see the module)."""
 
+    sums_micro_batches = False  # (collab.modes.AveragingMode) the sync mode's does
+
     def __init__(self, *, averaging_log: AveragingLog, stop: Optional[threading.Event] = None,
                  gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
                  rejections: Optional[RejectionLog] = None, traffic: Optional[TrafficLog] = None,

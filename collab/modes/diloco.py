@@ -100,6 +100,8 @@ class DiLoCoOptimizer(CollabOptimizer):
     """The trainer's loop calls step() after each micro-batch, as in the sync mode: here that is an inner step,
     and, when the swarm's samples reach the target, the outer step."""
 
+    sums_micro_batches = False  # each micro-batch is an inner step
+
     def __init__(self, *, inner: Callable[[], torch.optim.Optimizer], max_grad_norm: float, seed: int, **kwargs):
         self.seed = seed
         super().__init__(**kwargs)
@@ -174,10 +176,6 @@ class DiLoCoOptimizer(CollabOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
-
-    def drop_micro_batch(self) -> None:
-        # the inner step never ran on them, and nothing was counted yet: clearing them is all
-        self.inner.zero_grad(set_to_none=True)
 
     @property
     def last_pseudo_gradient_norm(self) -> Optional[float]:

@@ -232,9 +232,6 @@ class GossipOptimizer(SwarmOptimizer):
         for param in self.params:
             param.grad = None
 
-    def drop_micro_batch(self) -> None:
-        self.zero_grad()
-
     def should_download_state(self) -> bool:
         return False  # a replica behind takes the swarm's epoch label and merges its way in: no download per step
 

@@ -43,6 +43,8 @@ class CollabOptimizer(SwarmOptimizer):
     by downloading the swarm's state at the next step, or before leaving.
     """
 
+    sums_micro_batches = True  # its averagers count a window's micro-batches (grad_averager.SummedMicroBatches)
+
     def begin_gradient_round(self, grad_scaler) -> bool:
         if hasattr(self.grad_averager, "set_round_context"):  # dgc: its warm-up and its clipping need these
             self.grad_averager.set_round_context(self.local_epoch, max(1, self.tracker.global_progress.num_peers))
@@ -171,17 +173,6 @@ class CollabOptimizer(SwarmOptimizer):
     def load_averaged_gradients(self) -> None:
         super().load_averaged_gradients()
         self.grad_averager.take_own_gradients()  # used: a later failure must not step on them again
-
-    def drop_micro_batch(self) -> None:
-        """The last backward pass gave non-finite gradients (collab.train.guard): make sure they are never sent. With
-        reuse_grad_buffers they were added into the epoch's accumulator in .grad, which is then unusable too:
-        it is reset, and the samples it held are un-counted from this peer's progress."""
-        if self.grad_averager.reuse_grad_buffers:
-            self.grad_averager.reset_accumulated_grads_()
-            self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
-        else:
-            for param in self.grad_averager.parameters:  # the model's: hivemind adds .grad in at opt.step()
-                param.grad = None
 
     def tag_along(self, control) -> None:
         # on the way out, hivemind would sit through a running round (up to averaging_timeout) with zero

@@ -26,7 +26,6 @@ from collab.records.rejections import RejectionLog
 from collab.run.gate import MemberGate
 from collab.tasks import Task
 from collab.train.plan_keeper import scheduled_by_plan
-from collab.train.precision import uses_precision
 
 def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_log: AveragingLog,
                     client_mode: bool = False, stop: Optional[threading.Event] = None,
@@ -73,10 +72,9 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         next_chunk_timeout=avg.next_chunk_timeout,
         load_state_timeout=avg.load_state_timeout,
         offload_optimizer=True,
-        # accumulate micro-batches in the model's own .grad: no copy and no zeroing per micro-batch
-        # (2% of a CPU peer's time); the delayed all-reduce of overlap=full needs a separate buffer, and fp16's
-        # loss scaling one micro-batch's gradients alone (collab.train.precision)
-        reuse_grad_buffers=avg.overlap != "full" and uses_precision(config.training) != "fp16",
+        # accumulate micro-batches in the model's own .grad (the trainer's window sums them there: collab.train.window),
+        # no copy into a second buffer per window; the delayed all-reduce of overlap=full needs a separate buffer
+        reuse_grad_buffers=avg.overlap != "full",
         delay_optimizer_step=avg.overlap in ("optimizer", "full"),
         delay_grad_averaging=avg.overlap == "full",
         average_state_every=avg.average_state_every,
@@ -88,7 +86,9 @@ def build_optimizer(config: RunConfig, task: Task, dht, run_id: str, averaging_l
         state_averaging_compression=NoCompression(),
         load_state_compression=NoCompression(),
         grad_averager_factory=_gradient_averager(config, gate=gate, rule=rule, findings=rejections.queue,
-                                                 traffic=traffic.queue, **averager_opts),
+                                                 traffic=traffic.queue,
+                                                 micro_batch_size=config.training.micro_batch_size,
+                                                 **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(min_refresh_period=0.5, default_refresh_period=2.0),
         shutdown_timeout=2,

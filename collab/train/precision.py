@@ -3,10 +3,11 @@ run's. The averaged gradients and the optimizer stay fp32 on the CPU (hivemind's
 forward and backward passes run in the chosen precision.
 
 fp16 needs loss scaling (its gradients underflow below 6e-8). hivemind's GradScaler is built around torch's
-and the optimizer's own step; collab checks and drops micro-batches itself (collab.train.guard), so the scaling is
-done here, per micro-batch: the loss is multiplied by the scale, the micro-batch's gradients divided by it
-before the optimizer accumulates them, and an overflow halves the scale and skips the micro-batch (it is not
-a bad batch: collab.train.guard never sees it, and it never counts toward reloading the replica).
+and the optimizer's own step; collab checks and drops micro-batches itself (collab.train.window), so the scaling is
+done here, per micro-batch, and on the device (no host read per micro-batch): the loss is multiplied by the scale,
+the micro-batch's gradients divided by it and checked in one fused kernel (torch's own GradScaler kernels), and an
+overflow halves the scale and skips the micro-batch (it is not a bad batch: the guard never counts it, and it
+never counts toward reloading the replica).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -60,11 +62,10 @@ def uses_compile(training, device: torch.device) -> bool:
 class Precision:
     device: torch.device
     precision: str  # fp32 | fp16 | bf16
-    scale: float = INITIAL_SCALE
-    clean_in_a_row: int = 0
-    overflows: int = 0  # fp16 micro-batches skipped because their gradients overflowed
+    overflows: int = 0  # fp16 micro-batches skipped because their gradients overflowed (counted by the trainer)
     compile: bool = False  # torch.compile the model (training.compile decided)
-    _parameters: list = field(default_factory=list)
+    _scale: Optional[torch.Tensor] = None  # fp16's loss scale, on the device (as torch's GradScaler keeps it)
+    _clean_in_a_row: Optional[torch.Tensor] = None  # int32, on the device
 
     @classmethod
     def from_config(cls, training) -> "Precision":
@@ -77,7 +78,8 @@ class Precision:
 
     def attach(self, model: torch.nn.Module) -> None:
         model.to(self.device)
-        self._parameters = [p for p in model.parameters() if p.requires_grad]
+        self._scale = torch.full((), INITIAL_SCALE if self.scaling else 1.0, device=self.device)
+        self._clean_in_a_row = torch.zeros((), dtype=torch.int32, device=self.device)
 
     def compile_model(self, model: torch.nn.Module) -> None:
         """Once the micro-batch size is known (its shape is what compiles)."""
@@ -100,31 +102,33 @@ class Precision:
     def scaling(self) -> bool:
         return self.precision == "fp16"
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scale if self.scaling else loss).backward()
+    @property
+    def scale(self) -> float:
+        return float(self._scale)  # a host read: for reports and tests, never per micro-batch
 
-    def unscale(self) -> bool:
-        """After backward: the micro-batch's gradients divided by the scale. False on an overflow (the scale is
-        halved, and the gradients are cleared: the caller skips the micro-batch)."""
-        if not self.scaling:
-            return True
-        grads = [p.grad for p in self._parameters if p.grad is not None]
-        if not grads:
-            return True
-        finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
-        if not finite:
-            self.overflows += 1
-            self.scale = max(MIN_SCALE, self.scale / 2)
-            self.clean_in_a_row = 0
-            for p in self._parameters:
-                p.grad = None
-            return False
-        torch._foreach_mul_(grads, 1.0 / self.scale)
-        self.clean_in_a_row += 1
-        if self.clean_in_a_row >= GROW_AFTER:
-            self.scale, self.clean_in_a_row = self.scale * 2, 0
-        return True
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self._scale if self.scaling else loss).backward()
+
+    def unscale_and_check(self, grads: list[torch.Tensor], loss_finite: torch.Tensor) -> torch.Tensor:
+        """After backward: the micro-batch's gradients divided by the scale, in place. Returns a device flag (1.0 if
+        any gradient is not finite); under fp16 an overflow of a finite loss halves the scale, and GROW_AFTER clean
+        micro-batches in a row double it. Nothing is read on the host."""
+        found = torch.zeros(1, device=self.device)
+        inverse = torch.reciprocal(self._scale)
+        for group in _by_device_and_dtype(grads):  # torch's kernel takes one device and dtype at a time
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inverse)
+        if self.scaling:  # a non-finite loss is a bad batch, not an overflow: it leaves the scale as it is
+            torch._amp_update_scale_(self._scale, self._clean_in_a_row, found * loss_finite, 2.0, 0.5, GROW_AFTER)
+            self._scale.clamp_(min=MIN_SCALE)
+        return found
 
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
         return f"{self.precision}{', compiled' if self.compile else ''} on {self.device.type} ({name})"
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())

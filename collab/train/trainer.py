@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hivemind.utils import get_dht_time
+
 from collab.config import RunConfig
 from collab.data.feed import FeedStopped
 from collab.modes import AveragingMode
@@ -32,6 +34,7 @@ from collab.train.precision import Precision
 from collab.train.progress import ProgressDisplay, Snapshot
 from collab.train.services import PeerServices
 from collab.train.summary import EpochLoss, Summary, harvest, write_summary
+from collab.train.window import GradientWindow
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
 METRICS_RECORD_LIFETIME = 300.0  # seconds a peer's metrics record lives in the DHT unless republished
@@ -123,7 +126,9 @@ class TrainingLoop:
         self.swarm = services.swarm
         self.display = ProgressDisplay(live=options.live_display)
         self.log = AveragingLog()
-        self.guard = BatchGuard(task.model.parameters())
+        self.guard = BatchGuard()
+        self.window = GradientWindow(task.model.parameters(), precision)
+        self._window_opened = 0.0
         self.epoch_loss = EpochLoss()
         self.opt: Optional[AveragingMode] = None
         summary.peer_id = self.swarm.peer_id
@@ -150,6 +155,8 @@ class TrainingLoop:
         services.start_plan_keeper(self.config, shared)
         self.opt = opt = services.start_optimizer(lambda: self._build_optimizer(shared), self._leave)
         opt.leave_at(options.max_epochs)
+        if not opt.sums_micro_batches:  # diloco and gossip step on each micro-batch; sync sums a window's first
+            self.window.most = 1
         if services.sharer is not None and services.sharer.watch is not None:  # a private run: members only
             opt.count_only_members(shared.private.access.allows)
             services.sharer.watch.on_revoked.append(opt.apply_revocations)
@@ -209,37 +216,50 @@ class TrainingLoop:
             summary.train_seconds = time.monotonic() - started
 
     def _micro_batch(self) -> bool:
-        """Compute one micro-batch and hand its gradients to the optimizer. False if it counts for nothing: fp16
-        overflowed (a smaller loss scale, the next batch) or it was dropped (never sent, never counted)."""
-        opt, guard, precision, summary = self.opt, self.guard, self.precision, self.summary
+        """Compute one micro-batch; at the end of a window, hand its good micro-batches to the optimizer. False if
+        nothing was counted: the window is still open, or all of it was dropped or overflowed."""
         computing = time.monotonic()
-        with precision.autocast():
+        if self.window.size == 0:
+            self._window_opened = computing
+        with self.precision.autocast():
             try:
                 batch = next(self.batches)
             except FeedStopped:  # asked to leave while a shard was on its way: the loop ends on the stop event
                 return False
-            loss = self.task.loss(precision.to_device(batch))
-        loss_ok = guard.loss_ok(loss)
-        if loss_ok:
-            precision.backward(loss)
-        summary.compute_seconds += time.monotonic() - computing
-        if loss_ok and not precision.unscale():
-            summary.fp16_overflows = precision.overflows
-            return False
-        if loss_ok and guard.gradients_ok():
-            opt.step()
-            opt.zero_grad()
-            self.epoch_loss.add(loss.item())
-            opt.observe_loss(loss.item())
-            summary.samples_contributed += self.config.training.micro_batch_size
-        elif loss_ok:
-            opt.drop_micro_batch()
-        if guard.in_a_row:
-            summary.batches_dropped = dict(guard.dropped)
-            if guard.replica_is_broken():
-                _reload_broken_replica(opt, guard, summary, self.display)
-            return False
-        return True
+            loss = self.task.loss(self.precision.to_device(batch))
+        self.window.add(loss)  # checked and summed on the device: nothing read back yet
+        self.summary.compute_seconds += time.monotonic() - computing
+        return self._close_window() if self.window.full() else False
+
+    def _close_window(self) -> bool:
+        """Read the window's checks (the one host-device sync of the window) and count its micro-batches; the good
+        ones' gradients, already summed in .grad, go to the optimizer as one step of that many micro-batches."""
+        opt, guard, summary, window = self.opt, self.guard, self.summary, self.window
+        reading = time.monotonic()
+        outcomes = window.close()
+        summary.compute_seconds += time.monotonic() - reading  # the device's work, which the read waited for
+        good, broken = [], False
+        for outcome in outcomes:
+            if self.precision.scaling and outcome.loss_finite and not outcome.gradients_finite:
+                self.precision.overflows += 1  # fp16 overflowed: the scale came down on the device already
+            elif guard.count(outcome.loss_finite, outcome.gradients_finite):
+                good.append(outcome.loss)
+            broken = broken or guard.replica_is_broken()
+        micro = self.config.training.micro_batch_size
+        if good:
+            opt.step(batch_size=len(good) * micro)
+            summary.samples_contributed += len(good) * micro
+        opt.zero_grad()
+        for loss in good:
+            self.epoch_loss.add(loss)
+            opt.observe_loss(loss)
+        summary.fp16_overflows = self.precision.overflows
+        summary.batches_dropped = dict(guard.dropped)
+        if broken:
+            _reload_broken_replica(opt, guard, summary, self.display)
+        eta = opt.tracker.estimated_next_update_time - get_dht_time()
+        window.resize(time.monotonic() - self._window_opened, len(outcomes), eta)
+        return bool(good)
 
     def _close_epoch(self, epoch: int) -> None:
         mean = self.epoch_loss.close()

@@ -176,6 +176,37 @@ def test_a_failed_round_keeps_the_gradients_this_peer_sent(no_leftover_processes
         dht.shutdown()
 
 
+@pytest.mark.parametrize("reuse", [True, False], ids=["in-grad", "own-accumulators"])
+def test_a_window_of_summed_micro_batches_counts_as_that_many(reuse, no_leftover_processes):
+    """The trainer hands over n micro-batches' gradients summed in .grad with n x micro-batch samples
+    (collab.train.window): what goes into the round is their mean, as if each had been handed over alone."""
+    import hivemind
+
+    from collab.averaging.grad_averager import CollabGradientAverager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = CollabGradientAverager(model.parameters(), dht=dht, prefix=f"window-{time.time_ns()}", start=True,
+                                      micro_batch_size=4, reuse_grad_buffers=reuse)
+    try:
+        for p, a, b in zip(model.parameters(), grads[0], grads[1]):
+            p.grad = a + b  # a window of two
+        averager.accumulate_grads_(batch_size=8)
+        for p, c in zip(model.parameters(), grads[2]):
+            p.grad = p.grad + c if reuse else c.clone()  # in .grad, the sum goes on; else a window of one
+        averager.accumulate_grads_(batch_size=4)
+        assert (averager.local_samples_accumulated, averager.local_times_accumulated) == (12, 3)
+        averager.load_accumulators_into_averager_()
+        with averager.get_tensors() as sent:
+            for got, *parts in zip(sent, *grads):
+                torch.testing.assert_close(got, sum(parts) / 3)
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
 def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer_epoch(no_leftover_processes):
     """hivemind downloads state from the highest priority its averagers declare in the DHT: a 2 Mbit/s uplink
     (160 s for a 40 MB state) must come after a faster one at the same epoch (one that announced nothing counts
