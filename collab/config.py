@@ -92,6 +92,17 @@ class TrainingConfig(Section):
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the model (the first micro-batch compiles it; a failure falls back to "
         "eager with one warning); auto: on a GPU, and on a CPU with a C++ compiler. Each peer's own choice")
+    data_workers: Union[Literal["auto"], int] = Field(
+        "auto", description="worker processes that make batches ahead of training (0: in the training thread); "
+        "auto: 1 on a GPU, 0 on a CPU (whose cores are the model's). Each peer's own choice")
+
+    @field_validator("data_workers", mode="before")
+    @classmethod
+    def _data_workers(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1):
+            return value
+        raise ValueError(f"must be 0, 1 or 'auto', got {value!r} (one worker process per GPU; more are not "
+                         "supported)")
 
     @model_validator(mode="before")
     @classmethod
@@ -321,6 +332,7 @@ FLAG_TO_FIELD = {
     "device": "training.device",
     "precision": "training.precision",
     "compile": "training.compile",
+    "data_workers": "training.data_workers",
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every_epochs",
 }

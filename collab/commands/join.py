@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-epochs", type=int, default=None, metavar="N", help="leave once the run reaches epoch N")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here and resume from them")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N epochs")
-    p.add_argument("--micro-batch-size", type=_samples_or_auto, default=None, metavar="N|auto",
+    p.add_argument("--micro-batch-size", type=_number_or_auto, default=None, metavar="N|auto",
                    help="samples per local step (config: training); auto: the largest that fits your GPU")
     p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
                    help="where this peer computes (default auto: its GPU if torch sees one)")
@@ -55,7 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", default=None, choices=("auto", "on", "off"),
                    help="torch.compile the model (default auto: on a GPU, and on a CPU with a C++ compiler); a "
                         "failure falls back to eager")
-    p.add_argument("--target-batch-size", type=_samples_or_auto, default=None, metavar="N|auto",
+    p.add_argument("--data-workers", type=_number_or_auto, default=None, metavar="0|1|auto",
+                   help="worker processes that make batches ahead of training (default auto: 1 on a GPU, 0 on a CPU)")
+    p.add_argument("--target-batch-size", type=_number_or_auto, default=None, metavar="N|auto",
                    help="swarm-wide batch per optimizer step; auto: it follows the measured gradient noise scale")
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--dataset", default=None,
@@ -84,13 +86,13 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run, hard_exit=True)
 
 
-def _samples_or_auto(value: str):
+def _number_or_auto(value: str):
     if value == "auto":
         return value
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a number of samples nor 'auto'") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a whole number nor 'auto'") from None
 
 
 def raise_internal_error(error: Exception):

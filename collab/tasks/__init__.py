@@ -24,6 +24,9 @@ class Task(ABC):
     """A model plus everything needed to train and export it."""
 
     model: torch.nn.Module
+    # whether batches() uses nothing that building the task put on the default device: a data worker then builds it
+    # with the model on the meta device (collab.train.pipeline: no memory, no initialisation)
+    batches_apart_from_model: bool = True
 
     @abstractmethod
     def batches(self, micro_batch_size: int, seed: int, feed: Optional[ShardFeed] = None) -> Iterator[Batch]:
@@ -65,22 +68,26 @@ class Task(ABC):
 
 def build_task(config) -> Task:
     """Build the task named in `config.task.name` (config: collab.config.RunConfig)."""
+    return task_class(config.task.name)(config.task, config.training)
+
+
+def task_class(name: str) -> type[Task]:
     # each task imports its own model code (transformers, kornia) only when it is the run's: a config is read and
     # checked by every command without them
-    if config.task.name == "albert":
+    if name == "albert":
         from collab.tasks.albert import AlbertTask
 
-        return AlbertTask(config.task, config.training)
-    if config.task.name == "causal-lm":
+        return AlbertTask
+    if name == "causal-lm":
         from collab.tasks.causal_lm import CausalLmTask
 
-        return CausalLmTask(config.task, config.training)
-    if config.task.name == "swav":
+        return CausalLmTask
+    if name == "swav":
         from collab.tasks.swav import SwavTask
 
-        return SwavTask(config.task, config.training)
-    if config.task.name == "linreg":
+        return SwavTask
+    if name == "linreg":
         from collab.tasks.linreg import LinregTask
 
-        return LinregTask(config.task, config.training)
-    raise ValueError(f"unknown task {config.task.name!r}")  # unreachable: the config schema lists the tasks
+        return LinregTask
+    raise ValueError(f"unknown task {name!r}")  # unreachable: the config schema lists the tasks

@@ -20,8 +20,8 @@ class LinregTask(Task):
         self.config, self.training = config, training
         # the same w* and start on every peer: both come from the run's seed
         generator = torch.Generator().manual_seed(training.seed)
-        self.w_star = torch.randn(config.dim, generator=generator)
-        offset = torch.randn(config.dim, generator=generator)
+        self.w_star = torch.randn(config.dim, generator=generator, device="cpu")  # (also where the model is not built)
+        offset = torch.randn(config.dim, generator=generator, device="cpu")
         self.model = torch.nn.Linear(config.dim, 1, bias=False)
         with torch.no_grad():
             self.model.weight.copy_((self.w_star + config.distance * offset / offset.norm())[None])

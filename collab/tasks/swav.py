@@ -87,6 +87,8 @@ class SwavModel(nn.Module):
 
 
 class SwavTask(Task):
+    batches_apart_from_model = False  # its augmentations hold tensors of their own (collab.data.images)
+
     def __init__(self, config: SwavTaskConfig, training):
         self.config, self.training = config, training
         # the same seed on every peer: all start from identical weights, so averaged gradients apply cleanly

@@ -13,7 +13,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.feed import ShardFeed
@@ -59,6 +59,8 @@ class PeerData:
         self.refusals: list[tuple[str, str]] = []  # (peer, why) not yet counted by the trainer's RejectionLog
         self._lock = threading.Lock()
         self._saved_file: Optional[Path] = None
+        # windows trained on: the feed's own position, or a data worker's (collab.train.pipeline), whose feed reads ahead
+        self.position: Callable[[], int] = lambda: self.feed.position
 
     def place_on(self, swarm, resume: Optional[dict]) -> DataPlace:
         """Set the feed's start and position (before the first window is read) and, on a volunteer, its fetcher."""
@@ -95,7 +97,7 @@ class PeerData:
 
     def record_fields(self) -> dict:
         """This peer's place, for its signed metrics record."""
-        return {"data_start": self.feed.start, "data_position": self.feed.position}
+        return {"data_start": self.feed.start, "data_position": self.position()}
 
     def _read_saved(self) -> Optional[DataPlace]:
         try:
@@ -109,7 +111,7 @@ class PeerData:
             write_atomically(self._saved_file, json.dumps(self.now()).encode())
 
     def now(self) -> dict:
-        return {"start": self.feed.start, "position": self.feed.position}
+        return {"start": self.feed.start, "position": self.position()}
 
     def report(self) -> dict:
         """For the peer's summary: its place, and what it fetched from whom."""

@@ -58,6 +58,14 @@ def uses_compile(training, device: torch.device) -> bool:
     return device.type == "cuda" or any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "c++", "clang++"))
 
 
+def uses_data_workers(training, device: torch.device) -> int:
+    """training.data_workers with "auto" decided: a worker process on a GPU (the training thread then only launches
+    kernels), none on a CPU (a worker would take cores from the model it feeds)."""
+    if training.data_workers != "auto":
+        return training.data_workers
+    return 1 if device.type == "cuda" else 0
+
+
 @dataclass
 class Precision:
     device: torch.device

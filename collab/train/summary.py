@@ -67,6 +67,9 @@ class Summary:
     device: str = ""  # where and in what precision this peer computed (collab.train.precision)
     # its first micro-batch: seconds, graphs compiled, later recompiles, why it fell back to eager (collab.train.compiling)
     compile: dict = field(default_factory=dict)
+    # where its batches were made (workers: 0 in the training thread), the worker's own rate, the seconds training
+    # waited for them, and the warning, if the pipeline bounded this peer (collab.train.pipeline)
+    pipeline: dict = field(default_factory=dict)
     # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
     fp16_overflows: int = 0
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so

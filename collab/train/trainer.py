@@ -30,7 +30,8 @@ from collab.train.micro_batch import with_micro_batch
 from collab.train.guard import RELOAD_AFTER, BatchGuard
 from collab.train.make_optimizer import build_optimizer
 from collab.train.plan_keeper import plan_fields, plan_in_force
-from collab.train.precision import Precision
+from collab.train.pipeline import BatchPipeline, bound_warning
+from collab.train.precision import Precision, uses_data_workers
 from collab.train.progress import ProgressDisplay, Snapshot
 from collab.train.services import PeerServices
 from collab.train.summary import EpochLoss, Summary, harvest, write_summary
@@ -73,7 +74,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     # the DHT's process is forked before this one initialises CUDA (as in hivemind's own examples): a fork of a
     # CUDA process must never touch the GPU, and nothing then depends on the DHT's code never doing so
     services = PeerServices(swarm if swarm is not None else Swarm(peer, identity))
-    first_step = None
+    first_step = pipeline = None
     try:
         with services:
             services.start_data(data, resume)  # its place in the shards is set before the warm-up reads from them
@@ -82,7 +83,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             batches = None
             try:
                 config = with_micro_batch(config, task, precision, seed, feed)  # auto: the largest that fits
-                batches = task.batches(config.training.micro_batch_size, seed, feed)
+                batches = pipeline = _batches(config, task, precision, seed, data)
                 precision.compile_model(task.model)  # for the micro-batch's shape
                 first_step = warm_up(task, precision, batches)  # and compiles the model, if this peer does
                 summary.device = precision.describe()
@@ -105,6 +106,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     finally:
         if services.keeper is not None:
             summary.plans_issued, summary.plans_read_late = services.keeper.issued, services.keeper.late
+        if isinstance(pipeline, BatchPipeline):
+            pipeline.close()
+            summary.pipeline.update(pipeline.report())
+        elif pipeline is not None:
+            summary.pipeline["workers"] = 0
         if data is not None:
             summary.data = data.report()
         if first_step is not None:
@@ -129,6 +135,7 @@ class TrainingLoop:
         self.guard = BatchGuard()
         self.window = GradientWindow(task.model.parameters(), precision)
         self._window_opened = 0.0
+        self.batch_seconds = 0.0  # waiting for the next batch (made in this thread, or by a data worker)
         self.epoch_loss = EpochLoss()
         self.opt: Optional[AveragingMode] = None
         summary.peer_id = self.swarm.peer_id
@@ -204,6 +211,7 @@ class TrainingLoop:
                         checkpoint_due = False
                     if new_epoch:
                         summary.train_seconds = time.monotonic() - started
+                        self._check_the_pipeline(summary.train_seconds)
                         self._report_epoch()
                     if new_epoch or time.monotonic() - last_publish > PUBLISH_EVERY:
                         summary.peers_found_back = self.swarm.rejoin()
@@ -226,6 +234,7 @@ class TrainingLoop:
                 batch = next(self.batches)
             except FeedStopped:  # asked to leave while a shard was on its way: the loop ends on the stop event
                 return False
+            self.batch_seconds += time.monotonic() - computing
             loss = self.task.loss(self.precision.to_device(batch))
         self.window.add(loss)  # checked and summed on the device: nothing read back yet
         self.summary.compute_seconds += time.monotonic() - computing
@@ -260,6 +269,17 @@ class TrainingLoop:
         eta = opt.tracker.estimated_next_update_time - get_dht_time()
         window.resize(time.monotonic() - self._window_opened, len(outcomes), eta)
         return bool(good)
+
+    def _check_the_pipeline(self, trained: float) -> None:
+        """Say once when the data pipeline is what bounds this peer, and how to fix it."""
+        pipeline = self.batches if isinstance(self.batches, BatchPipeline) else None
+        self.summary.pipeline["waited_seconds"] = round(self.batch_seconds, 1)
+        if self.summary.pipeline.get("bound"):
+            return
+        warning = bound_warning(self.batch_seconds, trained, pipeline.rate() if pipeline else None, pipeline is None)
+        if warning is not None:
+            self.summary.pipeline["bound"] = warning
+            self.display.message(warning)
 
     def _close_epoch(self, epoch: int) -> None:
         mean = self.epoch_loss.close()
@@ -367,6 +387,19 @@ def _reload_broken_replica(opt: AveragingMode, guard: BatchGuard, summary: Summa
     guard.in_a_row = 0
     if not opt.load_state_from_peers(deadline=time.monotonic() + opt.load_state_timeout):
         display.message("No peer gave its state: training on with this replica")
+
+
+def _batches(config: RunConfig, task: Task, precision: Precision, seed: int, data: Optional[PeerData]):
+    """The peer's micro-batches: made in a worker process (training.data_workers), or in this thread."""
+    micro = config.training.micro_batch_size
+    feed = data.feed if data is not None else None
+    if not uses_data_workers(config.training, precision.device):
+        return task.batches(micro, seed, feed)
+    print("Batches are made ahead in a worker process (--data-workers 0: in the training thread)", flush=True)
+    pipeline = BatchPipeline(config, micro, seed, feed, pin=precision.device.type == "cuda")
+    if data is not None:
+        data.position = lambda: pipeline.position
+    return pipeline
 
 
 def leave_before_start(options: JoinOptions) -> Summary:
