@@ -96,6 +96,24 @@ class TrainingConfig(Section):
         "auto", description="worker processes that make batches ahead of training (0: in the training thread); "
         "auto: 1 on a GPU, 0 on a CPU (whose cores are the model's). Each peer's own choice")
 
+    devices: Union[Literal["all"], list[str]] = Field(
+        default_factory=list, description="one peer for several devices (--gpus): a process per device, gradients "
+        "summed inside the machine, one peer toward the swarm; 'all' (every GPU torch sees) or names such as "
+        "cuda:0, cuda:1 (cpu, cpu: two processes on the CPU, for tests). Empty: one process on training.device. "
+        "Each peer's own choice")
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, value):
+        if isinstance(value, str):
+            value = "all" if value == "all" else [part.strip() for part in value.split(",") if part.strip()]
+        names = [] if value == "all" else [f"cuda:{v}" if str(v).isdigit() else str(v) for v in value or []]
+        if any(not re.match(r"^(cpu|cuda:\d+)$", name) for name in names):
+            raise ValueError(f"expected 'all' or device names such as cuda:0, cuda:1 (or GPU indices 0,1), got {value!r}")
+        if len({name.split(":")[0] for name in names}) > 1:
+            raise ValueError(f"mixes the CPU and GPUs ({', '.join(names)}); name GPUs only, or the CPU only")
+        return value if value == "all" else names
+
     @field_validator("data_workers", mode="before")
     @classmethod
     def _data_workers(cls, value):
@@ -333,6 +351,7 @@ FLAG_TO_FIELD = {
     "precision": "training.precision",
     "compile": "training.compile",
     "data_workers": "training.data_workers",
+    "gpus": "training.devices",
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every_epochs",
 }

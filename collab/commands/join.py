@@ -55,6 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", default=None, choices=("auto", "on", "off"),
                    help="torch.compile the model (default auto: on a GPU, and on a CPU with a C++ compiler); a "
                         "failure falls back to eager")
+    p.add_argument("--gpus", default=None, metavar="all|0,1",
+                   help="one peer for several GPUs: a process per GPU, gradients summed inside the machine (default: "
+                        "one process on --device)")
     p.add_argument("--data-workers", type=_number_or_auto, default=None, metavar="0|1|auto",
                    help="worker processes that make batches ahead of training (default auto: 1 on a GPU, 0 on a CPU)")
     p.add_argument("--target-batch-size", type=_number_or_auto, default=None, metavar="N|auto",

@@ -30,7 +30,7 @@ FORMAT = 1
 # a peer's own business: what it computes on and where it keeps its files. The manifest's values are the
 # organizer's suggestion; a peer's flags or config file override them. Everything else is the run's.
 PER_PEER = ("training.micro_batch_size", "training.device", "training.precision", "training.compile",
-            "training.data_workers", "task.data.dataset", "averaging.bandwidth", "checkpoint.dir",
+            "training.data_workers", "training.devices", "task.data.dataset", "averaging.bandwidth", "checkpoint.dir",
             "checkpoint.every_epochs", "checkpoint.keep")
 NOT_SHARED = ("checkpoint.dir",)  # a path on the organizer's machine
 TOKENIZER_FIELD = "task.data.tokenizer"  # the run's tokenizer is a file every peer gets from the swarm

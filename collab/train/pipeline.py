@@ -19,12 +19,13 @@ import contextlib
 import queue
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from collab.data.feed import FeedStopped
+from collab.train.precision import uses_data_workers
 
 AHEAD = 4  # batches queued ahead of the training thread
 WINDOWS_AHEAD = 1024  # token windows sent ahead to the worker (8 MB at sequence 1024)
@@ -182,3 +183,16 @@ def _put(channel, item, stop: threading.Event) -> bool:
         except queue.Full:
             continue
     return False
+
+
+def peer_batches(config, task, precision, seed: int, data) -> Iterator[dict]:
+    """The peer's micro-batches (data: its PeerData, or None): made in a worker process (training.data_workers), or in this thread."""
+    micro = config.training.micro_batch_size
+    feed = data.feed if data is not None else None
+    if not uses_data_workers(config.training, precision.device):
+        return task.batches(micro, seed, feed)
+    print("Batches are made ahead in a worker process (--data-workers 0: in the training thread)", flush=True)
+    pipeline = BatchPipeline(config, micro, seed, feed, pin=precision.device.type == "cuda")
+    if data is not None:
+        data.position = lambda: pipeline.position
+    return pipeline

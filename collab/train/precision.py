@@ -76,8 +76,9 @@ class Precision:
     _clean_in_a_row: Optional[torch.Tensor] = None  # int32, on the device
 
     @classmethod
-    def from_config(cls, training) -> "Precision":
-        device = choose_device(training.device)
+    def from_config(cls, training, device: Optional[str] = None) -> "Precision":
+        """`device`: one of training.devices (collab.train.local_group), else training.device decides."""
+        device = torch.device(device) if device is not None else choose_device(training.device)
         precision = uses_precision(training)
         if precision == "fp16" and device.type != "cuda":
             raise UserError(f"training.precision fp16 needs a GPU (this peer computes on {device.type}); use "

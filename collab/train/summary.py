@@ -70,6 +70,8 @@ class Summary:
     # where its batches were made (workers: 0 in the training thread), the worker's own rate, the seconds training
     # waited for them, and the warning, if the pipeline bounded this peer (collab.train.pipeline)
     pipeline: dict = field(default_factory=dict)
+    # one peer for several devices (collab.train.local_group): the devices, and the micro-batches each computed
+    local_group: dict = field(default_factory=dict)
     # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
     fp16_overflows: int = 0
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so

@@ -21,17 +21,18 @@ from collab.records.metrics import AveragingLog, PeerMetricsRecord, loss_for_rec
 from collab.run.gate import MemberGate
 from collab.run.sharer import SharedRun
 from collab.swarm.node import PeerConfig, Swarm
-from collab.swarm.state import read_run_state
 from collab.tasks import Task, build_task
+from collab.train.catch_up import catch_up, settle, wait_for_peers
 from collab.train.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.train.compiling import warm_up
 from collab.train.data_feed import PLACE_KEY, PeerData
 from collab.train.micro_batch import with_micro_batch
 from collab.train.guard import RELOAD_AFTER, BatchGuard
+from collab.train.local_group import LocalGroup, resolve_devices
 from collab.train.make_optimizer import build_optimizer
 from collab.train.plan_keeper import plan_fields, plan_in_force
-from collab.train.pipeline import BatchPipeline, bound_warning
-from collab.train.precision import Precision, uses_data_workers
+from collab.train.pipeline import BatchPipeline, bound_warning, peer_batches
+from collab.train.precision import Precision
 from collab.train.progress import ProgressDisplay, Snapshot
 from collab.train.services import PeerServices
 from collab.train.summary import EpochLoss, Summary, harvest, write_summary
@@ -60,7 +61,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     summary = Summary(mode=config.averaging.mode)
     if stop.is_set():  # asked to leave while still starting up (e.g. importing torch): nothing joined, nothing lost
         return _write_exit_summary(summary, options, "stopped by signal")
-    precision = Precision.from_config(config.training)  # a missing GPU fails here, before anything starts
+    devices = resolve_devices(config.training.devices)  # a missing GPU fails here, before anything starts
+    if devices:  # rank 0 (this process) computes on the first
+        kind = "cuda" if devices[0].startswith("cuda") else "cpu"
+        config = config.model_copy(update={"training": config.training.model_copy(update={"device": kind})})
+    precision = Precision.from_config(config.training, device=devices[0] if devices else None)
     task = build_task(config)
     # read before the optimizer copies the weights
     resume = load_model_weights(config.checkpoint.dir, task) if config.checkpoint.dir else None
@@ -74,7 +79,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     # the DHT's process is forked before this one initialises CUDA (as in hivemind's own examples): a fork of a
     # CUDA process must never touch the GPU, and nothing then depends on the DHT's code never doing so
     services = PeerServices(swarm if swarm is not None else Swarm(peer, identity))
-    first_step = pipeline = None
+    first_step = pipeline = group = None
     try:
         with services:
             services.start_data(data, resume)  # its place in the shards is set before the warm-up reads from them
@@ -83,7 +88,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             batches = None
             try:
                 config = with_micro_batch(config, task, precision, seed, feed)  # auto: the largest that fits
-                batches = pipeline = _batches(config, task, precision, seed, data)
+                batches = pipeline = peer_batches(config, task, precision, seed, data)
                 precision.compile_model(task.model)  # for the micro-batch's shape
                 first_step = warm_up(task, precision, batches)  # and compiles the model, if this peer does
                 summary.device = precision.describe()
@@ -92,7 +97,11 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             if stop.is_set():
                 summary.exit_reason = "stopped by signal"
                 return summary
-            loop = TrainingLoop(config, options, stop, task, precision, batches, services, summary)
+            if len(devices) > 1:
+                print(f"Starting a process for each of {', '.join(devices[1:])} (one peer for {len(devices)} devices)",
+                      flush=True)
+                group = LocalGroup(config, devices)
+            loop = TrainingLoop(config, options, stop, task, precision, batches, services, summary, group)
             loop.start(peer, shared, resume)
             loop.train()
             if stop.is_set():
@@ -106,6 +115,9 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
     finally:
         if services.keeper is not None:
             summary.plans_issued, summary.plans_read_late = services.keeper.issued, services.keeper.late
+        if group is not None:
+            group.close([p for p in task.model.parameters() if p.requires_grad])
+            summary.local_group = group.report()
         if isinstance(pipeline, BatchPipeline):
             pipeline.close()
             summary.pipeline.update(pipeline.report())
@@ -126,7 +138,8 @@ class TrainingLoop:
     services it trains beside (DHT node, sharer, dashboard, plan keeper, optimizer) are PeerServices'."""
 
     def __init__(self, config: RunConfig, options: JoinOptions, stop: threading.Event, task: Task,
-                 precision: Precision, batches, services: PeerServices, summary: Summary):
+                 precision: Precision, batches, services: PeerServices, summary: Summary,
+                 group: Optional[LocalGroup] = None):
         self.config, self.options, self.stop, self.task = config, options, stop, task
         self.precision, self.batches, self.services, self.summary = precision, batches, services, summary
         self.swarm = services.swarm
@@ -134,6 +147,7 @@ class TrainingLoop:
         self.log = AveragingLog()
         self.guard = BatchGuard()
         self.window = GradientWindow(task.model.parameters(), precision)
+        self.group = group  # this peer's other devices (collab.train.local_group), or None
         self._window_opened = 0.0
         self.batch_seconds = 0.0  # waiting for the next batch (made in this thread, or by a data worker)
         self.epoch_loss = EpochLoss()
@@ -174,11 +188,11 @@ class TrainingLoop:
             restore_training_state(opt, resume)
             print(f"Resumed from checkpoint at epoch {opt.local_epoch}", flush=True)
         if peer.initial_peers:
-            summary.loaded_state_from_peers, summary.catch_up = _catch_up(opt, self.display, self.stop)
+            summary.loaded_state_from_peers, summary.catch_up = catch_up(opt, self.display, self.stop)
             summary.swarm_epoch_at_join = opt.tracker.global_epoch
         self._publish()  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:
-            _wait_for_peers(self.swarm, options, self.display, self.stop)
+            wait_for_peers(self.swarm, options.wait_peers, options.wait_peers_timeout, self.display, self.stop)
         summary.start_epoch = opt.local_epoch
         # hivemind's rate estimate (an EMA of seconds per sample) counts its first interval from the optimizer's
         # creation: the state download and --wait-peers made a peer look 50x slower than it is for its first ~40
@@ -229,6 +243,12 @@ class TrainingLoop:
         computing = time.monotonic()
         if self.window.size == 0:
             self._window_opened = computing
+            if self.group is not None:  # each other device's share of the window, from this peer's one stream
+                try:
+                    dealt = [[next(self.batches) for _ in range(self.window.limit)] for _ in range(self.group.others)]
+                except FeedStopped:
+                    return False
+                self.group.open_window(self.window.parameters, dealt)
         with self.precision.autocast():
             try:
                 batch = next(self.batches)
@@ -246,6 +266,10 @@ class TrainingLoop:
         opt, guard, summary, window = self.opt, self.guard, self.summary, self.window
         reading = time.monotonic()
         outcomes = window.close()
+        own = len(outcomes)
+        if self.group is not None:  # the other devices' window sums, added into this one's .grad
+            self.group.micro_batches[0] += own
+            outcomes += self.group.close_window(window.parameters)
         summary.compute_seconds += time.monotonic() - reading  # the device's work, which the read waited for
         good, broken = [], False
         for outcome in outcomes:
@@ -267,7 +291,7 @@ class TrainingLoop:
         if broken:
             _reload_broken_replica(opt, guard, summary, self.display)
         eta = opt.tracker.estimated_next_update_time - get_dht_time()
-        window.resize(time.monotonic() - self._window_opened, len(outcomes), eta)
+        window.resize(time.monotonic() - self._window_opened, own, eta)
         return bool(good)
 
     def _check_the_pipeline(self, trained: float) -> None:
@@ -300,7 +324,7 @@ class TrainingLoop:
         swarm's; then shut the averagers down, and save what is worth saving."""
         summary, config = self.summary, self.config
         if summary.exit_reason.startswith("reached epoch"):
-            summary.final_replica = _settle(opt, config)
+            summary.final_replica = settle(opt, config)
         opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
         summary.final_epoch = opt.local_epoch
         summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
@@ -389,19 +413,6 @@ def _reload_broken_replica(opt: AveragingMode, guard: BatchGuard, summary: Summa
         display.message("No peer gave its state: training on with this replica")
 
 
-def _batches(config: RunConfig, task: Task, precision: Precision, seed: int, data: Optional[PeerData]):
-    """The peer's micro-batches: made in a worker process (training.data_workers), or in this thread."""
-    micro = config.training.micro_batch_size
-    feed = data.feed if data is not None else None
-    if not uses_data_workers(config.training, precision.device):
-        return task.batches(micro, seed, feed)
-    print("Batches are made ahead in a worker process (--data-workers 0: in the training thread)", flush=True)
-    pipeline = BatchPipeline(config, micro, seed, feed, pin=precision.device.type == "cuda")
-    if data is not None:
-        data.position = lambda: pipeline.position
-    return pipeline
-
-
 def leave_before_start(options: JoinOptions) -> Summary:
     """A signal came before this peer joined: its summary says so (a report reads no error into it)."""
     return _write_exit_summary(Summary(), options, "stopped by signal")
@@ -411,58 +422,3 @@ def _write_exit_summary(summary: Summary, options: JoinOptions, reason: str) -> 
     summary.exit_reason = reason
     write_summary(summary, options.summary_path)
     return summary
-
-
-def _settle(opt: AveragingMode, config: RunConfig) -> str:
-    """Leaving at --max-epochs: the final replica is the swarm's, or it is said loudly that it is not."""
-    try:
-        outcome = opt.settle_before_leaving(timeout=config.averaging.load_state_timeout)
-    except Exception as e:  # a DHT or averager failing now must not cost the exit summary, nor claim a sync
-        print(f"while re-syncing before leaving: {type(e).__name__}: {e}", flush=True)
-        return "swarm" if opt.own_step is None else "own step"
-    if outcome == "downloaded":
-        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed. "
-              "Downloaded the swarm's state before leaving.", flush=True)
-    elif outcome == "own step":
-        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed and no "
-              "peer could give the swarm's state. This replica is not the swarm's: no checkpoint written for it.",
-              flush=True)
-    return outcome
-
-
-def _wait_for_peers(swarm: Swarm, options: JoinOptions, display: ProgressDisplay, stop: threading.Event) -> None:
-    """Hold step 0 until the expected peers have published, so a simulated swarm starts together."""
-    display.message(f"Waiting for {options.wait_peers} peers to join...")
-    deadline = time.monotonic() + options.wait_peers_timeout
-    while not stop.is_set() and time.monotonic() < deadline:
-        present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id).peers)
-        if present >= options.wait_peers:
-            return
-        stop.wait(0.25)
-    if not stop.is_set():
-        display.message(f"Only {present} of {options.wait_peers} peers after {options.wait_peers_timeout:.0f} s; "
-                        "training anyway")
-
-
-def _catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Event,
-              wait: float = 30.0) -> tuple[bool, str]:
-    """A late peer first downloads the swarm's parameters and optimizer state, then trains at its epoch. Says
-    whether it loaded a state, and what happened (kept in the summary: a late peer that trained from its own
-    replica says why)."""
-    started = time.monotonic()
-    while not opt.tracker.fetched_global_progress_this_epoch.is_set() and time.monotonic() < started + wait:
-        if stop.wait(0.1):
-            return False, "stopped"
-    seen = "" if opt.tracker.fetched_global_progress_this_epoch.is_set() else f" (no progress read in {wait:.0f} s)"
-    if opt.tracker.global_epoch <= opt.local_epoch:
-        return False, f"the swarm was at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}{seen}"
-    display.message(f"Swarm is at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}: "
-                    "loading state from peers...")
-    asking = time.monotonic()
-    # under churn the first donors tried may be dead peers whose records linger: keep asking a while
-    if not opt.load_state_from_peers(deadline=asking + 5 * opt.load_state_timeout) or stop.is_set():
-        display.message("No peer gave its state yet: training from this replica, and trying again at the next step")
-        return False, (f"no peer gave its state in {time.monotonic() - asking:.0f} s (the swarm at epoch "
-                       f"{opt.tracker.global_epoch}, {opt.tracker.global_progress.num_peers} peers)")
-    display.message(f"Caught up: now at epoch {opt.local_epoch}")
-    return True, f"loaded the swarm's state at epoch {opt.local_epoch} in {time.monotonic() - started:.0f} s"

@@ -1,0 +1,68 @@
+"""A peer's way into the swarm's state and out of it: waiting for the peers a simulation starts together, catching up
+with the swarm's epoch on joining, and making sure the replica it leaves with is the swarm's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from collab.config import RunConfig
+from collab.modes import AveragingMode
+from collab.swarm.node import Swarm
+from collab.swarm.state import read_run_state
+from collab.train.progress import ProgressDisplay
+
+
+def settle(opt: AveragingMode, config: RunConfig) -> str:
+    """Leaving at --max-epochs: the final replica is the swarm's, or it is said loudly that it is not."""
+    try:
+        outcome = opt.settle_before_leaving(timeout=config.averaging.load_state_timeout)
+    except Exception as e:  # a DHT or averager failing now must not cost the exit summary, nor claim a sync
+        print(f"while re-syncing before leaving: {type(e).__name__}: {e}", flush=True)
+        return "swarm" if opt.own_step is None else "own step"
+    if outcome == "downloaded":
+        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed. "
+              "Downloaded the swarm's state before leaving.", flush=True)
+    elif outcome == "own step":
+        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed and no "
+              "peer could give the swarm's state. This replica is not the swarm's: no checkpoint written for it.",
+              flush=True)
+    return outcome
+
+
+def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressDisplay, stop: threading.Event) -> None:
+    """Hold step 0 until the expected peers have published, so a simulated swarm starts together."""
+    display.message(f"Waiting for {wanted} peers to join...")
+    deadline = time.monotonic() + timeout
+    while not stop.is_set() and time.monotonic() < deadline:
+        present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id).peers)
+        if present >= wanted:
+            return
+        stop.wait(0.25)
+    if not stop.is_set():
+        display.message(f"Only {present} of {wanted} peers after {timeout:.0f} s; "
+                        "training anyway")
+
+
+def catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Event,
+              wait: float = 30.0) -> tuple[bool, str]:
+    """A late peer first downloads the swarm's parameters and optimizer state, then trains at its epoch. Says
+    whether it loaded a state, and what happened (kept in the summary: a late peer that trained from its own
+    replica says why)."""
+    started = time.monotonic()
+    while not opt.tracker.fetched_global_progress_this_epoch.is_set() and time.monotonic() < started + wait:
+        if stop.wait(0.1):
+            return False, "stopped"
+    seen = "" if opt.tracker.fetched_global_progress_this_epoch.is_set() else f" (no progress read in {wait:.0f} s)"
+    if opt.tracker.global_epoch <= opt.local_epoch:
+        return False, f"the swarm was at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}{seen}"
+    display.message(f"Swarm is at epoch {opt.tracker.global_epoch}, this peer at {opt.local_epoch}: "
+                    "loading state from peers...")
+    asking = time.monotonic()
+    # under churn the first donors tried may be dead peers whose records linger: keep asking a while
+    if not opt.load_state_from_peers(deadline=asking + 5 * opt.load_state_timeout) or stop.is_set():
+        display.message("No peer gave its state yet: training from this replica, and trying again at the next step")
+        return False, (f"no peer gave its state in {time.monotonic() - asking:.0f} s (the swarm at epoch "
+                       f"{opt.tracker.global_epoch}, {opt.tracker.global_progress.num_peers} peers)")
+    display.message(f"Caught up: now at epoch {opt.local_epoch}")
+    return True, f"loaded the swarm's state at epoch {opt.local_epoch} in {time.monotonic() - started:.0f} s"

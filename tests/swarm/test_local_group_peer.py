@@ -1,0 +1,41 @@
+"""One peer for several devices (--gpus; collab.train.local_group) in a real swarm: two CPU processes over gloo
+make one hivemind peer, which averages with a plain peer every round and ends with the same replica."""
+
+from __future__ import annotations
+
+from transformers import AlbertForPreTraining
+
+from collab.peers.launcher import LocalSwarm
+from collab.train.checkpoint import list_checkpoints
+from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config, swarm_logs
+
+SAME_AVERAGES = 1e-5  # replicas that applied the very same averages, and nothing else, from the same start
+
+
+def test_a_two_process_peer_averages_with_a_plain_one_and_counts_both_processes_samples(tmp_path, run_id,
+                                                                                        no_leftover_processes):
+    # state averaging off: it would make the replicas equal whether the two-process peer's gradients were right or
+    # not; only identical averaged gradients (each peer's own data) keep them equal
+    config = swarm_config(tmp_path, 2, {"averaging.average_state_every": 1000, "averaging.averaging_timeout": 45.0,
+                                        "averaging.next_chunk_timeout": 15.0})
+    per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
+    per_peer[1] += ["--gpus", "cpu,cpu"]
+    with LocalSwarm(2, run_id, tmp_path, ["--config", str(config), "--max-epochs", "3"],
+                    per_peer_args=per_peer, env=peer_env(), forks=fork_server()) as swarm:
+        swarm.start()
+        assert swarm.wait(timeout=scaled(240)), "\n".join(p.log_text()[-3000:] for p in swarm.peers)
+        plain, pair = read_summary(swarm.peers[0]), read_summary(swarm.peers[1])
+    for s in (plain, pair):
+        assert s["final_epoch"] == 3 and s["rounds_joined"] >= 2 and set(s["group_sizes"]) == {2}, s
+        assert s["rounds_failed"] == 0 and s["final_replica"] == "swarm", f"{s}\n{swarm_logs(tmp_path, 40000)}"
+    ranks = pair["local_group"]["micro_batches_by_rank"]
+    assert pair["local_group"]["devices"] == ["cpu", "cpu"] and len(ranks) == 2
+    assert min(ranks) >= 0.4 * max(ranks), ranks  # each process computed its share
+    micro = 8  # (the swarm config's micro-batch)
+    # every sample the peer counted toward the swarm's target was computed by one of its two processes
+    assert pair["samples_contributed"] <= micro * sum(ranks) and pair["samples_contributed"] > micro * max(ranks), (
+        pair["samples_contributed"], ranks)
+    models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}")[-1]) for i in range(2)]
+    reference = dict(models[0].named_parameters())
+    worst = max((reference[n] - p).abs().max().item() for n, p in models[1].named_parameters())
+    assert worst < SAME_AVERAGES, f"without state averaging the replicas differ by {worst:.2e}: not the same averages"
