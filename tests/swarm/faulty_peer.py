@@ -19,6 +19,9 @@ Faults:
                                   lineage split of a peer that starts slowly, which left the NAT test's
                                   slow peers one epoch behind the swarm to the end. Its exact-epoch check
                                   after that round is missed, as a race made it in CI.
+  --nan-every N                   every Nth loss the task computes in this process is NaN (a bad micro-batch
+                                  such as an fp16 overflow in the forward pass or a corrupt sample makes);
+                                  the peer must drop exactly those, on the device, and never send them.
 """
 
 from __future__ import annotations
@@ -95,14 +98,31 @@ def _miss_the_exact_epoch_check_once(fired: list) -> None:
     OptimizerHooks.update_global_epoch = update_then_miss_the_check
 
 
+def nan_every(every: int) -> None:
+    from collab.tasks.albert import AlbertTask
+
+    loss = AlbertTask.loss
+    calls = [0]
+
+    def sometimes_nan(self, batch):
+        calls[0] += 1
+        value = loss(self, batch)
+        return value * float("nan") if calls[0] % every == 0 else value
+
+    AlbertTask.loss = sometimes_nan
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     fault = parser.add_mutually_exclusive_group(required=True)
     fault.add_argument("--starve-at-epoch", type=int)
     fault.add_argument("--late-round-at-epoch", type=int)
+    fault.add_argument("--nan-every", type=int)
     parser.add_argument("--stall", type=float, default=15.0)
     args, rest = parser.parse_known_args()
-    if args.starve_at_epoch is not None:
+    if args.nan_every is not None:
+        nan_every(args.nan_every)
+    elif args.starve_at_epoch is not None:
         stall_at_epoch(args.starve_at_epoch, args.stall, round_fails=True)
     else:
         stall_at_epoch(args.late_round_at_epoch, args.stall, round_fails=False)
