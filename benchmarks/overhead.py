@@ -7,8 +7,11 @@ run on one machine. collab runs as a real `collab join` process (DHT, averagers 
 and reports samples/s over its training loop; the plain loop runs in this process afterwards.
 
     python3 benchmarks/overhead.py [--config albert-tiny] [--epochs 6] [--threads 2]
-    python3 benchmarks/overhead.py --config albert-base --device cuda --precision fp16 --micro-batch-size 16
+    python3 benchmarks/overhead.py --config albert-base --device cuda --micro-batch-size 32   # bf16, compiled
     python3 benchmarks/overhead.py --compile on      # both compiled (torch.compile; its time is not counted)
+
+On a GPU the defaults are what a strong user writes: bf16 autocast (the GPU's if it has it, else fp16 with loss
+scaling), SDPA attention (transformers' default), torch.compile; on a CPU, fp32 and eager.
 
 On a GPU both sides compute in the same autocast precision; the plain loop uses torch's GradScaler for fp16
 (what a user would write), collab its own per-micro-batch loss scaling (collab.train.precision).
@@ -67,11 +70,16 @@ def plain_loop(args, config, samples: int) -> float:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.precision)
 
     def loss_of(batch):
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
             return task.loss(batch)
 
-    batches = task.batches(micro, seed=0)
+    if device.type == "cuda":  # a strong user's loader: torch's DataLoader with a worker, pinned, as collab's
+        from collab.train.pipeline import BatchPipeline
+
+        batches = BatchPipeline(config, micro, seed=0, pin=True)
+    else:
+        batches = task.batches(micro, seed=0)
     scaler.scale(loss_of(next(batches))).backward()  # the same warm-up step collab takes before it starts counting
     optimizer.zero_grad()
     accumulation = target // micro
@@ -128,16 +136,22 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6, help="collaborative steps collab trains for")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"))
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16", "bf16"),
+                        help="auto: bf16 on a GPU that has it, else fp16; fp32 on a CPU")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the config's")
-    parser.add_argument("--compile", default="off", choices=("on", "off"),
-                        help="torch.compile the model, in collab (--compile) and in the plain loop alike")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                        help="torch.compile the model, in collab (--compile) and in the plain loop alike (auto: on a "
+                             "GPU)")
     args = parser.parse_args()
+    if args.compile == "auto":
+        args.compile = "on" if args.device == "cuda" else "off"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HIVEMIND_LOGLEVEL="ERROR")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.precision == "auto":
+        args.precision = "fp32" if args.device != "cuda" else ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
 
     from collab.config import load_config
 
