@@ -176,7 +176,7 @@ class TrainingLoop:
         services.start_plan_keeper(self.config, shared)
         self.opt = opt = services.start_optimizer(lambda: self._build_optimizer(shared), self._leave)
         opt.leave_at(options.max_epochs)
-        if not opt.sums_micro_batches:  # diloco and gossip step on each micro-batch; sync sums a window's first
+        if not opt.sums_micro_batches:  # diloco and gossip step on each micro-batch; sync sums a window of them
             self.window.most = 1
         if services.sharer is not None and services.sharer.watch is not None:  # a private run: members only
             opt.count_only_members(shared.private.access.allows)
