@@ -12,6 +12,7 @@ A helper's checks run on its own device, as rank 0's do; what it found comes bac
 from __future__ import annotations
 
 import socket
+import threading
 from datetime import timedelta
 
 import torch
@@ -20,7 +21,9 @@ import torch.distributed as dist
 from collab.errors import UserError
 from collab.train.window import Outcome
 
-START_TIMEOUT = timedelta(minutes=5)  # helpers import torch and build the model (compile comes with their first window)
+# how long a rank waits for the others in a collective: a helper imports torch and builds the model before it joins,
+# and compiles with its first window; rank 0 stops the helpers as soon as its training loop ends
+TIMEOUT = timedelta(minutes=30)
 GO, STOP = 1, 0
 
 
@@ -57,8 +60,32 @@ class LocalGroup:
             helper.start()
         if self.backend == "nccl":
             torch.cuda.set_device(torch.device(devices[0]))
-        dist.init_process_group(self.backend, init_method=address, rank=0, world_size=self.size,
-                                timeout=START_TIMEOUT)
+        self._join(address)
+
+    def _join(self, address: str) -> None:
+        """Form the group, or say which helper died before it joined (its own error is on the peer's stderr)."""
+        failed: list[BaseException] = []
+
+        def init() -> None:
+            try:
+                dist.init_process_group(self.backend, init_method=address, rank=0, world_size=self.size,
+                                        timeout=TIMEOUT)
+            except BaseException as e:  # noqa: BLE001 - reported below, in the trainer's thread
+                failed.append(e)
+
+        joining = threading.Thread(target=init, name="local-group-join", daemon=True)
+        joining.start()
+        while joining.is_alive():
+            dead = [(device, helper.exitcode) for device, helper in zip(self.devices[1:], self.helpers)
+                    if not helper.is_alive()]
+            if dead:
+                device, code = dead[0]
+                raise UserError(f"the process for {device} exited (code {code}) before it joined this peer (its "
+                                "error is above); fix that, or pass --gpus without it")
+            joining.join(0.5)
+        if failed:
+            raise UserError(f"the processes for {', '.join(self.devices)} could not form one peer: {failed[0]}; "
+                            "pass --gpus with fewer devices, or leave it out")
 
     @property
     def others(self) -> int:
@@ -94,9 +121,12 @@ class LocalGroup:
     def close(self, parameters: list[torch.nn.Parameter]) -> None:
         """Stop the helpers (finishing a window they are in: they wait for its sum)."""
         if dist.is_initialized():
-            if self._open:
-                self.close_window(parameters)
-            dist.broadcast(self._tensor([STOP, 0]), src=0)
+            try:
+                if self._open:
+                    self.close_window(parameters)
+                dist.broadcast(self._tensor([STOP, 0]), src=0)
+            except Exception as e:  # noqa: BLE001 - a helper that died: the others are ended below all the same
+                print(f"while stopping this peer's other devices: {type(e).__name__}: {e}", flush=True)
             dist.destroy_process_group()
         for helper in self.helpers:
             helper.join(timeout=10)
@@ -123,7 +153,7 @@ def _helper(config: dict, device: str, rank: int, size: int, address: str) -> No
         torch.cuda.set_device(torch.device(device))
     else:
         torch.set_num_threads(1)  # (the CPU test: two ranks on the cores rank 0 also uses)
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=START_TIMEOUT)
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=TIMEOUT)
     precision = Precision.from_config(run_config.training, device=device)
     task = build_task(run_config)
     precision.attach(task.model)

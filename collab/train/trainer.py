@@ -104,6 +104,8 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
             loop = TrainingLoop(config, options, stop, task, precision, batches, services, summary, group)
             loop.start(peer, shared, resume)
             loop.train()
+            if group is not None:  # at once: the helpers wait in a collective while this peer leaves the swarm
+                group.close(loop.window.parameters)
             if stop.is_set():
                 lost = shared.private.lost if shared is not None and shared.private is not None else None
                 summary.exit_reason = "stopped by signal" if lost is None else "no longer a member of the private run"
@@ -116,7 +118,7 @@ def run(config: RunConfig, peer: PeerConfig, options: JoinOptions, stop: threadi
         if services.keeper is not None:
             summary.plans_issued, summary.plans_read_late = services.keeper.issued, services.keeper.late
         if group is not None:
-            group.close([p for p in task.model.parameters() if p.requires_grad])
+            group.close([p for p in task.model.parameters() if p.requires_grad])  # (again: it does nothing twice)
             summary.local_group = group.report()
         if isinstance(pipeline, BatchPipeline):
             pipeline.close()
