@@ -1,0 +1,147 @@
+"""How the protocol holds as a swarm grows: N real peers of a task too cheap for compute to be the bound.
+
+For each N, `collab simulate` runs N `collab join` peers of the linreg task (a 100k-parameter linear model, micro-batch
+16, target 64 per peer, so an epoch's work per peer stays the same as N grows) on 127.0.0.1, while this script
+samples the CPU time and memory (PSS) of every process of the swarm (p2pd, the DHT and averager processes included).
+One peer alone first: "linear" is N times its rate. Per N it prints the swarm's samples/s against linear, epochs
+per minute, rounds ok and failed, the mean group size, the spread of the peers' final epochs, and CPU cores and
+resident memory per peer.
+
+    python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000]
+
+On a 2-core machine the peers share the cores, so from a few peers on the CPU is the bound: that is said in the
+table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
+
+Not measured yet (issue 36, to come): time in matchmaking and in all-reduce per round, DHT requests and bytes per
+peer, the replicas' spread at an epoch's end, and rows with latency between the peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def linreg_config(folder: Path, peers: int, dim: int) -> Path:
+    path = folder / f"linreg-{peers}.yaml"
+    path.write_text(yaml.safe_dump({
+        "task": {"name": "linreg", "dim": dim},
+        "training": {"micro_batch_size": 16, "target_batch_size": 64 * peers, "learning_rate": 1e-4,
+                     "warmup_steps": 0, "device": "cpu", "compile": "off"},
+        "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0},
+    }))
+    return path
+
+
+class TreeSampler:
+    """CPU seconds and memory (PSS: shared pages, torch's libraries among them, counted once across the processes
+    that share them) of a process and all its descendants, sampled every `every` seconds."""
+
+    def __init__(self, pid: int, every: float = 5.0):
+        self.root, self.every = psutil.Process(pid), every
+        self.cpu: dict[int, float] = {}  # pid -> its last CPU seconds (a process that exits keeps its last)
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            rss = 0
+            try:
+                processes = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in processes:
+                try:
+                    times = p.cpu_times()
+                    self.cpu[p.pid] = times.user + times.system + times.children_user + times.children_system
+                    rss += p.memory_full_info().pss
+                except psutil.Error:
+                    pass
+            self.peak_rss = max(self.peak_rss, rss)
+
+    def stop(self) -> tuple[float, int]:
+        self._stop.set()
+        self._thread.join()
+        return sum(self.cpu.values()), self.peak_rss
+
+
+def run_swarm(peers: int, args, folder: Path) -> dict:
+    config = linreg_config(folder, peers, args.dim)
+    workdir = folder / f"swarm-{peers}"
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "collab", "simulate", "--peers", str(peers), "--config",
+                                str(config), "--duration", str(args.duration), "--workdir", str(workdir), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    sampler = TreeSampler(process.pid)
+    out, err = process.communicate(timeout=args.duration + 600)
+    cpu, rss = sampler.stop()
+    if process.returncode not in (0, 1):  # 1: the report's own verdict (e.g. loss did not fall), still a report
+        raise SystemExit(f"collab simulate --peers {peers} failed ({process.returncode}):\n{err[-3000:]}")
+    report = json.loads(out[out.index("{"):])
+    return {"report": report, "cpu": cpu, "rss": rss, "wall": time.monotonic() - started}
+
+
+def row(peers: int, result: dict, single_rate: float) -> dict:
+    report = result["report"]
+    per_peer = report["peers"]
+    seconds = report["duration_seconds"]
+    samples = sum(p["samples_contributed"] for p in per_peer)
+    rate = samples / seconds
+    ok, failed = sum(p["rounds_joined"] for p in per_peer), sum(p["rounds_failed"] for p in per_peer)
+    sizes = [p["mean_group_size"] for p in per_peer if p["mean_group_size"]]
+    epochs = [p["final_epoch"] for p in per_peer]
+    return {
+        "peers": peers, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
+        "epochs_per_min": report["epochs_per_minute"], "rounds_ok": ok, "rounds_failed": failed,
+        "ok_share": ok / (ok + failed) if ok + failed else None,
+        "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": f"{min(epochs)}-{max(epochs)}",
+        "cores_per_peer": result["cpu"] / result["wall"] / peers, "rss_mb_per_peer": result["rss"] / peers / 2**20,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", default="4,8,16", help="comma-separated swarm sizes")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds each swarm trains")
+    parser.add_argument("--dim", type=int, default=100_000, help="linreg's parameters")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.peers.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        single = row(1, run_swarm(1, args, folder), 0.0)
+        rows = [row(n, run_swarm(n, args, folder), single["samples_per_s"]) for n in sizes]
+    cores = psutil.cpu_count()
+    print(f"linreg dim {args.dim}, micro-batch 16, target 64 x N, {args.duration:.0f} s per swarm, 127.0.0.1, "
+          f"{cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
+          f"{single['samples_per_s']:.0f} samples/s")
+    header = ("peers", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "mean group", "epochs",
+              "cores/peer", "CPU bound", "PSS MB/peer")
+    print(" | ".join(header))
+    for r in rows:
+        bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
+        print(" | ".join([str(r["peers"]), f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
+                          f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
+                          f"{100 * r['ok_share']:.0f}" if r["ok_share"] is not None else "-",
+                          f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
+                          f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}"]))
+    print("goals (issue 36): >= 95% of rounds ok, every peer within one epoch, >= 0.9 of linear where the CPU "
+          "is not shared")
+
+
+if __name__ == "__main__":
+    main()
