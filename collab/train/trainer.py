@@ -178,7 +178,9 @@ class TrainingLoop:
         services.start_plan_keeper(self.config, shared)
         self.opt = opt = services.start_optimizer(lambda: self._build_optimizer(shared), self._leave)
         opt.leave_at(options.max_epochs)
-        if not opt.sums_micro_batches:  # diloco and gossip step on each micro-batch; sync sums a window of them
+        # diloco and gossip step on each micro-batch; sync sums a window of them on a GPU. A CPU has no queue of
+        # kernels to keep fed (a read waits for nothing): there a window of one reports progress as it comes
+        if not opt.sums_micro_batches or self.precision.device.type == "cpu":
             self.window.most = 1
         if services.sharer is not None and services.sharer.watch is not None:  # a private run: members only
             opt.count_only_members(shared.private.access.allows)

@@ -14,7 +14,8 @@ together (collab.averaging.grad_averager.SummedMicroBatches counts them as that 
 
 The window is short: WINDOW_SECONDS of compute, and at most half the time the progress tracker expects until the
 swarm's epoch ends, so this peer's progress reaches the swarm in time. Modes that step on every micro-batch
-(diloco's inner steps, gossip's local steps) close it after each one.
+(diloco's inner steps, gossip's local steps) close it after each one, and so does a peer on a CPU, which has no
+queue of kernels to keep fed.
 
 The cost: while one micro-batch's gradients are summed in, the model holds them beside the window's sum (one
 more gradient-sized buffer than accumulating in .grad directly, which could not leave a bad micro-batch out).
