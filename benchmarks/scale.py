@@ -67,7 +67,8 @@ class TreeSampler:
             for p in processes:
                 try:
                     times = p.cpu_times()
-                    self.cpu[p.pid] = times.user + times.system + times.children_user + times.children_system
+                    # its own time only: a parent's reaped children (the fork server's peers) were sampled themselves
+                    self.cpu[p.pid] = times.user + times.system
                     rss += p.memory_full_info().pss
                 except psutil.Error:
                     pass

@@ -91,7 +91,7 @@ class BatchPipeline:
         self.base = feed.position if feed is not None else 0
         self.position = self.base  # windows of the shards trained on (the feed's own runs ahead)
         self.made_seconds = 0.0
-        self.batches_taken, self.said_bound = 0, False
+        self.batches_taken = 0
         self._error: Optional[BaseException] = None
         self._stop = threading.Event()
         self._sender: Optional[threading.Thread] = None
@@ -148,6 +148,10 @@ class BatchPipeline:
         self._stop.set()
         if self.feed is not None:
             self._worker_stop.set()
+            # windows still queued for a worker that is gone: without this, the process's exit would wait forever
+            # for the queue's feeder thread to write them into a pipe nobody reads
+            self._windows.cancel_join_thread()
+            self._lengths.cancel_join_thread()
         self._iterator = None  # its last reference: torch's iterator ends its worker as it goes
         if self._sender is not None:
             self._sender.join(timeout=10)

@@ -5,6 +5,9 @@ it trained on (not the ones the worker read ahead); and a pipeline that bounds t
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -66,6 +69,35 @@ def test_with_token_shards_the_worker_reads_the_feed_in_order_and_the_place_coun
     finally:
         pipeline.close()
         feed.close()
+
+
+def test_a_process_that_closed_a_pipeline_with_windows_still_queued_exits(tmp_path):
+    """The windows sent ahead to a worker that is gone must not hold the peer's exit (a queue's feeder thread
+    blocked on a full pipe made a process that had closed its pipeline hang at exit)."""
+    script = tmp_path / "close_and_exit.py"
+    script.write_text(f"""
+import itertools, sys
+import numpy as np
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from collab.config import load_config
+from collab.data.feed import ShardFeed
+from collab.data.shards import ShardWriter, write_shard_list
+from collab.train.pipeline import BatchPipeline
+
+if __name__ == "__main__":
+    config = load_config("causal-lm-tiny", {{"task.model.num_hidden_layers": 1}})
+    length = config.task.data.seq_length
+    writer = ShardWriter({str(tmp_path)!r}, 1000, 64 * length)
+    write_shard_list({str(tmp_path)!r}, writer.add(np.random.default_rng(0).integers(0, 1000, size=640 * length)))
+    feed = ShardFeed.from_folder({str(tmp_path)!r}, start=0.0)
+    pipeline = BatchPipeline(config, 2, seed=7, feed=feed)
+    list(itertools.islice(pipeline, 2))
+    pipeline.close()
+    feed.close()
+    print("closed", flush=True)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "closed" in done.stdout, done.stderr[-2000:]
 
 
 def test_a_pipeline_that_bounds_the_peer_is_said_once_with_the_fix():
