@@ -91,7 +91,7 @@ class TrainingConfig(Section):
         "bf16 on a GPU that has it, else fp16; fp32 on a CPU. The optimizer and the averaged gradients stay fp32")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the model (the first micro-batch compiles it; a failure falls back to "
-        "eager with one warning); auto: on a GPU, and on a CPU with a C++ compiler. Each peer's own choice")
+        "eager with one warning); auto: on a GPU only (on a CPU it made the peer no faster). Each peer's own choice")
     data_workers: Union[Literal["auto"], int] = Field(
         "auto", description="worker processes that make batches ahead of training (0: in the training thread); "
         "auto: 1 on a GPU, 0 on a CPU (whose cores are the model's). Each peer's own choice")

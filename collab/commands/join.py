@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--precision", default=None, choices=("auto", "fp32", "fp16", "bf16"),
                    help="autocast precision of forward/backward (default auto: fp16 on a GPU, fp32 on a CPU)")
     p.add_argument("--compile", default=None, choices=("auto", "on", "off"),
-                   help="torch.compile the model (default auto: on a GPU, and on a CPU with a C++ compiler); a "
+                   help="torch.compile the model (default auto: on a GPU only); a "
                         "failure falls back to eager")
     p.add_argument("--gpus", default=None, metavar="all|0,1",
                    help="one peer for several GPUs: a process per GPU, gradients summed inside the machine (default: "

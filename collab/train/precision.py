@@ -13,8 +13,6 @@ never counts toward reloading the replica).
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,12 +48,13 @@ def uses_precision(training) -> str:
 
 
 def uses_compile(training, device: torch.device) -> bool:
-    """training.compile with "auto" decided: on a GPU, and on a CPU where a C++ compiler is at hand (inductor's CPU
-    kernels are C++). On 2 cores it takes ALBERT-tiny from 28 to 33 samples/s after a 30 s compile
-    (benchmarks/overhead.py, docs/benchmarks.md); without a compiler it would only fail, and fall back, at start."""
+    """training.compile with "auto" decided: on a GPU only. On a CPU a compiled model made collab's peer no faster
+    (benchmarks/overhead.py, 2 cores, ALBERT-tiny, 2026-11-28: 25.4-34.0 samples/s compiled against 26.7-33.2 eager,
+    medians 28.5 and 29.3), after a 30 s compile at every start, though the plain loop gained about 15% from it;
+    `--compile on` still compiles there (docs/benchmarks.md)."""
     if training.compile != "auto":
         return training.compile == "on"
-    return device.type == "cuda" or any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "c++", "clang++"))
+    return device.type == "cuda"
 
 
 def uses_data_workers(training, device: torch.device) -> int:

@@ -25,6 +25,7 @@ from collab.tasks import Task, build_task
 from collab.train.catch_up import catch_up, settle, wait_for_peers
 from collab.train.checkpoint import load_model_weights, restore_training_state, save_checkpoint
 from collab.train.compiling import warm_up
+from collab.train.cpu_threads import one_thread_team
 from collab.train.data_feed import PLACE_KEY, PeerData
 from collab.train.micro_batch import with_micro_batch
 from collab.train.guard import RELOAD_AFTER, BatchGuard
@@ -182,6 +183,8 @@ class TrainingLoop:
         # kernels to keep fed (a read waits for nothing): there a window of one reports progress as it comes
         if not opt.sums_micro_batches or self.precision.device.type == "cpu":
             self.window.most = 1
+        if self.precision.device.type == "cpu":
+            one_thread_team(opt.state_averager)  # hivemind's step pool would stop libgomp's spinning (cpu_threads)
         if services.sharer is not None and services.sharer.watch is not None:  # a private run: members only
             opt.count_only_members(shared.private.access.allows)
             services.sharer.watch.on_revoked.append(opt.apply_revocations)

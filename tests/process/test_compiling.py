@@ -5,7 +5,6 @@ test, as inductor runs the machine's C++ compiler."""
 from __future__ import annotations
 
 import itertools
-import shutil
 
 import torch
 
@@ -35,7 +34,7 @@ def test_a_compiled_model_trains_as_the_eager_one_on_the_same_parameters(capsys)
     eager, compiled = build_task(config), build_task(config)
     precision = Precision.from_config(config.training)
     auto = config.training.model_copy(update={"compile": "auto"})
-    assert precision.compile and Precision.from_config(auto).compile == bool(shutil.which("g++") or shutil.which("c++"))
+    assert precision.compile and not Precision.from_config(auto).compile  # auto compiles on a GPU only
     assert not Precision.from_config(config.training.model_copy(update={"compile": "off"})).compile
     parameters = list(compiled.model.parameters())
     names = list(compiled.model.state_dict())
