@@ -12,8 +12,9 @@ resident memory per peer.
 On a 2-core machine the peers share the cores, so from a few peers on the CPU is the bound: that is said in the
 table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
 
-Not measured yet (issue 36, to come): time in matchmaking and in all-reduce per round, DHT requests and bytes per
-peer, the replicas' spread at an epoch's end, and rows with latency between the peers.
+Per round, from the peers' summaries: seconds finding the group (matchmaking) and in the all-reduce; per peer and
+minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic). Not measured yet: the replicas'
+spread at an epoch's end, and rows with latency between the peers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import yaml
@@ -112,7 +114,20 @@ def row(peers: int, result: dict, single_rate: float) -> dict:
         "ok_share": ok / (ok + failed) if ok + failed else None,
         "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": f"{min(epochs)}-{max(epochs)}",
         "cores_per_peer": result["cpu"] / result["wall"] / peers, "rss_mb_per_peer": result["rss"] / peers / 2**20,
+        "matchmaking_s": _mean(p["matchmaking_seconds"] for p in per_peer),
+        "allreduce_s": _mean(p["allreduce_seconds"] for p in per_peer),
+        "dht_requests": _mean(p["dht_requests_per_minute"] for p in per_peer),
+        "dht_kb": _mean(p["dht_kb_per_minute"] for p in per_peer),
     }
+
+
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main() -> None:
@@ -131,7 +146,8 @@ def main() -> None:
           f"{cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
           f"{single['samples_per_s']:.0f} samples/s")
     header = ("peers", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "mean group", "epochs",
-              "cores/peer", "CPU bound", "PSS MB/peer")
+              "matchmaking s/round", "all-reduce s/round", "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer",
+              "CPU bound", "PSS MB/peer")
     print(" | ".join(header))
     for r in rows:
         bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
@@ -139,7 +155,8 @@ def main() -> None:
                           f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
                           f"{100 * r['ok_share']:.0f}" if r["ok_share"] is not None else "-",
                           f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
-                          f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}"]))
+                          _fmt(r["matchmaking_s"], 2), _fmt(r["allreduce_s"], 2), _fmt(r["dht_requests"], 0),
+                          _fmt(r["dht_kb"], 0), f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}"]))
     print("goals (issue 36): >= 95% of rounds ok, every peer within one epoch, >= 0.9 of linear where the CPU "
           "is not shared")
 

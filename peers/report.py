@@ -42,6 +42,12 @@ class PeerReport:
     loss_epochs: int = 0  # epochs with a loss from this peer (a peer restarted in the last seconds has one or two)
     merges: Optional[int] = None  # gossip: parameter merges it made (asked and answered)
     final_sketch: Optional[list] = None  # gossip: its replica's count sketch at the end (collab.modes.gossip_rules)
+    # per gradient round: seconds finding the group, seconds in the all-reduce (collab.averaging.traffic)
+    matchmaking_seconds: Optional[float] = None
+    allreduce_seconds: Optional[float] = None
+    # what its DHT node sent the swarm, per minute: requests, and KB sent + received (collab.swarm.dht_traffic)
+    dht_requests_per_minute: Optional[float] = None
+    dht_kb_per_minute: Optional[float] = None
 
 
 MIN_LOSS_EPOCHS = 3
@@ -176,6 +182,10 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
     fp32 = sum(s.get("allreduce_fp32_bytes", 0.0) for s in summaries)
     if hits:
         exit_text += f"; hit by churn {hits}x, started {peer.starts}x"
+    timed = [s["round_seconds"] for s in summaries if s.get("round_seconds", {}).get("rounds")]
+    timed_rounds = sum(t["rounds"] for t in timed)
+    dht = [s["dht"] for s in summaries if s.get("dht", {}).get("seconds")]
+    dht_minutes = sum(d["seconds"] for d in dht) / 60
     return PeerReport(
         index=peer.index, peer_id=peer.peer_id, link=link, incarnations=peer.starts,
         start_epoch=summaries[0].get("start_epoch", 0) if summaries else 0,
@@ -197,6 +207,11 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         fewer_bytes_than_fp32=fp32 / moved if moved else None,
         merges=sum(s["gossip"].get("merges", 0) for s in summaries if s.get("gossip")) if last.get("gossip") else None,
         final_sketch=last.get("gossip", {}).get("sketch") or None,
+        matchmaking_seconds=sum(t["matchmaking"] for t in timed) / timed_rounds if timed_rounds else None,
+        allreduce_seconds=sum(t["allreduce"] for t in timed) / timed_rounds if timed_rounds else None,
+        dht_requests_per_minute=sum(d["requests"] for d in dht) / dht_minutes if dht_minutes else None,
+        dht_kb_per_minute=(sum(d["bytes_sent"] + d["bytes_received"] for d in dht) / 1e3 / dht_minutes
+                           if dht_minutes else None),
     )
 
 

@@ -46,7 +46,8 @@ from collab.averaging.one_average import OneAverage
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.hivemind_hooks.averager import AveragerHooks
-from collab.hivemind_hooks.patches import before_failed_reducer, check_returned_parts, never_ask_leaders
+from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, never_ask_leaders,
+                                           pace_group_reads, time_matchmaking)
 from collab.records.rejections import HARD_EVIDENCE
 from collab.records.untrusted import progress_records
 
@@ -55,6 +56,7 @@ PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's 
 PROGRESS_REFRESH = 5.0  # seconds: the signed progress records are re-read (in the background) at most this often
 FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the records (collab.swarm.state, ~0.1-1 s)
 STATE_BOUND = 1.0
+GROUP_READ_FLOOR = 0.1  # seconds: the DHT reads of a group key are at least this far apart (pace_group_reads)
 BAN_SECONDS = 600.0
 _step_in_progress: contextvars.ContextVar = contextvars.ContextVar("collab_step_in_progress", default=None)
 
@@ -180,9 +182,27 @@ class CheckedRounds(AveragerHooks):
         matchmaking = getattr(self, "_matchmaking", None)  # made in the averager process
         if matchmaking is not None:
             never_ask_leaders(matchmaking, self.banned)
+            time_matchmaking(matchmaking, self._matched_in)
+            pace_group_reads(matchmaking, every=max(GROUP_READ_FLOOR, matchmaking.min_matchmaking_time / 10))
         if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
-            self._signed_progress()  # a fresh read starts while the group is being matched
+            records = self._signed_progress()  # a fresh read starts while the group is being matched
+            if matchmaking is not None:
+                self._fit_group_to_swarm(matchmaking, records)
         return await super().averaging_step(step=step, **kwargs)
+
+    def _fit_group_to_swarm(self, matchmaking, records: dict) -> None:
+        """averaging.group_size unset: a leader begins its round as soon as every peer the run's progress records
+        show training (within an epoch of the furthest) has joined, instead of waiting out matchmaking_time for
+        peers that do not exist (a 2-peer swarm spent 3 of every 3.5 s matching). Records are at most
+        PROGRESS_REFRESH s old: a peer that just joined may miss one round; one that just left makes that round wait
+        the whole matchmaking_time, as before."""
+        configured = self.__dict__.setdefault("_configured_group_size", matchmaking.target_group_size)
+        if configured is not None:
+            return
+        epochs = [getattr(record, "epoch", None) for record in records.values()]
+        epochs = [e for e in epochs if isinstance(e, int)]
+        training = sum(e >= max(epochs) - 1 for e in epochs) if epochs else 0
+        matchmaking.target_group_size = training if training >= 2 else None
 
     async def run_allreduce(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -203,10 +223,12 @@ class CheckedRounds(AveragerHooks):
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
             return
+        started = time.monotonic()
         try:
             updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
         finally:
-            TrafficLog.put(self.traffic, runner, self._values_per_round(), self.total_size)
+            TrafficLog.put(self.traffic, runner, self._values_per_round(), self.total_size,
+                           seconds=(self.__dict__.get("_matching_seconds", 0.0), time.monotonic() - started))
         if self.kind == "gradients" and not phase and nobody_else_sent(runner, self.peer_id):
             # the group held a peer that never took part: one that gave up its join request a moment before the
             # leader's answer came (a CPU-starved peer), while the leader counted it in. The "average" is this
@@ -241,6 +263,9 @@ class CheckedRounds(AveragerHooks):
             del recent[:-16]
         self.last_updated = get_dht_time()
         self._state_updated.set()
+
+    def _matched_in(self, seconds: float) -> None:
+        self._matching_seconds = seconds  # the search that found this round's group (the last one before it)
 
     def _refusal(self, runner: _CheckedRunner, updates, bound: float, averaged_norm: Optional[float]
                  ) -> Optional[str]:

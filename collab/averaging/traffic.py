@@ -78,6 +78,10 @@ class RoundTraffic:
     bytes_sent: int = 0
     bytes_received: int = 0
     fp32_bytes: float = 0.0  # the same round uncompressed (see the module's docstring)
+    # seconds: the search that found the round's group (hivemind's matchmaking), and its all-reduce (both runs of
+    # PowerSGD's round); counted where the averager's process ran an all-reduce
+    matchmaking_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
     # collab.adaptive.noise_scale's inputs, from a gradient round this peer accepted: its own gradient's squared norm
     # and samples, the average's and the samples it stands for (None where this peer reduced no part: client mode)
     norms: Optional[tuple[float, float, float, Optional[float]]] = None
@@ -96,16 +100,19 @@ class TrafficLog:
         self.queue = (context or mp.get_context()).Queue()
         self.total = RoundTraffic()
         self.recent: list[RoundTraffic] = []
+        self.rounds = 0  # rounds that moved bytes
         self._lock = threading.Lock()
 
     @staticmethod
-    def put(traffic_queue, runner: CountingRunner, values_all_reduced: int, gradient_values: int) -> None:
-        """From the averager's process, after each run of a round (whatever its outcome)."""
+    def put(traffic_queue, runner: CountingRunner, values_all_reduced: int, gradient_values: int,
+            seconds: tuple[float, float] = (0.0, 0.0)) -> None:
+        """From the averager's process, after each run of a round (whatever its outcome); `seconds`: its group's
+        matchmaking and this run's all-reduce."""
         if traffic_queue is None or values_all_reduced <= 0:
             return
         fp32 = 4.0 * runner.values_moved * gradient_values / values_all_reduced
         try:
-            traffic_queue.put_nowait((runner.bytes_sent, runner.bytes_received, fp32))
+            traffic_queue.put_nowait((runner.bytes_sent, runner.bytes_received, fp32, *map(float, seconds)))
         except (OSError, ValueError, queue.Full):  # closed at shutdown: nothing to count any more
             pass
 
@@ -141,12 +148,18 @@ class TrafficLog:
             this.bytes_sent += int(sent)
             this.bytes_received += int(received)
             this.fp32_bytes += float(fp32)
+            if len(rest) == 2:
+                this.matchmaking_seconds = max(this.matchmaking_seconds, float(rest[0]))
+                this.allreduce_seconds += float(rest[1])
         if not this.bytes_sent and not this.bytes_received:
             return None
         with self._lock:
             self.total.bytes_sent += this.bytes_sent
             self.total.bytes_received += this.bytes_received
             self.total.fp32_bytes += this.fp32_bytes
+            self.total.matchmaking_seconds += this.matchmaking_seconds
+            self.total.allreduce_seconds += this.allreduce_seconds
+            self.rounds += 1
             self.recent = [*self.recent, this][-RECENT_ROUNDS:]
         return this
 
@@ -155,6 +168,8 @@ class TrafficLog:
         with self._lock:
             summary.allreduce_bytes_sent, summary.allreduce_bytes_received = self.total.bytes_sent, self.total.bytes_received
             summary.allreduce_fp32_bytes = self.total.fp32_bytes
+            summary.round_seconds = {"rounds": self.rounds, "matchmaking": round(self.total.matchmaking_seconds, 3),
+                                     "allreduce": round(self.total.allreduce_seconds, 3)}
         summary.allreduce_recent_mb_per_round, summary.allreduce_recent_fewer_than_fp32 = self.per_round()
 
     def per_round(self) -> tuple[Optional[float], Optional[float]]:

@@ -135,8 +135,11 @@ PATCHED = (
     "hivemind.averaging.allreduce.deserialize_torch_tensor",  # collab's decoders (fixed 8-bit, DGC's sparse parts)
     "hivemind.utils.crypto.RSAPrivateKey._process_wide_key",  # the tracker signs with the libp2p identity's key
     "hivemind.averaging.matchmaking.Matchmaking._request_join_group",  # never ask a banned leader
+    "hivemind.averaging.matchmaking.Matchmaking.look_for_group",  # each search for a group timed
+    "hivemind.averaging.key_manager.GroupKeyManager.get_averagers",  # group reads paced
     "hivemind.averaging.partition.TensorPartContainer.register_failed_reducer",  # reducers that died mid-round
     "hivemind.averaging.partition.TensorPartContainer.register_processed_part",  # every returned part checked
+    "hivemind.dht.protocol.DHTProtocol.get_stub",  # a peer's DHT requests counted (requests, bytes)
     "hivemind.p2p.servicer.ServicerBase.get_stub",  # a state download's donors: members, plausible, dialled bounded
     "hivemind.averaging.allreduce.AllReduceRunner._ban_sender",  # called by collab's reducer loop (one_average)
     "hivemind.dht.dht.DHT._get_p2p_daemon_listen_maddr",  # a second client of the DHT's p2pd (run files)
@@ -172,6 +175,7 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.optim.progress_tracker.ProgressTracker": ("should_report_progress", "global_progress",
                                                         "global_state_updated"),
     "hivemind.dht.routing.RoutingTable": ("peer_id_to_uid",),
+    "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size"),
     "hivemind.utils.crypto.RSAPrivateKey": ("_private_key",),
     "hivemind.utils.crypto.RSAPublicKey": ("_public_key",),
 }

@@ -4,7 +4,9 @@ function each, with one line on why. Nothing here runs at import time; the calle
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -54,6 +56,44 @@ def never_ask_leaders(matchmaking, refused: Callable) -> None:
     matchmaking._request_join_group, matchmaking._collab_checked = unless_refused, True
 
 
+def time_matchmaking(matchmaking, record: Callable[[float], None]) -> None:
+    """Each search for a group (hivemind's Matchmaking.look_for_group, whatever it finds) is timed: `record(seconds)`
+    after it ends, so a round's matchmaking is measured apart from its all-reduce. Once per Matchmaking."""
+    if getattr(matchmaking, "_collab_timed", False):
+        return
+    look_for_group = matchmaking.look_for_group
+
+    async def timed(*args, **kwargs):
+        started = time.monotonic()
+        try:
+            return await look_for_group(*args, **kwargs)
+        finally:
+            record(time.monotonic() - started)
+
+    matchmaking.look_for_group, matchmaking._collab_timed = timed, True
+
+
+def pace_group_reads(matchmaking, every: float) -> None:
+    """hivemind's matchmaking re-reads its group key from the DHT each time its queue of leaders runs dry, and a peer
+    that would lead (every other peer ranks below it) finds it dry at once, again and again: in a 2-peer swarm each
+    peer sent 84 DHT finds a second, each also a round trip to the DHT's process. Start at most one read every
+    `every` seconds (a follower still hears of a leader within that; a leader waits for join requests, which
+    come to it directly). Once per Matchmaking."""
+    keys = matchmaking.group_key_manager
+    if getattr(keys, "_collab_paced", False):
+        return
+    get_averagers, last = keys.get_averagers, [float("-inf")]
+
+    async def paced(*args, **kwargs):
+        wait = last[0] + every - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        last[0] = time.monotonic()
+        return await get_averagers(*args, **kwargs)
+
+    keys.get_averagers, keys._collab_paced = paced, True
+
+
 def decode_averages_with(decode: Callable) -> None:
     """hivemind's all-reduce decodes the parts reducers send back with its module's deserialize_torch_tensor: collab's
     decoder (a fixed 8-bit decode, DGC's sparse parts) takes its place there; hivemind's codec table stays as it is.
@@ -92,6 +132,38 @@ def p2pd_address(dht):
 def close_p2p_client(p2p) -> None:
     """Close a replicated client of p2pd without stopping the daemon, which the DHT owns (P2P.shutdown would)."""
     p2p._terminate()
+
+
+# --- the DHT's process ---
+
+def count_dht_requests(protocol, count: Callable[[str, int, int], None]) -> None:
+    """hivemind's DHTProtocol reaches every other node through its get_stub: each request it sends (rpc_find,
+    rpc_store, rpc_ping) is counted by `count(rpc, request bytes, reply bytes)`, a failed one with 0 reply bytes, so
+    a peer's DHT traffic can be measured as the swarm grows. Once per DHT node, in the DHT's process."""
+    if getattr(protocol, "_collab_counted", False):
+        return
+    inner = protocol.get_stub
+
+    class CountedStub:
+        def __init__(self, stub):
+            self._stub = stub
+
+        def __getattr__(self, name: str):
+            method = getattr(self._stub, name)
+            if not name.startswith("rpc_"):
+                return method
+
+            async def counted(request, *args, **kwargs):
+                reply = None
+                try:
+                    reply = await method(request, *args, **kwargs)
+                    return reply
+                finally:
+                    count(name, request.ByteSize(), reply.ByteSize() if reply is not None else 0)
+            return counted
+
+    protocol.get_stub = lambda peer: CountedStub(inner(peer))
+    protocol._collab_counted = True
 
 
 # --- a process forked from the simulation's fork server ---

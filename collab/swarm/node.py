@@ -29,6 +29,7 @@ from collab.process.lifecycle import quiet_orphaned_requests
 from collab.records.identity import Identity, load_or_create_identity
 from collab.records.metrics import MetricsSchema
 from collab.run.sharing import ask_about_access
+from collab.swarm.dht_traffic import start_counting
 from collab.swarm.rejoin import Rejoiner
 
 
@@ -141,6 +142,7 @@ class Swarm:
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
         self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
+        start_counting(self.dht)  # its requests to the swarm, per RPC (collab.swarm.dht_traffic)
 
     def rejoin(self) -> int:
         """Ask again for peers the DHT lost (collab.swarm.rejoin), at most every REJOIN_EVERY s; how many answered so

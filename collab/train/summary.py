@@ -49,6 +49,8 @@ class Summary:
     # the same over the last rounds only (collab.averaging.traffic.RECENT_ROUNDS): what a codec costs once warmed up
     allreduce_recent_mb_per_round: Optional[float] = None
     allreduce_recent_fewer_than_fp32: Optional[float] = None
+    # those rounds' seconds in all: finding the group (matchmaking) and the all-reduce, and how many rounds
+    round_seconds: dict = field(default_factory=dict)
     # at exit, whose replica this is: "swarm" (its last step was the swarm's), "downloaded" (its last step was
     # its own, and it downloaded the swarm's state before leaving) or "own step" (it could not: no checkpoint)
     final_replica: str = ""
@@ -72,6 +74,8 @@ class Summary:
     pipeline: dict = field(default_factory=dict)
     # one peer for several devices (collab.train.local_group): the devices, and the micro-batches each computed
     local_group: dict = field(default_factory=dict)
+    # what its DHT node sent the swarm: requests and bytes, per RPC, over `seconds` (collab.swarm.dht_traffic)
+    dht: dict = field(default_factory=dict)
     # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
     fp16_overflows: int = 0
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so

@@ -20,6 +20,7 @@ from collab.records.identity import load_or_create_identity
 from collab.records.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.run.gate import MemberGate
 from collab.run.sharer import SharedRun
+from collab.swarm.dht_traffic import dht_requests
 from collab.swarm.node import PeerConfig, Swarm
 from collab.tasks import Task, build_task
 from collab.train.catch_up import catch_up, settle, wait_for_peers
@@ -336,6 +337,7 @@ class TrainingLoop:
         summary.final_epoch = opt.local_epoch
         summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
         harvest(summary, opt, self.task.model, self.log)
+        summary.dht = dht_requests(opt.dht) or {}  # read once, at exit: each read is a request to the DHT's process
         # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
         # a peer whose last step was its own: that model is nobody else's
         saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")

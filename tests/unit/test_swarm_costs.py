@@ -1,0 +1,139 @@
+"""What a peer costs the swarm as it grows (issue 36): its matchmaking's DHT reads paced, a round's group that begins
+once every training peer joined it (averaging.group_size unset), each search for a group timed, and the DHT requests
+a peer's node sends counted. Each against a stand-in for the one hivemind object it wraps; the swarm tests and
+benchmarks/scale.py run them in real swarms."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from collab.averaging.robust_rounds import CheckedRounds
+from collab.hivemind_hooks.patches import count_dht_requests, pace_group_reads, time_matchmaking
+from collab.swarm.dht_traffic import DHTRequests
+
+
+def test_group_reads_are_paced_and_a_second_pacing_adds_nothing():
+    starts = []
+
+    async def get_averagers(key, only_active):
+        starts.append(time.monotonic())
+        return []
+
+    matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(get_averagers=get_averagers))
+    pace_group_reads(matchmaking, every=0.2)
+    pace_group_reads(matchmaking, every=5.0)  # once per Matchmaking: the first pace holds
+
+    async def read_in_a_loop():  # what a would-be leader did: read again as soon as a read came back
+        began = time.monotonic()
+        for _ in range(4):
+            await matchmaking.group_key_manager.get_averagers("key", only_active=True)
+        return began
+
+    began = asyncio.run(read_in_a_loop())
+    assert starts[0] - began < 0.1  # the first read is not held
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(gaps) == 3 and all(0.19 <= gap < 1.0 for gap in gaps), gaps
+
+
+def test_each_search_for_a_group_is_timed_whether_it_finds_one_or_fails():
+    seen = []
+    outcomes = iter([None, RuntimeError("no group")])
+
+    async def look_for_group(step):
+        await asyncio.sleep(0.05)
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    matchmaking = SimpleNamespace(look_for_group=look_for_group)
+    time_matchmaking(matchmaking, seen.append)
+    time_matchmaking(matchmaking, seen.append)  # once per Matchmaking
+    assert asyncio.run(matchmaking.look_for_group("step")) is None
+    with pytest.raises(RuntimeError):
+        asyncio.run(matchmaking.look_for_group("step"))
+    assert len(seen) == 2 and all(0.04 <= s < 1.0 for s in seen), seen
+
+
+def _fit(target_group_size, epochs: list[int]):
+    averager = SimpleNamespace()
+    matchmaking = SimpleNamespace(target_group_size=target_group_size)
+    records = {f"peer{i}": SimpleNamespace(epoch=e) for i, e in enumerate(epochs)}
+    CheckedRounds._fit_group_to_swarm(averager, matchmaking, records)
+    return matchmaking.target_group_size, averager, matchmaking
+
+
+def test_a_group_begins_once_every_training_peer_joined_when_no_size_is_set():
+    assert _fit(None, [7, 7, 6, 7])[0] == 4
+    assert _fit(None, [7, 7, 6, 2])[0] == 3  # a peer 5 epochs behind (catching up) is in no round of these
+    assert _fit(None, [7])[0] is None  # alone, or no records yet: hivemind's own rule (wait out matchmaking_time)
+    assert _fit(None, [])[0] is None
+    assert _fit(8, [7, 7, 7])[0] == 8  # a size the run set is kept
+
+
+def test_the_group_follows_the_swarm_from_round_to_round():
+    size, averager, matchmaking = _fit(None, [3, 3, 3])
+    assert size == 3
+    # the next round: two more peers, then one left; the unset configuration is remembered, not the last target
+    records = {f"peer{i}": SimpleNamespace(epoch=4) for i in range(5)}
+    CheckedRounds._fit_group_to_swarm(averager, matchmaking, records)
+    assert matchmaking.target_group_size == 5
+    del records["peer4"]
+    CheckedRounds._fit_group_to_swarm(averager, matchmaking, records)
+    assert matchmaking.target_group_size == 4
+
+
+def test_a_nodes_dht_requests_are_counted_by_rpc_with_their_bytes():
+    class Message:
+        def __init__(self, size):
+            self.size = size
+
+        def ByteSize(self):
+            return self.size
+
+    class Stub:
+        async def rpc_find(self, request, timeout=None):
+            return Message(300)
+
+        async def rpc_store(self, request, timeout=None):
+            raise TimeoutError("no answer")
+
+    protocol = SimpleNamespace(get_stub=lambda peer: Stub())
+    counts = DHTRequests()
+    count_dht_requests(protocol, counts.count)
+    count_dht_requests(protocol, counts.count)  # once per node: not counted twice
+
+    async def talk():
+        for _ in range(3):
+            await protocol.get_stub("peer").rpc_find(Message(40), timeout=1)
+        with pytest.raises(TimeoutError):
+            await protocol.get_stub("peer").rpc_store(Message(500), timeout=1)
+
+    asyncio.run(talk())
+    report = counts.report()
+    assert report["requests"] == 4 and report["bytes_sent"] == 3 * 40 + 500 and report["bytes_received"] == 900
+    assert report["by_rpc"]["find"] == {"requests": 3, "failed": 0, "bytes_sent": 120, "bytes_received": 900}
+    assert report["by_rpc"]["store"] == {"requests": 1, "failed": 1, "bytes_sent": 500, "bytes_received": 0}
+
+
+def test_a_rounds_matchmaking_and_all_reduce_seconds_reach_the_summary():
+    from collab.averaging.traffic import TrafficLog
+    from collab.train.summary import Summary
+
+    log = TrafficLog()
+    runner = SimpleNamespace(bytes_sent=100, bytes_received=100, values_moved=50)
+    # PowerSGD's round: two all-reduces in one group (one search for it)
+    TrafficLog.put(log.queue, runner, values_all_reduced=50, gradient_values=100, seconds=(1.5, 0.25))
+    TrafficLog.put(log.queue, runner, values_all_reduced=50, gradient_values=100, seconds=(1.5, 0.5))
+    time.sleep(0.5)  # both in the pipe (a queue's feeder thread sends them), as when the trainer ends the round
+    first = log.end_round(wait=2.0)
+    TrafficLog.put(log.queue, runner, values_all_reduced=50, gradient_values=100, seconds=(0.5, 0.25))
+    log.end_round(wait=2.0)
+    assert (first.matchmaking_seconds, first.allreduce_seconds) == (1.5, 0.75)
+    summary = Summary()
+    log.copy_to(summary)
+    assert summary.round_seconds == {"rounds": 2, "matchmaking": 2.0, "allreduce": 1.0}
