@@ -13,7 +13,8 @@ On a 2-core machine the peers share the cores, so from a few peers on the CPU is
 table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
 
 Per round, from the peers' summaries: seconds finding the group (matchmaking) and in the all-reduce; per peer and
-minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic). Not measured yet: the replicas'
+minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key`
+says which keys they were for). Not measured yet: the replicas'
 spread at an epoch's end, and rows with latency between the peers.
 """
 

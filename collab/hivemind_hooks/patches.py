@@ -136,10 +136,10 @@ def close_p2p_client(p2p) -> None:
 
 # --- the DHT's process ---
 
-def count_dht_requests(protocol, count: Callable[[str, int, int], None]) -> None:
+def count_dht_requests(protocol, count: Callable) -> None:
     """hivemind's DHTProtocol reaches every other node through its get_stub: each request it sends (rpc_find,
-    rpc_store, rpc_ping) is counted by `count(rpc, request bytes, reply bytes)`, a failed one with 0 reply bytes, so
-    a peer's DHT traffic can be measured as the swarm grows. Once per DHT node, in the DHT's process."""
+    rpc_store, rpc_ping) is counted by `count(rpc, request, reply)` (reply None for a request that failed), so a
+    peer's DHT traffic can be measured as the swarm grows. Once per DHT node, in the DHT's process."""
     if getattr(protocol, "_collab_counted", False):
         return
     inner = protocol.get_stub
@@ -159,7 +159,7 @@ def count_dht_requests(protocol, count: Callable[[str, int, int], None]) -> None
                     reply = await method(request, *args, **kwargs)
                     return reply
                 finally:
-                    count(name, request.ByteSize(), reply.ByteSize() if reply is not None else 0)
+                    count(name, request, reply)
             return counted
 
     protocol.get_stub = lambda peer: CountedStub(inner(peer))

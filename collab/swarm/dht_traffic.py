@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Optional
+from functools import partial
+from typing import Iterable, Optional
+
+from hivemind.dht.routing import DHTID
 
 from collab.hivemind_hooks.patches import count_dht_requests
 
@@ -16,27 +19,52 @@ READ_TIMEOUT = 5.0
 
 
 class DHTRequests:
-    """Counts per RPC: requests sent, failed (no reply), request and reply bytes; since the counting started."""
+    """Counts per RPC: requests sent, failed (no reply), request and reply bytes; and per key asked for (find and
+    store name their keys by DHT id), requests and bytes; since the counting started."""
 
     def __init__(self):
         self.started = time.monotonic()
         self.by_rpc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self.by_key: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
 
-    def count(self, rpc: str, sent: int, received: int) -> None:
+    def count(self, rpc: str, request, reply) -> None:
+        sent, received = request.ByteSize(), reply.ByteSize() if reply is not None else 0
         row = self.by_rpc[rpc.removeprefix("rpc_")]
         row[0] += 1
-        row[1] += received == 0
+        row[1] += reply is None
         row[2] += sent
         row[3] += received
+        keys = list(getattr(request, "keys", ()))
+        for key in keys:  # a request for several keys: its bytes shared among them
+            self.by_key[bytes(key)][0] += 1
+            self.by_key[bytes(key)][1] += (sent + received) // len(keys)
 
-    def report(self) -> dict:
+    def report(self, names: Iterable[str] = ()) -> dict:
+        """`names`: keys this peer knows (the run's progress, metrics, group keys...): the others are "other"."""
         rows = {rpc: dict(requests=r[0], failed=r[1], bytes_sent=r[2], bytes_received=r[3])
                 for rpc, r in sorted(self.by_rpc.items())}
+        named = {DHTID.generate(source=name).to_bytes(): name for name in names}
+        by_key: dict[str, dict] = {}
+        for key, (requests, size) in self.by_key.items():
+            row = by_key.setdefault(named.get(key, "other"), dict(requests=0, bytes=0))
+            row["requests"] += requests
+            row["bytes"] += size
         return {"seconds": round(time.monotonic() - self.started, 1),
                 "requests": sum(r["requests"] for r in rows.values()),
                 "bytes_sent": sum(r["bytes_sent"] for r in rows.values()),
                 "bytes_received": sum(r["bytes_received"] for r in rows.values()),
-                "by_rpc": rows}
+                "by_rpc": rows, "by_key": dict(sorted(by_key.items(), key=lambda kv: -kv[1]["bytes"]))}
+
+
+def known_keys(run_id: str) -> list[str]:
+    """The DHT keys of a run that its peers read and write (collab's records; hivemind's progress, its averagers'
+    donor lists and first group keys), by name."""
+    names = [run_id + suffix for suffix in ("_progress", "_metrics", "_plan", "_manifest", "_shards", "_members",
+                                            "_revoked")]
+    for averager in ("_grad_averager", "_state_averager"):
+        names += [f"{run_id}{averager}.all_averagers", f"{run_id}{averager}.0b"]
+        names += [f"{run_id}{averager}.0b{bits}" for bits in ("0", "1", "00", "01", "10", "11")]
+    return names
 
 
 _counting: Optional[DHTRequests] = None  # in the DHT's process
@@ -49,8 +77,8 @@ async def _start(_dht, node) -> None:
         count_dht_requests(node.protocol, _counting.count)
 
 
-async def _report(_dht, _node) -> Optional[dict]:
-    return _counting.report() if _counting is not None else None
+async def _report(_dht, _node, names: tuple = ()) -> Optional[dict]:
+    return _counting.report(names) if _counting is not None else None
 
 
 def start_counting(dht) -> None:
@@ -58,9 +86,11 @@ def start_counting(dht) -> None:
     dht.run_coroutine(_start)
 
 
-def dht_requests(dht, timeout: float = READ_TIMEOUT) -> Optional[dict]:
-    """The counts so far (None if counting never started, or the DHT did not answer in time)."""
+def dht_requests(dht, run_id: str = "", timeout: float = READ_TIMEOUT) -> Optional[dict]:
+    """The counts so far, with the run's known keys named (None if counting never started, or the DHT did not
+    answer in time)."""
     try:
-        return dht.run_coroutine(_report, return_future=True).result(timeout=timeout)
+        report = partial(_report, names=tuple(known_keys(run_id)) if run_id else ())
+        return dht.run_coroutine(report, return_future=True).result(timeout=timeout)
     except Exception:  # a DHT shutting down, or too busy to answer: no figures this time
         return None

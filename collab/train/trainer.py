@@ -337,7 +337,7 @@ class TrainingLoop:
         summary.final_epoch = opt.local_epoch
         summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
         harvest(summary, opt, self.task.model, self.log)
-        summary.dht = dht_requests(opt.dht) or {}  # read once, at exit: each read is a request to the DHT's process
+        summary.dht = dht_requests(opt.dht, self.swarm.peer.run_id) or {}  # read once, at exit: each read is a request to the DHT's process
         # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
         # a peer whose last step was its own: that model is nobody else's
         saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")

@@ -13,7 +13,7 @@ import pytest
 
 from collab.averaging.robust_rounds import CheckedRounds
 from collab.hivemind_hooks.patches import count_dht_requests, pace_group_reads, time_matchmaking
-from collab.swarm.dht_traffic import DHTRequests
+from collab.swarm.dht_traffic import DHTRequests, known_keys
 
 
 def test_group_reads_are_paced_and_a_second_pacing_adds_nothing():
@@ -87,10 +87,12 @@ def test_the_group_follows_the_swarm_from_round_to_round():
     assert matchmaking.target_group_size == 4
 
 
-def test_a_nodes_dht_requests_are_counted_by_rpc_with_their_bytes():
+def test_a_nodes_dht_requests_are_counted_by_rpc_and_by_key_with_their_bytes():
+    from hivemind.dht.routing import DHTID
+
     class Message:
-        def __init__(self, size):
-            self.size = size
+        def __init__(self, size, keys=()):
+            self.size, self.keys = size, [DHTID.generate(source=k).to_bytes() for k in keys]
 
         def ByteSize(self):
             return self.size
@@ -109,15 +111,19 @@ def test_a_nodes_dht_requests_are_counted_by_rpc_with_their_bytes():
 
     async def talk():
         for _ in range(3):
-            await protocol.get_stub("peer").rpc_find(Message(40), timeout=1)
+            await protocol.get_stub("peer").rpc_find(Message(40, ["run_progress"]), timeout=1)
         with pytest.raises(TimeoutError):
-            await protocol.get_stub("peer").rpc_store(Message(500), timeout=1)
+            await protocol.get_stub("peer").rpc_store(Message(500, ["run_metrics", "someone's key"]), timeout=1)
 
     asyncio.run(talk())
-    report = counts.report()
+    report = counts.report(names=known_keys("run"))
     assert report["requests"] == 4 and report["bytes_sent"] == 3 * 40 + 500 and report["bytes_received"] == 900
     assert report["by_rpc"]["find"] == {"requests": 3, "failed": 0, "bytes_sent": 120, "bytes_received": 900}
     assert report["by_rpc"]["store"] == {"requests": 1, "failed": 1, "bytes_sent": 500, "bytes_received": 0}
+    # by key, the heaviest first; a two-key request's bytes shared between its keys; unknown keys are "other"
+    assert report["by_key"] == {"run_progress": {"requests": 3, "bytes": 1020},
+                                "run_metrics": {"requests": 1, "bytes": 250}, "other": {"requests": 1, "bytes": 250}}
+    assert list(report["by_key"]) == ["run_progress", "run_metrics", "other"]
 
 
 def test_a_rounds_matchmaking_and_all_reduce_seconds_reach_the_summary():
