@@ -177,6 +177,8 @@ class CheckedRounds(AveragerHooks):
         async for message in super().serve_join_request(request, context):
             yield message
 
+    _matching_seconds = 0.0  # the search that found the last round's group (time_matchmaking)
+
     async def averaging_step(self, *, step, **kwargs):
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
         matchmaking = getattr(self, "_matchmaking", None)  # made in the averager process
@@ -228,7 +230,7 @@ class CheckedRounds(AveragerHooks):
             updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
         finally:
             TrafficLog.put(self.traffic, runner, self._values_per_round(), self.total_size,
-                           seconds=(self.__dict__.get("_matching_seconds", 0.0), time.monotonic() - started))
+                           seconds=(self._matching_seconds, time.monotonic() - started))
         if self.kind == "gradients" and not phase and nobody_else_sent(runner, self.peer_id):
             # the group held a peer that never took part: one that gave up its join request a moment before the
             # leader's answer came (a CPU-starved peer), while the leader counted it in. The "average" is this
@@ -265,7 +267,7 @@ class CheckedRounds(AveragerHooks):
         self._state_updated.set()
 
     def _matched_in(self, seconds: float) -> None:
-        self._matching_seconds = seconds  # the search that found this round's group (the last one before it)
+        self._matching_seconds = seconds
 
     def _refusal(self, runner: _CheckedRunner, updates, bound: float, averaged_norm: Optional[float]
                  ) -> Optional[str]:

@@ -175,6 +175,7 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.optim.progress_tracker.ProgressTracker": ("should_report_progress", "global_progress",
                                                         "global_state_updated"),
     "hivemind.dht.routing.RoutingTable": ("peer_id_to_uid",),
+    "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor",),
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size"),
     "hivemind.utils.crypto.RSAPrivateKey": ("_private_key",),
     "hivemind.utils.crypto.RSAPublicKey": ("_public_key",),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -121,6 +122,16 @@ def update_scheduler(state_averager) -> None:
     """Move the learning-rate schedule to the state averager's epoch (set by collab when it adopts its groupmates'
     epoch after a lineage split); hivemind does this only inside its own step."""
     state_averager._update_scheduler()
+
+
+def step_pool_initializer(state_averager, initializer: Callable[[], None]) -> None:
+    """hivemind's TrainingStateAverager runs optimizer steps and state rounds in a thread pool it makes itself: a new
+    pool of the same size, whose threads run `initializer` first, takes its place (collab.train.cpu_threads: one
+    OpenMP team per CPU peer). Before the pool's first step."""
+    old = state_averager.step_executor
+    state_averager.step_executor = ThreadPoolExecutor(
+        max_workers=old._max_workers, thread_name_prefix="state-averager-step", initializer=initializer)
+    old.shutdown(wait=True)
 
 
 def p2pd_address(dht):

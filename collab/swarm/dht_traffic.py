@@ -13,7 +13,12 @@ from typing import Iterable, Optional
 
 from hivemind.dht.routing import DHTID
 
+from collab.adaptive.batch_plan import PLAN_SUFFIX
 from collab.hivemind_hooks.patches import count_dht_requests
+from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX
+from collab.run.gate import MEMBERS_SUFFIX, REVOKED_SUFFIX
+from collab.run.shard_fetch import HOLDINGS_SUFFIX
+from collab.run.sharing import MANIFEST_SUFFIX
 
 READ_TIMEOUT = 5.0
 
@@ -59,8 +64,8 @@ class DHTRequests:
 def known_keys(run_id: str) -> list[str]:
     """The DHT keys of a run that its peers read and write (collab's records; hivemind's progress, its averagers'
     donor lists and first group keys), by name."""
-    names = [run_id + suffix for suffix in ("_progress", "_metrics", "_plan", "_manifest", "_shards", "_members",
-                                            "_revoked")]
+    names = [run_id + suffix for suffix in (PROGRESS_SUFFIX, METRICS_SUFFIX, PLAN_SUFFIX, MANIFEST_SUFFIX,
+                                            HOLDINGS_SUFFIX, MEMBERS_SUFFIX, REVOKED_SUFFIX)]
     for averager in ("_grad_averager", "_state_averager"):
         names += [f"{run_id}{averager}.all_averagers", f"{run_id}{averager}.0b"]
         names += [f"{run_id}{averager}.0b{bits}" for bits in ("0", "1", "00", "01", "10", "11")]

@@ -14,19 +14,17 @@ On a GPU the training thread launches kernels and its OpenMP team is idle, so th
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
+from collab.hivemind_hooks.patches import step_pool_initializer
+
 
 def one_thread_team(state_averager) -> None:
-    """Replace hivemind's step pool of `state_averager` (a TrainingStateAverager) by one whose threads compute with
-    one thread each. Call it from the training thread, before the pool's first step."""
+    """Make hivemind's step pool of `state_averager` (a TrainingStateAverager) compute with one thread per pool
+    thread. Call it from the training thread, before the pool's first step."""
     # torch reads its thread count into each thread once, at that thread's first parallel op: fix the training
     # thread's now, before the pool's threads set the count every later thread starts with to 1
     torch.get_num_threads()
-    old = state_averager.step_executor
-    state_averager.step_executor = ThreadPoolExecutor(
-        max_workers=old._max_workers, thread_name_prefix="state-averager-step",
-        initializer=torch.set_num_threads, initargs=(1,))
-    old.shutdown(wait=True)
+    step_pool_initializer(state_averager, partial(torch.set_num_threads, 1))
