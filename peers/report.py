@@ -48,6 +48,9 @@ class PeerReport:
     # what its DHT node sent the swarm, per minute: requests, and KB sent + received (collab.swarm.dht_traffic)
     dht_requests_per_minute: Optional[float] = None
     dht_kb_per_minute: Optional[float] = None
+    rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.sync.round_failure
+    # epoch -> a sketch of its replica as that epoch began (collab.train.summary.sketch_replica), the last epochs
+    replica_sketches: dict = field(default_factory=dict)
 
 
 MIN_LOSS_EPOCHS = 3
@@ -78,6 +81,17 @@ class SwarmReport:
         return max(spread_from_mean(sketches).values()) if len(sketches) >= 2 else None
 
     @property
+    def spread_by_epoch(self) -> dict[int, float]:
+        """At the start of each epoch that two peers or more reported: the furthest replica's distance from the
+        replicas' mean, relative to the mean's norm (estimated from sketches; exactly 0 when they were equal)."""
+        by_epoch: dict[int, dict[str, list]] = {}
+        for p in self.peers:
+            for epoch, values in p.replica_sketches.items():
+                by_epoch.setdefault(int(epoch), {})[str(p.index)] = values
+        return {epoch: max(spread_from_mean(sketches).values())
+                for epoch, sketches in sorted(by_epoch.items()) if len(sketches) >= 2}
+
+    @property
     def loss_fell(self) -> bool:
         """Loss fell on every peer that trained MIN_LOSS_EPOCHS epochs or more. A peer restarted near the end
         has a loss or two from a few micro-batches of 8 samples: noise (a churn run's 7.314 -> 7.319 from 32)."""
@@ -91,7 +105,7 @@ class SwarmReport:
 
     def to_json(self) -> str:
         return json.dumps(dict(asdict(self), loss_fell=self.loss_fell, any_nonfinite=self.any_nonfinite,
-                               replica_spread=self.replica_spread), indent=1)
+                               replica_spread=self.replica_spread, spread_by_epoch=self.spread_by_epoch), indent=1)
 
     def to_table(self) -> str:
         rows = [("peer", "id", "link", "epochs", "samples", "compute", "rounds ok/failed", "group", "sent/recv MB",
@@ -118,6 +132,11 @@ class SwarmReport:
             lines.append(f"gossip: {sum(p.merges or 0 for p in self.peers)} merges; at the end the replicas were within "
                          + (f"{spread:.2%} of their mean (estimated from sketches)" if spread is not None else "? of "
                             "their mean (fewer than two replicas reported)"))
+        spreads = self.spread_by_epoch
+        if spreads:
+            worst = max(spreads, key=spreads.get)
+            lines.append(f"replicas: at the start of epochs {min(spreads)}-{max(spreads)} at most {spreads[worst]:.2g} "
+                         f"of their norm from their mean (epoch {worst}; estimated from sketches)")
         lines.append(f"swarm: reached epoch {self.epochs_reached} in {self.duration_seconds:.0f} s "
                      f"({self.epochs_per_minute:.2f} epochs/min while training); "
                      f"loss fell on every peer that trained {MIN_LOSS_EPOCHS}+ epochs: {'yes' if self.loss_fell else 'no'}; "
@@ -170,6 +189,14 @@ def _exit_text(peer: PeerProcess, last: dict) -> str:
     return f"exit {code} ({reason})"
 
 
+def _add_up(counts) -> dict:
+    total: dict = {}
+    for count in counts:
+        for key, n in count.items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
 def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: int) -> PeerReport:
     summaries = [s for s in (_read(p) for p in peer.summary_paths()) if s]
     last = summaries[-1] if summaries else {}
@@ -195,6 +222,7 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         samples_contributed=sum(s.get("samples_contributed", 0) for s in summaries),
         rounds_joined=sum(s.get("rounds_joined", 0) for s in summaries),
         rounds_failed=sum(s.get("rounds_failed", 0) for s in summaries),
+        rounds_failed_by_reason=_add_up(s.get("rounds_failed_by_reason", {}) for s in summaries),
         mean_group_size=sum(sizes) / len(sizes) if sizes else None,
         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None, loss_epochs=len(losses),
         loaded_state_from_peers=any(s.get("loaded_state_from_peers") for s in summaries),
@@ -212,6 +240,8 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         dht_requests_per_minute=sum(d["requests"] for d in dht) / dht_minutes if dht_minutes else None,
         dht_kb_per_minute=(sum(d["bytes_sent"] + d["bytes_received"] for d in dht) / 1e3 / dht_minutes
                            if dht_minutes else None),
+        # a later incarnation's sketch of an epoch replaces an earlier one's
+        replica_sketches={epoch: values for s in summaries for epoch, values in s.get("replica_sketches", {}).items()},
     )
 
 

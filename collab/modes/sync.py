@@ -7,8 +7,9 @@ run in the background either way. What every mode shares is collab.modes.base.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import CancelledError, TimeoutError as FutureTimeout
 
 import torch
 from hivemind.averaging.control import AveragingStage
@@ -51,7 +52,7 @@ class CollabOptimizer(SwarmOptimizer):
         self._renew_a_stale_round()
         began = super().begin_gradient_round(grad_scaler)
         if not began and self._most_peers > 1:
-            self.averaging_log.failure()  # hivemind steps on local gradients while others average without us
+            self.averaging_log.failure("round could not start")  # hivemind steps alone while others average
             self._record_own_step("the gradient round could not start")
         return began
 
@@ -134,9 +135,9 @@ class CollabOptimizer(SwarmOptimizer):
                     self.averaging_log.success([peer.to_base58() for peer in group], self.local_epoch)
                     averaged = True
                 else:
-                    self.averaging_log.failure()
+                    self.averaging_log.failure("averaged gradients not finite")
             except BaseException as e:  # timeouts, a peer that vanished mid-round: fall back to local gradients
-                self.averaging_log.failure()
+                self.averaging_log.failure(round_failure(e))
                 failure = f"gradient averaging failed ({type(e).__name__}: {e})"
             else:
                 failure = "the averaged gradients were not finite" if not averaged else None
@@ -243,6 +244,21 @@ class CollabOptimizer(SwarmOptimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def round_failure(error: BaseException) -> str:
+    """Why a gradient round failed, in a few words that add up across peers (the simulator's and scale
+    benchmark's "rounds failed, and why")."""
+    text = str(error)
+    if isinstance(error, NobodyLeftToJoin):
+        return "nobody left to join"
+    if "could not find a group" in text:
+        return "no group found"
+    if isinstance(error, (TimeoutError, FutureTimeout)):
+        return "timed out"
+    if isinstance(error, (CancelledError, asyncio.CancelledError)):
+        return "cancelled"
+    return f"{type(error).__name__}: {text[:60]}" if text else type(error).__name__
 
 
 def round_is_stale(seconds_left: float, averaging_timeout: float) -> bool:

@@ -102,6 +102,7 @@ class AveragingLog:
     last_group_size: int = 0
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each successful round: {"epoch": e, "peers": [peer ids]}
+    failed_by_reason: dict[str, int] = field(default_factory=dict)  # why the failed rounds failed, in a few words
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def success(self, group: list[str], epoch: int = -1) -> None:
@@ -111,9 +112,10 @@ class AveragingLog:
             self.group_sizes.append(len(group))
             self.groups.append({"epoch": epoch, "peers": sorted(group)})
 
-    def failure(self) -> None:
+    def failure(self, reason: str) -> None:
         with self._lock:
             self.failed += 1
+            self.failed_by_reason[reason] = self.failed_by_reason.get(reason, 0) + 1
 
     def copy_to(self, summary) -> None:
         """Into a trainer Summary (rounds_joined, rounds_failed, group_sizes)."""
@@ -121,6 +123,7 @@ class AveragingLog:
             summary.rounds_joined, summary.rounds_failed = self.joined, self.failed
             summary.group_sizes = list(self.group_sizes)
             summary.groups = [dict(group) for group in self.groups]
+            summary.rounds_failed_by_reason = dict(self.failed_by_reason)
 
 
 def metrics_key(run_id: str) -> str:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from collab.modes.gossip_rules import sketch
 from collab.records.metrics import AveragingLog
 
 
@@ -21,6 +22,7 @@ class Summary:
     compute_seconds: float = 0.0  # of that, computing micro-batches (data, forward, backward); the rest is waiting
     rounds_joined: int = 0
     rounds_failed: int = 0
+    rounds_failed_by_reason: dict[str, int] = field(default_factory=dict)  # collab.modes.sync.round_failure
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
@@ -78,7 +80,22 @@ class Summary:
     dht: dict = field(default_factory=dict)
     # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
     fp16_overflows: int = 0
+    # a count sketch of its parameters as each epoch began, the last REPLICA_SKETCHES_KEPT epochs: the distance
+    # between two peers' sketches of one epoch estimates how far apart their replicas were (collab simulate's
+    # replicas' spread; collab.modes.gossip_rules.sketch)
+    replica_sketches: dict[int, list[float]] = field(default_factory=dict)
     exit_reason: str = "running"  # until the peer leaves: a killed peer's last summary says so
+
+
+REPLICA_SKETCHES_KEPT = 16
+REPLICA_SKETCH_SIZE = 64  # estimates a distance within ~sqrt(2/64) = 18%; equal replicas give equal sketches
+
+
+def sketch_replica(summary: Summary, epoch: int, model) -> None:
+    """Keep a sketch of the replica this epoch starts from (the step that ended the last one applied)."""
+    summary.replica_sketches[epoch] = sketch([p for p in model.parameters()], seed=0, size=REPLICA_SKETCH_SIZE)
+    for old in sorted(summary.replica_sketches)[:-REPLICA_SKETCHES_KEPT]:
+        del summary.replica_sketches[old]
 
 
 def write_summary(summary: Summary, path: Optional[Path]) -> None:

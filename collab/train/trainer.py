@@ -37,7 +37,7 @@ from collab.train.pipeline import BatchPipeline, bound_warning, peer_batches
 from collab.train.precision import Precision
 from collab.train.progress import ProgressDisplay, Snapshot
 from collab.train.services import PeerServices
-from collab.train.summary import EpochLoss, Summary, harvest, write_summary
+from collab.train.summary import EpochLoss, Summary, harvest, sketch_replica, write_summary
 from collab.train.window import GradientWindow
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
@@ -325,6 +325,10 @@ class TrainingLoop:
             summary.plan_by_epoch[opt.local_epoch] = plan_in_force(self.services.keeper, opt)
         summary.final_epoch = opt.local_epoch
         harvest(summary, opt, self.task.model, self.log)
+        # for the simulator's replicas' spread; with overlap the step may still be running, so no sketch of a
+        # replica half-updated
+        if self.options.summary_path is not None and self.config.averaging.overlap == "none":
+            sketch_replica(summary, opt.local_epoch, self.task.model)
         write_summary(summary, self.options.summary_path)
 
     def _leave(self, opt: AveragingMode) -> None:

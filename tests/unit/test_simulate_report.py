@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 from collab.peers.launcher import PeerProcess
 from collab.peers.report import PeerReport, SwarmReport, peer_report
@@ -43,3 +44,48 @@ def test_peer_report_adds_up_incarnations_and_keeps_the_furthest_epoch(tmp_path)
     assert (report.rounds_joined, report.mean_group_size, report.first_loss, report.last_loss) == (10, 2.5, 9.7, 9.4)
     assert report.loss_epochs == 2
     assert report.exit == "not started; hit by churn 1x, started 2x"  # no process handle in this test
+
+
+def test_the_replicas_spread_is_read_per_epoch_from_the_peers_sketches(tmp_path):
+    import torch
+
+    from collab.train.summary import REPLICA_SKETCHES_KEPT, Summary, sketch_replica
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(1000, 10)
+    summaries = [Summary() for _ in range(3)]
+    for epoch in range(1, REPLICA_SKETCHES_KEPT + 3):
+        for index, summary in enumerate(summaries):
+            model = torch.nn.Linear(1000, 10)
+            model.load_state_dict(base.state_dict())
+            if epoch == 5 and index == 2:  # one replica 1% off the others at the start of epoch 5
+                with torch.no_grad():
+                    model.weight.add_(0.01 * model.weight.norm() * torch.nn.functional.normalize(
+                        torch.randn_like(model.weight), dim=None))
+            sketch_replica(summary, epoch, model)
+    assert sorted(summaries[0].replica_sketches) == list(range(3, REPLICA_SKETCHES_KEPT + 3))  # the last ones kept
+    peers = []
+    for index, summary in enumerate(summaries):
+        peer = PeerProcess(index=index, args=[], workdir=tmp_path / str(index), starts=1, peer_id=f"peer{index}")
+        peer.workdir.mkdir()
+        peer.summary_paths()[0].write_text(json.dumps(asdict(summary)))
+        peers.append(peer_report(peer, "-", None, hits=0))
+    spreads = SwarmReport("run", "-", 60.0, 18, 1.0, peers).spread_by_epoch
+    assert sorted(spreads) == list(range(3, REPLICA_SKETCHES_KEPT + 3))
+    # equal replicas give equal sketches: exactly 0; the one off by 1% is ~2/3 of that from the three's mean
+    assert all(spread == 0.0 for epoch, spread in spreads.items() if epoch != 5), spreads
+    assert 0.3e-2 < spreads[5] < 1.2e-2, spreads
+
+
+def test_a_failed_round_says_why_in_words_that_add_up_across_peers():
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from hivemind.averaging.allreduce import AllreduceException
+
+    from collab.modes.sync import NobodyLeftToJoin, round_failure
+    from collab.peers.report import _add_up
+
+    reasons = [round_failure(e) for e in (AllreduceException("Averaging step failed: could not find a group"),
+                                          FutureTimeout(), TimeoutError("x"), NobodyLeftToJoin("everyone left"))]
+    assert reasons == ["no group found", "timed out", "timed out", "nobody left to join"]
+    assert _add_up([{"timed out": 2}, {"timed out": 1, "no group found": 4}]) == {"timed out": 3, "no group found": 4}
