@@ -42,6 +42,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from collab.averaging.aggregation import Aggregation, RobustPartReducer
+from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.one_average import OneAverage
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
@@ -53,6 +54,7 @@ from collab.records.untrusted import progress_records
 
 GRADIENT_BOUND = 10.0
 PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's signed progress makes plausible
+BUDGET_CEILING = 3.0  # a search waits at most this many times the configured matchmaking_time (matching_budget)
 PROGRESS_REFRESH = 5.0  # seconds: the signed progress records are re-read (in the background) at most this often
 FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the records (collab.swarm.state, ~0.1-1 s)
 STATE_BOUND = 1.0
@@ -189,22 +191,44 @@ class CheckedRounds(AveragerHooks):
         if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
             records = self._signed_progress()  # a fresh read starts while the group is being matched
             if matchmaking is not None:
-                self._fit_group_to_swarm(matchmaking, records)
+                self._fit_group_to_swarm(matchmaking, records, step.deadline)
         return await super().averaging_step(step=step, **kwargs)
 
-    def _fit_group_to_swarm(self, matchmaking, records: dict) -> None:
+    _budget: Optional[MatchingBudget] = None  # set when a gradient round's group size follows the swarm
+
+    def _fit_group_to_swarm(self, matchmaking, records: dict, deadline: Optional[float] = None) -> None:
         """averaging.group_size unset: a leader begins its round as soon as every peer the run's progress records
         show training (within an epoch of the furthest) has joined, instead of waiting out matchmaking_time for
         peers that do not exist (a 2-peer swarm spent 3 of every 3.5 s matching). Records are at most
         PROGRESS_REFRESH s old: a peer that just joined may miss one round; one that just left makes that round wait
-        the whole matchmaking_time, as before."""
+        the whole search. How long a search waits follows what the last rounds found (MatchingBudget), and leaves
+        at least two thirds of the round's time (to `deadline`, dht time) to its all-reduce."""
         configured = self.__dict__.setdefault("_configured_group_size", matchmaking.target_group_size)
         if configured is not None:
             return
-        epochs = [getattr(record, "epoch", None) for record in records.values()]
-        epochs = [e for e in epochs if isinstance(e, int)]
-        training = sum(e >= max(epochs) - 1 for e in epochs) if epochs else 0
-        matchmaking.target_group_size = training if training >= 2 else None
+        if self._budget is None:
+            self._budget = MatchingBudget(matchmaking.min_matchmaking_time,
+                                          ceiling=BUDGET_CEILING * matchmaking.min_matchmaking_time)
+        seconds = self._budget.seconds
+        if deadline is not None:
+            seconds = max(self._budget.configured, min(seconds, (deadline - get_dht_time()) / 3))
+        # both copies: the search's requests read the Matchmaking's, its declared deadline the PotentialLeaders'
+        matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = seconds
+        matchmaking.target_group_size = _peers_training(records)
+        # the records read while the group is matched (the first round's first read among them) may show more
+        # peers than the last read did: the target follows them up, never down, within the round
+        task = self.__dict__.get("_progress_cache", {}).get("task")
+        if task is not None and not task.done():
+            task.add_done_callback(lambda _: self._raise_group_target(matchmaking))
+        logging.getLogger(__name__).debug(
+            f"gradient round: group target {matchmaking.target_group_size}, searching for at least "
+            f"{matchmaking.min_matchmaking_time:.1f} s")
+
+    def _raise_group_target(self, matchmaking) -> None:
+        training = _peers_training(self._progress_cache["records"])
+        if training is not None and training > (matchmaking.target_group_size or 0):
+            matchmaking.target_group_size = training
+            logging.getLogger(__name__).debug(f"group target raised to {training} by a fresh read")
 
     async def run_allreduce(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -266,8 +290,11 @@ class CheckedRounds(AveragerHooks):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _matched_in(self, seconds: float) -> None:
+    def _matched_in(self, seconds: float, found: Optional[int]) -> None:
         self._matching_seconds = seconds
+        matchmaking = getattr(self, "_matchmaking", None)
+        if self._budget is not None and matchmaking is not None:
+            self._budget.after_round(found, matchmaking.target_group_size)
 
     def _refusal(self, runner: _CheckedRunner, updates, bound: float, averaged_norm: Optional[float]
                  ) -> Optional[str]:
@@ -353,6 +380,14 @@ class CheckedRounds(AveragerHooks):
         if not hasattr(self, "_norms"):
             self._norms = {}
         return self._norms.setdefault(phase, [])
+
+
+def _peers_training(records: dict) -> Optional[int]:
+    """The peers the progress records show training: within an epoch of the furthest (None: fewer than two)."""
+    epochs = [getattr(record, "epoch", None) for record in records.values()]
+    epochs = [e for e in epochs if isinstance(e, int)]
+    training = sum(e >= max(epochs) - 1 for e in epochs) if epochs else 0
+    return training if training >= 2 else None
 
 
 def run_id_of(prefix: str) -> str:

@@ -9,7 +9,7 @@ import multiprocessing as mp
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 from hivemind import DHT
@@ -57,19 +57,21 @@ def never_ask_leaders(matchmaking, refused: Callable) -> None:
     matchmaking._request_join_group, matchmaking._collab_checked = unless_refused, True
 
 
-def time_matchmaking(matchmaking, record: Callable[[float], None]) -> None:
-    """Each search for a group (hivemind's Matchmaking.look_for_group, whatever it finds) is timed: `record(seconds)`
-    after it ends, so a round's matchmaking is measured apart from its all-reduce. Once per Matchmaking."""
+def time_matchmaking(matchmaking, record: Callable[[float, Optional[int]], None]) -> None:
+    """Each search for a group (hivemind's Matchmaking.look_for_group, whatever it finds) is timed:
+    `record(seconds, group size or None)` after it ends, so a round's matchmaking is measured apart from its
+    all-reduce, and what it found is known. Once per Matchmaking."""
     if getattr(matchmaking, "_collab_timed", False):
         return
     look_for_group = matchmaking.look_for_group
 
     async def timed(*args, **kwargs):
-        started = time.monotonic()
+        started, group = time.monotonic(), None
         try:
-            return await look_for_group(*args, **kwargs)
+            group = await look_for_group(*args, **kwargs)
+            return group
         finally:
-            record(time.monotonic() - started)
+            record(time.monotonic() - started, len(group.peer_ids) if group is not None else None)
 
     matchmaking.look_for_group, matchmaking._collab_timed = timed, True
 

@@ -10,7 +10,9 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from hivemind.utils.timed_storage import get_dht_time
 
+from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.robust_rounds import CheckedRounds
 from collab.hivemind_hooks.patches import count_dht_requests, pace_group_reads, time_matchmaking
 from collab.swarm.dht_traffic import DHTRequests, known_keys
@@ -41,7 +43,7 @@ def test_group_reads_are_paced_and_a_second_pacing_adds_nothing():
 
 def test_each_search_for_a_group_is_timed_whether_it_finds_one_or_fails():
     seen = []
-    outcomes = iter([None, RuntimeError("no group")])
+    outcomes = iter([SimpleNamespace(peer_ids=["a", "b", "c"]), None, RuntimeError("no group")])
 
     async def look_for_group(step):
         await asyncio.sleep(0.05)
@@ -51,17 +53,20 @@ def test_each_search_for_a_group_is_timed_whether_it_finds_one_or_fails():
         return outcome
 
     matchmaking = SimpleNamespace(look_for_group=look_for_group)
-    time_matchmaking(matchmaking, seen.append)
-    time_matchmaking(matchmaking, seen.append)  # once per Matchmaking
+    time_matchmaking(matchmaking, lambda seconds, found: seen.append((seconds, found)))
+    time_matchmaking(matchmaking, lambda seconds, found: seen.append((seconds, found)))  # once per Matchmaking
+    assert asyncio.run(matchmaking.look_for_group("step")).peer_ids == ["a", "b", "c"]
     assert asyncio.run(matchmaking.look_for_group("step")) is None
     with pytest.raises(RuntimeError):
         asyncio.run(matchmaking.look_for_group("step"))
-    assert len(seen) == 2 and all(0.04 <= s < 1.0 for s in seen), seen
+    assert [found for _, found in seen] == [3, None, None], seen
+    assert all(0.04 <= seconds < 1.0 for seconds, _ in seen), seen
 
 
 def _fit(target_group_size, epochs: list[int]):
-    averager = SimpleNamespace()
-    matchmaking = SimpleNamespace(target_group_size=target_group_size)
+    averager = SimpleNamespace(_budget=None)
+    matchmaking = SimpleNamespace(target_group_size=target_group_size, min_matchmaking_time=3.0,
+                                  potential_leaders=SimpleNamespace(min_matchmaking_time=3.0))
     records = {f"peer{i}": SimpleNamespace(epoch=e) for i, e in enumerate(epochs)}
     CheckedRounds._fit_group_to_swarm(averager, matchmaking, records)
     return matchmaking.target_group_size, averager, matchmaking
@@ -85,6 +90,50 @@ def test_the_group_follows_the_swarm_from_round_to_round():
     del records["peer4"]
     CheckedRounds._fit_group_to_swarm(averager, matchmaking, records)
     assert matchmaking.target_group_size == 4
+
+
+def test_a_search_waits_longer_after_a_round_that_missed_peers_and_eases_back_after_whole_ones():
+    budget = MatchingBudget(configured=3.0, ceiling=15.0)
+    assert budget.seconds == 6.0  # nothing measured yet: a first round waits longer
+    assert budget.after_round(found=12, expected=12) == 5.4
+    for _ in range(10):
+        budget.after_round(found=12, expected=12)
+    assert budget.seconds == 3.0  # never below the configured time
+    assert budget.after_round(found=5, expected=12) == 6.0
+    assert budget.after_round(found=None, expected=12) == 12.0  # no group at all
+    assert budget.after_round(found=11, expected=12) == 15.0  # capped
+    assert budget.after_round(found=3, expected=None) == 15.0  # nothing known to compare with: unchanged
+    assert budget.after_round(found=12, expected=12) == 13.5
+    for _ in range(30):
+        budget.after_round(found=12, expected=12)
+    assert budget.seconds == 3.0
+
+
+def test_the_budget_sets_both_of_hiveminds_copies_leaves_time_to_the_all_reduce_and_a_fresh_read_raises_the_target():
+    three = {f"peer{i}": SimpleNamespace(epoch=3) for i in range(3)}
+    size, averager, matchmaking = _fit(None, [3, 3])
+    assert size == 2 and averager._budget.seconds == 6.0  # nothing measured yet: twice the configured 3 s
+    averager._budget.after_round(found=2, expected=3)  # a round that missed a peer: the next one waits longer
+    CheckedRounds._fit_group_to_swarm(averager, matchmaking, three)
+    assert matchmaking.min_matchmaking_time == matchmaking.potential_leaders.min_matchmaking_time == 9.0  # capped
+    # a round with 15 s left searches for at most a third of them
+    CheckedRounds._fit_group_to_swarm(averager, matchmaking, three, deadline=get_dht_time() + 15.0)
+    assert 4.9 < matchmaking.min_matchmaking_time == matchmaking.potential_leaders.min_matchmaking_time <= 5.0
+
+    averager._raise_group_target = lambda mm: CheckedRounds._raise_group_target(averager, mm)
+    loop = asyncio.new_event_loop()
+    try:
+        for records_back, target in ((5, 5), (2, 3)):  # more peers raise the target; fewer do not lower it
+            read = loop.create_future()  # the read of the records started for this round, not back yet
+            averager._progress_cache = {"task": read, "records": {}}
+            CheckedRounds._fit_group_to_swarm(averager, matchmaking, three)
+            assert matchmaking.target_group_size == 3
+            averager._progress_cache["records"] = {f"peer{i}": SimpleNamespace(epoch=3) for i in range(records_back)}
+            read.set_result(None)
+            loop.run_until_complete(asyncio.sleep(0))  # the read's callbacks run
+            assert matchmaking.target_group_size == target
+    finally:
+        loop.close()
 
 
 def test_a_nodes_dht_requests_are_counted_by_rpc_and_by_key_with_their_bytes():
