@@ -92,11 +92,31 @@ class SwarmOptimizer(OptimizerHooks):
         self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
+        self._start_with: Optional[tuple[int, float]] = None  # start_together: (peers, until when)
         _QuietLeave.install(self.stop)
         super().__init__(**kwargs)
 
     def leave_at(self, epoch: Optional[int]) -> None:
         self.leave_at_epoch = epoch
+
+    def start_together(self, peers: int, timeout: float) -> None:
+        """--wait-peers: the first step waits (at most `timeout` s) until this peer's tracker counts `peers`. A peer
+        has no progress record before its first micro-batch, so the first to start read a swarm of one: on a cheap
+        task it made the whole first target alone and stepped alone, again and again (12 linreg peers: 8 went one
+        to seven epochs ahead on their own before the first round)."""
+        self._start_with = (peers, time.monotonic() + timeout)
+
+    def _waiting_for_the_others(self) -> bool:
+        if self._start_with is None:
+            return False
+        peers, until = self._start_with
+        if self.tracker.global_progress.num_peers < peers and time.monotonic() < until:
+            if time.monotonic() - self.tracker.read_at > ALONE_READ_AGE:
+                self.tracker.refresh(ALONE_READ_TIMEOUT)
+            if self.tracker.global_progress.num_peers < peers:
+                return True
+        self._start_with = None
+        return False
 
     def count_only_members(self, allows) -> None:
         self.tracker.members = allows
@@ -174,6 +194,8 @@ class SwarmOptimizer(OptimizerHooks):
         if self.stop.is_set() or self._at_the_end():
             # leaving: this epoch's step is left to the peers who stay. Starting it would wait for the gradient
             # buffers, which a background round (overlap=full) holds until it gives up: past the leave's grace
+            return
+        if self._waiting_for_the_others():
             return
         if (self.tracker.global_progress.num_peers <= 1
                 and time.monotonic() - self.tracker.read_at > ALONE_READ_AGE

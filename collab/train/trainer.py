@@ -201,6 +201,7 @@ class TrainingLoop:
         self._publish()  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:
             wait_for_peers(self.swarm, options.wait_peers, options.wait_peers_timeout, self.display, self.stop)
+            opt.start_together(options.wait_peers, options.wait_peers_timeout)
         summary.start_epoch = opt.local_epoch
         # hivemind's rate estimate (an EMA of seconds per sample) counts its first interval from the optimizer's
         # creation: the state download and --wait-peers made a peer look 50x slower than it is for its first ~40

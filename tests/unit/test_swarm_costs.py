@@ -192,3 +192,27 @@ def test_a_rounds_matchmaking_and_all_reduce_seconds_reach_the_summary():
     summary = Summary()
     log.copy_to(summary)
     assert summary.round_seconds == {"rounds": 2, "matchmaking": 2.0, "allreduce": 1.0}
+
+
+def test_with_wait_peers_the_first_step_waits_until_the_tracker_counts_the_others():
+    from collab.modes.base import SwarmOptimizer
+
+    counted = iter([1, 1, 2, 3])  # what each read of the swarm's progress shows
+
+    def refresh(timeout):
+        tracker.global_progress.num_peers = next(counted)
+        tracker.read_at = time.monotonic()
+        return True
+
+    tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=1), read_at=float("-inf"), refresh=refresh)
+    opt = SimpleNamespace(tracker=tracker, _start_with=None)
+    assert not SwarmOptimizer._waiting_for_the_others(opt)  # no --wait-peers: nothing to wait for
+    SwarmOptimizer.start_together(opt, 3, timeout=60.0)
+    waits = []
+    for _ in range(4):
+        tracker.read_at = float("-inf")  # (each step comes after the last read has aged)
+        waits.append(SwarmOptimizer._waiting_for_the_others(opt))
+    assert waits == [True, True, True, False] and opt._start_with is None  # then never again
+    SwarmOptimizer.start_together(opt, 5, timeout=0.0)  # the wait is bounded: after it, training goes on
+    tracker.global_progress.num_peers = 1
+    assert not SwarmOptimizer._waiting_for_the_others(opt)
