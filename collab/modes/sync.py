@@ -137,7 +137,8 @@ class CollabOptimizer(SwarmOptimizer):
                 else:
                     self.averaging_log.failure("averaged gradients not finite")
             except BaseException as e:  # timeouts, a peer that vanished mid-round: fall back to local gradients
-                self.averaging_log.failure(round_failure(e))
+                if not self.stop.is_set():  # (a round this peer cancelled to leave did not fail)
+                    self.averaging_log.failure(round_failure(e))
                 failure = f"gradient averaging failed ({type(e).__name__}: {e})"
             else:
                 failure = "the averaged gradients were not finite" if not averaged else None
