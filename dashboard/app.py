@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from collab.dashboard.collector import Collector
-from collab.swarm.state import RunState
+from collab.dashboard.snapshot import (DEFAULT_PAGE, MAX_PAGE, SORT_KEYS, BadQuery, DashboardRun, Snapshot,
+                                      parse_page_query)
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -25,7 +29,7 @@ class RunMetrics:
         self.collector = collector
 
     def collect(self):
-        s: RunState = self.collector.snapshot
+        s: DashboardRun = self.collector.snapshot
         if s is None:
             return
         labels = ["run_id"]
@@ -34,7 +38,9 @@ class RunMetrics:
             ("collab_samples_accumulated", "Samples accumulated toward the next step", s.samples_accumulated),
             ("collab_target_batch_size", "Samples per collaborative step", s.target_batch_size or 0),
             ("collab_samples_per_second", "Swarm throughput", s.samples_per_second),
-            ("collab_peers_online", "Peers that published recently", sum(p.online for p in s.peers)),
+            ("collab_peers_online", "Peers that published recently", s.peers_online),
+            ("collab_dashboard_peers_not_listed", "Peers over the dashboard's cap: in its figures, not in its peer "
+             "list, its per-peer series or the per-peer metrics below", s.peers_not_listed),
             ("collab_rejected_records", "Other peers' records dropped as untrusted in the last read",
              s.rejected_records),
         ):
@@ -91,6 +97,31 @@ class RunMetrics:
             yield family
 
 
+def accepts_gzip(headers) -> bool:
+    return any(name == b"accept-encoding" and b"gzip" in value.lower() for name, value in headers)
+
+
+JSON = (b"content-type", b"application/json")
+
+
+def run_response(view: Snapshot, query_string: str, gzip_ok: bool) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """GET /api/run from the snapshot's bytes: all of it (gzipped when the client takes it), one page of its peers
+    (?offset=&limit=&sort=&order=), or a 422 that says which parameter to fix."""
+    if not query_string:
+        body = view.full_gzip if gzip_ok else view.full_json
+        encoding = [(b"content-encoding", b"gzip")] if gzip_ok else []
+        return 200, [JSON, *encoding, (b"vary", b"accept-encoding"), (b"content-length", str(len(body)).encode())], body
+    return view.remembered(query_string, lambda: page_response(view, query_string))
+
+
+def page_response(view: Snapshot, query_string: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    try:
+        body, status = view.page_json(parse_page_query(query_string)), 200
+    except BadQuery as e:
+        body, status = json.dumps({"detail": str(e)}).encode(), 422
+    return status, [JSON, (b"content-length", str(len(body)).encode())], body
+
+
 class CachedRunStateFastPath:
     """GET /api/run answered from the cached bytes before FastAPI's routing and response objects.
 
@@ -102,15 +133,15 @@ class CachedRunStateFastPath:
         self.app, self.collector = app, collector
 
     async def __call__(self, scope, receive, send):
-        body = self.collector.snapshot_json
-        if (body is not None and scope["type"] == "http" and scope["path"] == "/api/run"
-                and scope["method"] in ("GET", "HEAD")):
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
+        view = self.collector.view
+        if (view is None or scope["type"] != "http" or scope["path"] != "/api/run"
+                or scope["method"] not in ("GET", "HEAD")):
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        status, headers, body = run_response(view, scope["query_string"].decode("latin-1"),
+                                             accepts_gzip(scope["headers"]))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
 
 
 def create_app(collector: Collector, manage_collector: bool = True) -> FastAPI:
@@ -143,11 +174,33 @@ def create_app(collector: Collector, manage_collector: bool = True) -> FastAPI:
     def page():
         return FileResponse(STATIC / "index.html")
 
-    @app.get("/api/run", response_model=RunState, summary="The run state (same as `collab status --json`)")
-    async def run_state():
-        # the hot route: bytes serialised once per collection, no validation or encoding per request
-        encoded = collector.snapshot_json
-        return Response(encoded, media_type="application/json") if encoded is not None else not_ready()
+    @app.exception_handler(RequestValidationError)
+    async def one_line_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default is a list of error objects; a person (or a script's log) needs one line
+        problems = "; ".join(f"{' '.join(str(part) for part in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+                             for e in exc.errors())
+        return JSONResponse({"detail": f"{problems} (see /docs for {request.url.path})".replace("\n", " ")},
+                            status_code=422)
+
+    @app.get("/api/run", response_model=DashboardRun, summary="The run state (as `collab status --json`, and figures "
+             "over every peer); with offset, limit, sort or order, one page of its peers")
+    async def run_state(
+        request: Request,
+        offset: Optional[str] = Query(None, description="first peer of the page, from 0"),
+        limit: Optional[str] = Query(None, description=f"peers in the page, 1 to {MAX_PAGE} (default {DEFAULT_PAGE})"),
+        sort: Optional[str] = Query(None, description=f"one of {', '.join(SORT_KEYS)} (default peer_id)"),
+        order: Optional[str] = Query(None, description="asc (default) or desc; missing values sort last"),
+    ):
+        # normally answered by CachedRunStateFastPath; here before the first snapshot, with the same parsing
+        view = collector.view
+        if view is None:
+            try:
+                parse_page_query(request.url.query)
+            except BadQuery as e:
+                return JSONResponse({"detail": str(e)}, status_code=422)
+            return not_ready()
+        status, headers, body = run_response(view, request.url.query, accepts_gzip(request.scope["headers"]))
+        return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
     @app.get("/api/history", summary="The run over time: epoch, samples/s, peers online, median loss")
     def history():
@@ -159,7 +212,8 @@ def create_app(collector: Collector, manage_collector: bool = True) -> FastAPI:
         if points is None:
             return JSONResponse({"detail": f"unknown peer id '{peer_id[:80]}'; GET /api/run lists the run's peers"},
                                 status_code=404)
-        current = next((p for p in collector.snapshot.peers if p.peer_id == peer_id), None) if collector.snapshot else None
+        view = collector.view
+        current = view.by_id.get(peer_id) if view is not None else None
         return {"peer_id": peer_id, "current": current.model_dump() if current else None, "points": points}
 
     @app.get("/metrics", summary="Prometheus exposition format")
@@ -170,6 +224,7 @@ def create_app(collector: Collector, manage_collector: bool = True) -> FastAPI:
     def healthz():
         age = None if collector.snapshot_time is None else time.time() - collector.snapshot_time
         return {"status": "ok", "snapshot_age_seconds": age, "collections": collector.collections,
-                "last_error": collector.last_error}
+                "last_error": collector.last_error, "peer_histories": len(collector.peer_history),
+                "peer_histories_dropped": collector.peer_histories_dropped, "max_peers": collector.max_peers}
 
     return app

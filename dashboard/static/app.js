@@ -2,6 +2,10 @@
 "use strict";
 
 const REFRESH_MS = 3000;
+// the peer table is one page of /api/run's peers, sorted by the server: a run of 1,000 peers draws 50 rows
+const PAGE_SIZE = 50;
+const table = { offset: 0, limit: PAGE_SIZE, sort: "peer_id", order: "asc" };
+let requests = 0;  // a slow answer to an older request must not overwrite a newer page
 const $ = (id) => document.getElementById(id);
 const finite = (x) => typeof x === "number" && Number.isFinite(x);
 const fmt = (x, digits = 1) => (finite(x) ? x.toFixed(digits) : "–");
@@ -39,8 +43,8 @@ function renderRun(run) {
   $("progress-fill").style.width = `${(done * 100).toFixed(1)}%`;
   text($("progress-text"), finite(target) ? `${run.samples_accumulated} / ${target} samples` : "");
   text($("eta"), duration(run.eta_seconds));
-  const online = run.peers.filter((p) => p.online);
-  text($("peers-online"), online.length);
+  // counted by the server over every peer, not over the page shown
+  text($("peers-online"), finite(run.peers_online) ? run.peers_online : run.peers.filter((p) => p.online).length);
   text($("sps"), fmt(run.samples_per_second));
   text($("rejected"), run.rejected_records);
   // B_noise against the target: the number a researcher would tune the target batch by
@@ -60,6 +64,7 @@ function renderRun(run) {
   $("rejected").title = Object.entries(run.rejected_by_reason || {}).map(([why, n]) => `${n}: ${why}`).join("\n");
   text($("status"), `updated ${new Date(run.time * 1000).toLocaleTimeString()}`);
 
+  renderPager(run);
   const body = $("peers").querySelector("tbody");
   body.replaceChildren(...run.peers.map((p) => {
     const row = document.createElement("tr");
@@ -86,12 +91,48 @@ function renderRun(run) {
     return row;
   }));
 
-  const ranked = [...run.peers].sort((a, b) => b.samples_contributed - a.samples_contributed).slice(0, 10);
+  // over every peer (the server ranks them), not over the page shown
+  const ranked = run.leaderboard
+    || [...run.peers].sort((a, b) => b.samples_contributed - a.samples_contributed).slice(0, 10);
+  text($("leaderboard-of"), finite(run.peers_total) ? `of ${run.peers_total.toLocaleString()} peers` : "");
   $("leaderboard").replaceChildren(...ranked.map((p) => {
     const item = document.createElement("li");
     item.textContent = `${p.peer_id.slice(-10)} — ${p.samples_contributed} samples`;
     return item;
   }));
+}
+
+// "showing 51-100 of 1,000", the buttons, and the column the rows are sorted by
+function renderPager(run) {
+  const page = run.page || { offset: 0, limit: run.peers.length, total: run.peers.length };
+  const shown = run.peers.length;
+  const [from, to, total] = [page.offset + 1, page.offset + shown, page.total].map((n) => n.toLocaleString());
+  text($("peers-range"), shown ? `showing ${from}-${to} of ${total}` : `showing 0 of ${total}`);
+  $("peers-prev").disabled = page.offset <= 0;
+  $("peers-next").disabled = page.offset + shown >= page.total;
+  text($("peers-not-listed"), run.peers_not_listed > 0
+    ? `${run.peers_not_listed.toLocaleString()} more peers are counted above but not listed: the dashboard lists the `
+      + `${run.peers_cap.toLocaleString()} most recently seen` : "");
+  for (const th of $("peers").querySelectorAll("th[data-sort]")) {
+    th.classList.toggle("sorted", th.dataset.sort === table.sort);
+    th.classList.toggle("asc", th.dataset.sort === table.sort && table.order === "asc");
+    th.classList.toggle("desc", th.dataset.sort === table.sort && table.order === "desc");
+  }
+}
+
+function turnPage(step) {
+  table.offset = Math.max(0, table.offset + step * table.limit);
+  refresh();
+}
+
+function sortBy(column) {
+  // a second click reverses the order; a new column starts with what a reader looks for first: the largest
+  // numbers, but the lowest loss, the most recently seen, the most alarming state, and ids from the start
+  table.order = column === table.sort ? (table.order === "asc" ? "desc" : "asc")
+    : ["peer_id", "loss", "state", "last_seen"].includes(column) ? "asc" : "desc";
+  table.sort = column;
+  table.offset = 0;
+  refresh();
 }
 
 // MB per gradient round and, in brackets, how many times fewer bytes than fp32 ("-" before its first round)
@@ -135,9 +176,20 @@ function drawChart(svg, points, key) {
 
 async function refresh() {
   try {
-    const [runResponse, historyResponse] = await Promise.all([fetch("/api/run"), fetch("/api/history")]);
-    if (runResponse.ok) renderRun(await runResponse.json());
-    else text($("status"), (await runResponse.json()).detail || `HTTP ${runResponse.status}`);
+    const ticket = ++requests;
+    const [runResponse, historyResponse] = await Promise.all([
+      fetch(`/api/run?${new URLSearchParams(table)}`), fetch("/api/history")]);
+    if (ticket !== requests) return;
+    if (runResponse.ok) {
+      const run = await runResponse.json();
+      const total = run.page ? run.page.total : run.peers.length;
+      if (run.peers.length === 0 && table.offset > 0 && total > 0) {  // peers left: back to the last page
+        table.offset = Math.floor((total - 1) / table.limit) * table.limit;
+        refresh();
+        return;
+      }
+      renderRun(run);
+    } else text($("status"), (await runResponse.json()).detail || `HTTP ${runResponse.status}`);
     if (historyResponse.ok) {
       const history = await historyResponse.json();
       drawChart($("chart-loss"), history.points, "loss");
@@ -151,5 +203,10 @@ async function refresh() {
   }
 }
 
+$("peers-prev").addEventListener("click", () => turnPage(-1));
+$("peers-next").addEventListener("click", () => turnPage(1));
+for (const th of $("peers").querySelectorAll("th[data-sort]")) {
+  th.addEventListener("click", () => sortBy(th.dataset.sort));
+}
 refresh();
 setInterval(refresh, REFRESH_MS);

@@ -1,4 +1,5 @@
-"""The dashboard against a real 2-peer swarm: API, Prometheus, a real browser, and hostile records."""
+"""The dashboard against a real 2-peer swarm: API, Prometheus, a real browser, and hostile records; and in a
+browser, a run of 1,000 peers' signed records (no swarm: benchmarks/dashboard_scale.py makes them)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.dashboard_scale import SignedRecordsDHT, synthetic_peers
 from collab.dashboard.collector import Collector
 from collab.dashboard.server import BackgroundDashboard
 from collab.peers.launcher import LocalSwarm
@@ -58,6 +61,55 @@ def two_peers_training(dashboard):
     return run if len(trainers) == 2 and run["global_epoch"] >= 2 and all(p["loss"] for p in trainers) else None
 
 
+def launch_chromium(playwright):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium (apt-get install chromium)")
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"])
+
+
+def test_a_run_of_1000_peers_is_paged_in_a_real_browser():
+    """1,000 peers' signed records, read by the collector's thread as a live run's and served over HTTP: the page
+    lists 50 at a time, turns pages, sorts by a column, and counts every peer in its cards. (First in the file: the
+    live swarm's peers, once started, train until the module's last test.)"""
+    from playwright.sync_api import sync_playwright
+
+    dht = SignedRecordsDHT("thousand")
+    for index, peer in enumerate(synthetic_peers(1000)):
+        dht.publish(peer, index)
+    dashboard = BackgroundDashboard(Collector("thousand", dht=dht, interval=3.0), port=free_port()).start()
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        with sync_playwright() as p:
+            browser = launch_chromium(p)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900}, locale="en-US")
+                page.goto(dashboard.url)
+                page.wait_for_function("document.querySelectorAll('#peers tbody tr').length === 50", timeout=30_000)
+                assert page.inner_text("#peers-range") == "showing 1-50 of 1,000"
+                assert page.inner_text("#peers-online") == "1000" and page.locator("#leaderboard li").count() == 10
+                assert page.is_disabled("#peers-prev") and not page.is_disabled("#peers-next")
+                first = page.get_attribute("#peers tbody tr", "data-peer-id")
+
+                page.click("#peers-next")
+                page.wait_for_function("document.querySelector('#peers-range').textContent === "
+                                       "'showing 51-100 of 1,000'", timeout=10_000)
+                assert page.get_attribute("#peers tbody tr", "data-peer-id") > first  # by peer id, the next 50
+
+                page.click("th[data-sort='samples_per_second']")  # the fastest first, from the first page
+                page.wait_for_function("document.querySelector('#peers-range').textContent.startsWith('showing 1-50')"
+                                       " && document.querySelector(\"th[data-sort='samples_per_second']\")"
+                                       ".classList.contains('desc')", timeout=10_000)
+                rates = [float(cell) for cell in page.locator("#peers tbody tr td:nth-child(3)").all_inner_texts()]
+                assert len(rates) == 50 and rates == sorted(rates, reverse=True) and rates[0] == 59.0, rates
+                page.screenshot(path=str(ARTIFACTS / "dashboard-1000-peers.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        dashboard.stop()
+
+
 def test_api_serves_the_live_run(live):
     swarm, dashboard = live
     run = wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers on /api/run")
@@ -94,17 +146,13 @@ def test_api_serves_the_live_run(live):
 
 
 def test_page_in_a_real_browser(live):
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
     swarm, dashboard = live
     wait_for(lambda: two_peers_training(dashboard), timeout=240, what="2 training peers")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(dashboard.url)
@@ -128,7 +176,8 @@ def test_page_in_a_real_browser(live):
                 peer.update(merges_per_minute=12.0, merge_update_norm=0.0456, distance_to_mean=0.0089)
             run["peers"][0].update(straggler=True, straggler_reason="link: its parts came too late for 4 of the "
                                    "others' rounds")
-            page.route("**/api/run", lambda route: route.fulfill(json=run))
+            # (the page asks for one page of the peers: /api/run?offset=...)
+            page.route(lambda url: urlparse(url).path == "/api/run", lambda route: route.fulfill(json=run))
             page.wait_for_function("document.querySelector('#epoch-label').textContent.includes('gossip')",
                                    timeout=30_000)
             assert "replicas within 1.23%" in page.text_content("#epoch-label")
