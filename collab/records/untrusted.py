@@ -9,7 +9,7 @@ dropped is counted by reason and by signer, and shown (`collab status`, the dash
 
 from __future__ import annotations
 
-import statistics
+import bisect
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -88,14 +88,24 @@ def drop_implausible_epochs(items: dict[str, Any], rejected: Rejections, now: Op
     now = time.time() if now is None else now
     voters = {peer: item.epoch for peer, item in (reference if reference is not None else items).items()
               if now - item.time < VOTER_FRESH_SECONDS}
+    epochs = sorted(voters.values())  # once: each peer's "others" is this list less its own epoch, if it voted
     kept = {}
     for peer, item in items.items():
-        others = [epoch for voter, epoch in voters.items() if voter != peer]
-        if len(others) >= 2 and item.epoch > statistics.median_high(others) + EPOCH_LEAD:
+        others = len(epochs) - (peer in voters)
+        if others >= 2 and item.epoch > _median_high_without(epochs, voters.get(peer)) + EPOCH_LEAD:
             rejected.add("epoch far ahead of the others", peer)
             continue
         kept[peer] = item
     return kept
+
+
+def _median_high_without(epochs: list, own: Optional[int]) -> int:
+    """statistics.median_high of the sorted `epochs` less one occurrence of `own` (None: less nothing), in O(log n):
+    a dashboard reading 5,000 peers spent 2.1 s a read rebuilding each peer's list of the others."""
+    if own is None:
+        return epochs[len(epochs) // 2]
+    k = (len(epochs) - 1) // 2
+    return epochs[k] if k < bisect.bisect_left(epochs, own) else epochs[k + 1]
 
 
 def _counts_in_bounds(item) -> bool:

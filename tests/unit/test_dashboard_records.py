@@ -155,3 +155,20 @@ def test_history_forgets_gone_peers_so_1000_short_lived_peers_do_not_grow_memory
     assert len(collector.peer_history) <= 21, len(collector.peer_history)  # only peers seen in the last 60 s
     assert collector.peer_json("fake1199") is not None and collector.peer_json("fake200") is None
     assert grown < 100_000, f"the collector grew by {grown} bytes over 1000 short-lived peers"
+
+
+def test_the_others_median_is_the_one_statistics_gives_without_building_each_peers_list():
+    import random
+    import statistics
+
+    from collab.records.untrusted import _median_high_without
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        epochs = sorted(rng.randint(0, 6) for _ in range(rng.randint(1, 9)))
+        own = rng.choice(epochs)
+        others = list(epochs)
+        others.remove(own)
+        if others:
+            assert _median_high_without(epochs, own) == statistics.median_high(others), (epochs, own)
+        assert _median_high_without(epochs, None) == statistics.median_high(epochs)
