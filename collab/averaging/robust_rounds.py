@@ -209,7 +209,10 @@ class CheckedRounds(AveragerHooks):
         if self._budget is None:
             self._budget = MatchingBudget(matchmaking.min_matchmaking_time,
                                           ceiling=BUDGET_CEILING * matchmaking.min_matchmaking_time)
-        seconds = self._budget.seconds
+        # a client never leads, and a leader refuses a follower whose search ends before its own: a client searches
+        # as long as any leader may (at 3x a NAT'd peer found no group in 3 of 4 rounds while the leaders' searches
+        # had grown past its own)
+        seconds = self._budget.ceiling if getattr(matchmaking, "client_mode", False) else self._budget.seconds
         if deadline is not None:
             seconds = max(self._budget.configured, min(seconds, (deadline - get_dht_time()) / 3))
         # both copies: the search's requests read the Matchmaking's, its declared deadline the PotentialLeaders'

@@ -177,7 +177,7 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.dht.routing.RoutingTable": ("peer_id_to_uid",),
     "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor",),
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size",
-                                                   "potential_leaders"),
+                                                   "potential_leaders", "client_mode"),
     "hivemind.averaging.matchmaking.PotentialLeaders": ("min_matchmaking_time",),
     "hivemind.utils.crypto.RSAPrivateKey": ("_private_key",),
     "hivemind.utils.crypto.RSAPublicKey": ("_public_key",),

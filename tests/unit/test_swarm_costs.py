@@ -120,6 +120,12 @@ def test_the_budget_sets_both_of_hiveminds_copies_leaves_time_to_the_all_reduce_
     CheckedRounds._fit_group_to_swarm(averager, matchmaking, three, deadline=get_dht_time() + 15.0)
     assert 4.9 < matchmaking.min_matchmaking_time == matchmaking.potential_leaders.min_matchmaking_time <= 5.0
 
+    # a client never leads: it searches as long as any leader may, or every leader's later deadline refuses it
+    _, client_averager, client = _fit(None, [3, 3])
+    client.client_mode = True
+    CheckedRounds._fit_group_to_swarm(client_averager, client, three)
+    assert client.min_matchmaking_time == client.potential_leaders.min_matchmaking_time == 9.0
+
     averager._raise_group_target = lambda mm: CheckedRounds._raise_group_target(averager, mm)
     loop = asyncio.new_event_loop()
     try:
