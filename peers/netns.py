@@ -8,8 +8,12 @@ Each peer's upload is shaped on its own eth0 (egress), its download on the switc
 veth (egress towards the peer), with tc htb. TCP ACKs get a priority class on both, so a saturated
 upload does not starve the downloads whose ACKs queue behind it. A NAT'd peer's namespace drops its
 own SYN-ACKs: nobody can open a connection to it, while its outbound connections work, which is
-what a home router does to a peer without port forwarding. Delay and loss need netem; a kernel
-without it (like this project's CI machine) gets a warning naming what was skipped.
+what a home router does to a peer without port forwarding.
+
+Delay and loss use netem where the kernel has it. A kernel without netem (like this project's CI machine) gets
+its delay from peers/delayer.py instead: the switch namespace sends what enters it from port pN to NFQUEUE N+1
+(br_netfilter, iptables physdev), and one delayer process there holds each queue's packets for peer N's
+delay_ms. Loss without netem is skipped, with a warning that says so.
 
 The addresses live only inside these namespaces, and the names carry the creating process's id
 and a random tag, so two simulations never collide and a crashed one's leftovers can be swept.
@@ -21,10 +25,14 @@ import json
 import os
 import re
 import shutil
+import select
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Optional
 
 from collab.peers.profiles import LinkSpec
@@ -32,6 +40,7 @@ from collab.peers.profiles import LinkSpec
 SUBNET = "10.77.0"  # private to the lab's namespaces; the root namespace never sees it
 NS_PREFIX = "collab-"
 UNLIMITED_MBIT = 10_000  # the rate of a class that exists only for the NAT filter
+DELAYER = Path(__file__).with_name("delayer.py")  # run by path: standalone, and importing collab costs a second
 
 
 class NetworkError(RuntimeError):
@@ -95,6 +104,8 @@ class NetworkLab:
         self.observer = f"{base}-obs"  # an unshaped host for the dashboard and `collab status`
         self.warnings: list[str] = []
         self._created: list[str] = []
+        self._delayer: Optional[subprocess.Popen] = None
+        self._delayer_stderr = None
 
     def __enter__(self) -> "NetworkLab":
         try:
@@ -148,20 +159,38 @@ class NetworkLab:
         self._add_namespace(self.switch)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
-        netem_missing: list[str] = []
         if self.with_observer:
             self._plug(self.observer, "obs", f"{SUBNET}.254")
+        wants_netem = any(link.delay_ms > 0 or link.loss_percent > 0 for link in self.links)
+        netem = wants_netem and netem_available()
         for i, (ns, link) in enumerate(zip(self.namespaces, self.links)):
             port = f"p{i}"
             self._plug(ns, port, self.address(i))
             # upload: what the peer sends; delay and loss apply to it, so a round trip gets both ends' delay
-            if not shape(ns, "eth0", link.upload_mbit, link.delay_ms, link.loss_percent, drop_syn_ack=link.nat):
-                netem_missing.append(f"peer {i}")
+            shape(ns, "eth0", link.upload_mbit, link.delay_ms if netem else 0.0, link.loss_percent if netem else 0.0,
+                  drop_syn_ack=link.nat)
             shape(self.switch, port, link.download_mbit, 0.0, 0.0, drop_syn_ack=False)
-        if netem_missing:
-            self.warnings.append(
-                f"this kernel has no netem qdisc: the profile's delay/loss is NOT applied for "
-                f"{', '.join(netem_missing)} (rates and NAT are); load sch_netem to simulate latency")
+        if netem:
+            return
+        delays = {i: link.delay_ms for i, link in enumerate(self.links) if link.delay_ms > 0}
+        if delays:
+            self._start_delayer(delays)
+        lossy = [f"peer {i}" for i, link in enumerate(self.links) if link.loss_percent > 0]
+        if lossy:
+            self.warnings.append(f"this kernel has no netem qdisc: the profile's loss is NOT applied for "
+                                 f"{', '.join(lossy)} (rates, delay and NAT are); load sch_netem to simulate loss")
+
+    def _start_delayer(self, delays: dict[int, float]) -> None:
+        """Peer i's packets wait delays[i] ms in the switch (queue i + 1), after the peer's own upload shaping and
+        before the receiver's download shaping. Not on the peer's own eth0: see peers/delayer.py for why."""
+        if shutil.which("iptables") is None:
+            raise NetworkError("delay_ms on a kernel without netem needs iptables (apt-get install iptables)")
+        # bridged packets pass iptables only with this on (br_netfilter; per namespace)
+        _run("ip", "netns", "exec", self.switch, "sh", "-c", "echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables")
+        self._delayer, self._delayer_stderr = start_delayer(self.switch, {i + 1: ms for i, ms in delays.items()})
+        for i in delays:
+            _run("ip", "netns", "exec", self.switch, "iptables", "-A", "FORWARD", "-m", "physdev",
+                 "--physdev-in", f"p{i}", "-j", "NFQUEUE", "--queue-num", str(i + 1))
 
     def _plug(self, ns: str, port: str, address: str) -> None:
         """A host namespace `ns` with eth0 at `address`, cabled to switch port `port`."""
@@ -177,10 +206,52 @@ class NetworkLab:
         self._created.append(name)
 
     def destroy(self) -> None:
-        """Kill whatever still runs inside the lab's namespaces (they are ours), then delete them."""
+        """Stop the delayer (it lets go of what it holds), kill whatever else still runs inside the lab's
+        namespaces (they are ours), then delete them."""
+        if self._delayer is not None:
+            stop_delayer(self._delayer)
+            if self._delayer.returncode not in (0, -signal.SIGTERM):
+                self._delayer_stderr.seek(0)
+                self.warnings.append(f"the delayer exited with {self._delayer.returncode}: "
+                                     f"{self._delayer_stderr.read().decode(errors='replace')[-500:]}")
+            self._delayer_stderr.close()
+            self._delayer = None
         for ns in reversed(self._created):
             remove_namespace(ns)
         self._created.clear()
+
+
+def start_delayer(ns: str, delays_ms: dict[int, float], timeout: float = 20) -> tuple[subprocess.Popen, object]:
+    """peers/delayer.py inside `ns`, holding NFQUEUE q's packets delays_ms[q] ms; returns once every queue is bound.
+    Its stderr goes to a temporary file (returned with it): a pipe nobody reads could fill and stall it."""
+    stderr = tempfile.TemporaryFile()
+    queues = [f"--queue={queue}:{ms}" for queue, ms in delays_ms.items()]
+    # its own session: a Ctrl-C meant for `collab simulate` must not stop it before the peers have left, or their
+    # goodbyes would wait in a queue nobody serves
+    process = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(DELAYER), *queues],
+                               stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
+    ready = select.select([process.stdout], [], [], timeout)[0] and process.stdout.readline() == b"ready\n"
+    if not ready:
+        stop_delayer(process)
+        stderr.seek(0)
+        reason = stderr.read().decode(errors="replace").strip().splitlines() or [f"not ready after {timeout:g} s"]
+        stderr.close()
+        raise NetworkError(f"cannot simulate delay without netem: {reason[-1]}")
+    process.stdout.close()  # nothing more is printed: a closed pipe costs nothing to keep
+    return process, stderr
+
+
+def stop_delayer(process: subprocess.Popen) -> None:
+    """SIGTERM (it accepts what it holds and exits), SIGKILL if it does not within 5 s; always reaped."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if process.stdout and not process.stdout.closed:
+        process.stdout.close()
 
 
 def remove_namespace(ns: str) -> None:

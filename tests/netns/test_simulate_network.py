@@ -11,7 +11,7 @@ import threading
 import pytest
 from transformers import AlbertForPreTraining
 
-from collab.peers.netns import namespaces_skip_reason, netem_available
+from collab.peers.netns import namespaces_skip_reason
 from collab.peers.profiles import load_profile
 from collab.peers.simulation import Simulation, SimulationSpec
 from collab.train.checkpoint import list_checkpoints
@@ -114,8 +114,9 @@ def test_simulate_cli_with_profile_stops_on_ctrl_c_and_cleans_up(tmp_path, no_le
     text = "".join(lines)
     assert "Traceback" not in text
     assert "up 10 Mbit/s, down 50 Mbit/s, delay 20 ms" in text  # the profile, as applied to each peer
-    # the profile asks for 20 ms of delay: a kernel without netem cannot apply it, and the run must say so
-    assert ("WARNING: this kernel has no netem" in text) == (not netem_available()), text[-3000:]
+    # the profile's 20 ms of delay is applied with netem or, on a kernel without it, by peers/delayer.py: no
+    # warning either way (the profile asks for no loss, the one thing only netem does)
+    assert "WARNING: this kernel has no netem" not in text, text[-3000:]
     report = json.loads(text[text.index("{\n"):])
     assert report["network"].startswith("namespaces") and not report["any_nonfinite"]
     assert report["epochs_reached"] >= 2
