@@ -16,8 +16,9 @@ Per round, from the peers' summaries: seconds finding the group (matchmaking) an
 minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key`
 says which keys they were for). Why the failed rounds failed (collab.modes.sync.round_failure), and the replicas'
 spread: the furthest replica from the replicas' mean at the start of an epoch, relative to their norm, the worst
-epoch of the run (estimated from each peer's per-epoch sketches; collab.peers.report). Not measured yet: rows with
-latency between the peers.
+epoch of the run (estimated from each peer's per-epoch sketches; collab.peers.report). `--rtt-ms 0,20,100` adds
+rows with that round trip between any two peers (network namespaces, as root; peers/delayer.py where the kernel
+has no netem).
 """
 
 from __future__ import annotations
@@ -85,12 +86,23 @@ class TreeSampler:
         return sum(self.cpu.values()), self.peak_rss
 
 
-def run_swarm(peers: int, args, folder: Path) -> dict:
+def latency_profile(folder: Path, rtt_ms: float) -> list[str]:
+    """simulate's flags for a round trip of `rtt_ms` between any two peers (each link delays what it sends by
+    half; network namespaces, and peers/delayer.py where the kernel has no netem); none for 0 (127.0.0.1)."""
+    if not rtt_ms:
+        return []
+    path = folder / f"rtt-{rtt_ms:g}.yaml"
+    path.write_text(yaml.safe_dump({"default": {"delay_ms": rtt_ms / 2}}))
+    return ["--profile", str(path)]
+
+
+def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0) -> dict:
     config = linreg_config(folder, peers, args.dim)
-    workdir = folder / f"swarm-{peers}"
+    workdir = folder / f"swarm-{peers}-{rtt_ms:g}"
     started = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "collab", "simulate", "--peers", str(peers), "--config",
-                                str(config), "--duration", str(args.duration), "--workdir", str(workdir), "--json"],
+                                str(config), "--duration", str(args.duration), "--workdir", str(workdir), "--json",
+                                *latency_profile(folder, rtt_ms)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                env=dict(os.environ, OMP_NUM_THREADS="1"))
     sampler = TreeSampler(process.pid)
@@ -102,7 +114,7 @@ def run_swarm(peers: int, args, folder: Path) -> dict:
     return {"report": report, "cpu": cpu, "rss": rss, "wall": time.monotonic() - started}
 
 
-def row(peers: int, result: dict, single_rate: float) -> dict:
+def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> dict:
     report = result["report"]
     per_peer = report["peers"]
     seconds = report["duration_seconds"]
@@ -117,7 +129,7 @@ def row(peers: int, result: dict, single_rate: float) -> dict:
             reasons[reason] = reasons.get(reason, 0) + n
     spreads = report.get("spread_by_epoch") or {}
     return {
-        "peers": peers, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
+        "peers": peers, "rtt_ms": rtt_ms, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
         "epochs_per_min": report["epochs_per_minute"], "rounds_ok": ok, "rounds_failed": failed,
         "ok_share": ok / (ok + failed) if ok + failed else None,
         "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": f"{min(epochs)}-{max(epochs)}",
@@ -145,24 +157,27 @@ def main() -> None:
     parser.add_argument("--peers", default="4,8,16", help="comma-separated swarm sizes")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds each swarm trains")
     parser.add_argument("--dim", type=int, default=100_000, help="linreg's parameters")
+    parser.add_argument("--rtt-ms", default="0", help="comma-separated round trips between peers, e.g. 0,20,100 "
+                        "(above 0: each peer in a network namespace, as root)")
     args = parser.parse_args()
     sizes = [int(n) for n in args.peers.split(",")]
+    rtts = [float(ms) for ms in args.rtt_ms.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         single = row(1, run_swarm(1, args, folder), 0.0)
-        rows = [row(n, run_swarm(n, args, folder), single["samples_per_s"]) for n in sizes]
+        rows = [row(n, run_swarm(n, args, folder, rtt), single["samples_per_s"], rtt) for rtt in rtts for n in sizes]
     cores = psutil.cpu_count()
     print(f"linreg dim {args.dim}, micro-batch 16, target 64 x N, {args.duration:.0f} s per swarm, 127.0.0.1, "
           f"{cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
           f"{single['samples_per_s']:.0f} samples/s")
-    header = ("peers", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
+    header = ("peers", "RTT ms", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
               "mean group", "epochs", "replica spread",
               "matchmaking s/round", "all-reduce s/round", "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer",
               "CPU bound", "PSS MB/peer")
     print(" | ".join(header))
     for r in rows:
         bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
-        print(" | ".join([str(r["peers"]), f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
+        print(" | ".join([str(r["peers"]), f"{r['rtt_ms']:g}", f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
                           f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
                           f"{100 * r['ok_share']:.0f}" if r["ok_share"] is not None else "-", r["failed_why"] or "-",
                           f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
