@@ -7,7 +7,7 @@ One peer alone first: "linear" is N times its rate. Per N it prints the swarm's 
 per minute, rounds ok and failed, the mean group size, the spread of the peers' final epochs, and CPU cores and
 resident memory per peer.
 
-    python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000]
+    python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000] [--rtt-ms 0,20,100]
 
 On a 2-core machine the peers share the cores, so from a few peers on the CPU is the bound: that is said in the
 table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
@@ -167,7 +167,7 @@ def main() -> None:
         single = row(1, run_swarm(1, args, folder), 0.0)
         rows = [row(n, run_swarm(n, args, folder, rtt), single["samples_per_s"], rtt) for rtt in rtts for n in sizes]
     cores = psutil.cpu_count()
-    print(f"linreg dim {args.dim}, micro-batch 16, target 64 x N, {args.duration:.0f} s per swarm, 127.0.0.1, "
+    print(f"linreg dim {args.dim}, micro-batch 16, target 64 x N, {args.duration:.0f} s per swarm, 127.0.0.1 (RTT 0) or namespaces, "
           f"{cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
           f"{single['samples_per_s']:.0f} samples/s")
     header = ("peers", "RTT ms", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
