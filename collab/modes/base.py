@@ -106,6 +106,13 @@ class SwarmOptimizer(OptimizerHooks):
         to seven epochs ahead on their own before the first round)."""
         self._start_with = (peers, time.monotonic() + timeout)
 
+    def holding_for_the_others(self) -> bool:
+        """start_together, seen from the training loop: once this peer has reported samples (so the others' trackers
+        count it), it computes nothing more until its tracker counts the others. Computing on meant a first step
+        on everything computed meanwhile: 12 linreg peers, whose first reads took up to 20 s, stepped on 40-80
+        epochs' worth of samples."""
+        return self.tracker.local_progress.samples_accumulated > 0 and self._waiting_for_the_others()
+
     def _waiting_for_the_others(self) -> bool:
         if self._start_with is None:
             return False

@@ -41,6 +41,7 @@ from collab.train.summary import EpochLoss, Summary, harvest, sketch_replica, wr
 from collab.train.window import GradientWindow
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
+HOLD_POLL = 0.25  # seconds between looks at the others' progress while a --wait-peers start holds
 METRICS_RECORD_LIFETIME = 300.0  # seconds a peer's metrics record lives in the DHT unless republished
 
 
@@ -212,6 +213,8 @@ class TrainingLoop:
         opt, summary, max_epochs = self.opt, self.summary, self.options.max_epochs
         last_epoch, last_publish, checkpoint_due = opt.local_epoch, float("-inf"), False
         started = time.monotonic()
+        # --wait-peers in the sync mode: after its first window the peer waits for the others' progress records
+        holding = self.options.wait_peers > 1 and self.config.averaging.mode == "sync"
         try:
             with self.display:
                 while not self.stop.is_set():
@@ -219,6 +222,9 @@ class TrainingLoop:
                         summary.exit_reason = f"reached epoch {max_epochs}"
                         break
                     self.task.set_step(opt.local_epoch)
+                    if holding and opt.holding_for_the_others():
+                        self.stop.wait(HOLD_POLL)
+                        continue
                     if not self._micro_batch():
                         continue  # nothing to count: fp16 overflowed, or the micro-batch was dropped
                     new_epoch = opt.local_epoch != last_epoch

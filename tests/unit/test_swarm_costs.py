@@ -210,14 +210,19 @@ def test_with_wait_peers_the_first_step_waits_until_the_tracker_counts_the_other
         tracker.read_at = time.monotonic()
         return True
 
-    tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=1), read_at=float("-inf"), refresh=refresh)
+    tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=1), read_at=float("-inf"), refresh=refresh,
+                              local_progress=SimpleNamespace(samples_accumulated=0))
     opt = SimpleNamespace(tracker=tracker, _start_with=None)
+    opt._waiting_for_the_others = lambda: SwarmOptimizer._waiting_for_the_others(opt)
     assert not SwarmOptimizer._waiting_for_the_others(opt)  # no --wait-peers: nothing to wait for
     SwarmOptimizer.start_together(opt, 3, timeout=60.0)
+    # the training loop computes until this peer has samples to report (its record is what the others count)
+    assert not SwarmOptimizer.holding_for_the_others(opt)
+    tracker.local_progress.samples_accumulated = 64
     waits = []
     for _ in range(4):
         tracker.read_at = float("-inf")  # (each step comes after the last read has aged)
-        waits.append(SwarmOptimizer._waiting_for_the_others(opt))
+        waits.append(SwarmOptimizer.holding_for_the_others(opt))
     assert waits == [True, True, True, False] and opt._start_with is None  # then never again
     SwarmOptimizer.start_together(opt, 5, timeout=0.0)  # the wait is bounded: after it, training goes on
     tracker.global_progress.num_peers = 1
