@@ -44,6 +44,21 @@ class SummedMicroBatches:
                 grad_acc.add_(grad_buf.to(grad_acc.device))
 
 
+class EpochGroups:
+    """A GradientAverager mixin: a round groups only peers at one epoch. hivemind keys every round of a run alike,
+    so a peer that reached an epoch's end late joined the next epoch's round of the others: 12 linreg peers, one
+    of them 0.3 s late for the first round (it went on with 11), averaged its epoch-0 gradients into the others'
+    epoch-1 round, and its replica stayed 2% from theirs to the end. Each round carries the epoch it ends
+    (hivemind's gathered data), and the averager process matches it under that epoch's key
+    (collab.averaging.robust_rounds); a late peer finds no group and re-syncs, as after any failed round."""
+
+    epoch = 0  # the epoch this peer's next round ends; kept current by collab.modes.sync.CollabOptimizer
+
+    def schedule_step(self, *args, **kwargs):
+        kwargs.setdefault("gather", self.epoch)
+        return super().schedule_step(*args, **kwargs)
+
+
 class OwnGradients:
     """A GradientAverager mixin: a copy of what this peer sent into its round, for a step if the round fails."""
 
@@ -84,7 +99,8 @@ class DGCSelection:
             self.dgc.compress_(averaged, self.round_epoch, self.round_peers)
 
 
-class CollabGradientAverager(MembersOnly, CheckedRounds, OwnGradients, SummedMicroBatches, GradientAverager):
+class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, SummedMicroBatches,
+                             GradientAverager):
     def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  traffic=None, **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
@@ -92,7 +108,7 @@ class CollabGradientAverager(MembersOnly, CheckedRounds, OwnGradients, SummedMic
         super().__init__(*args, **kwargs)
 
 
-class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, SummedMicroBatches,
+class CollabPowerSGDAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, SummedMicroBatches,
                              PowerSGDGradientAverager):
     """PowerSGD (Vogels et al. 2019) as hivemind implements it, with two changes.
 
@@ -135,7 +151,7 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, OwnGradients, SummedMic
         self._feedback_before = None
 
 
-class CollabDGCAverager(MembersOnly, CheckedRounds, OwnGradients, DGCSelection, SummedMicroBatches,
+class CollabDGCAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, DGCSelection, SummedMicroBatches,
                         GradientAverager):
     """Deep Gradient Compression (collab.averaging.dgc); its sparse parts travel losslessly
     (collab.averaging.compression.SparseParts)."""

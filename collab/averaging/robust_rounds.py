@@ -192,9 +192,11 @@ class CheckedRounds(AveragerHooks):
             records = self._signed_progress()  # a fresh read starts while the group is being matched
             if matchmaking is not None:
                 self._fit_group_to_swarm(matchmaking, records, step.deadline)
+                self._match_within_epoch(matchmaking, step)
         return await super().averaging_step(step=step, **kwargs)
 
     _budget: Optional[MatchingBudget] = None  # set when a gradient round's group size follows the swarm
+    _last_group: frozenset = frozenset()  # the base58 ids of this peer's last gradient group
 
     def _fit_group_to_swarm(self, matchmaking, records: dict, deadline: Optional[float] = None) -> None:
         """averaging.group_size unset: a leader begins its round as soon as every peer the run's progress records
@@ -217,7 +219,7 @@ class CheckedRounds(AveragerHooks):
             seconds = max(self._budget.configured, min(seconds, (deadline - get_dht_time()) / 3))
         # both copies: the search's requests read the Matchmaking's, its declared deadline the PotentialLeaders'
         matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = seconds
-        matchmaking.target_group_size = _peers_training(records)
+        matchmaking.target_group_size = _peers_training(records, self._last_group)
         # the records read while the group is matched (the first round's first read among them) may show more
         # peers than the last read did: the target follows them up, never down, within the round
         task = self.__dict__.get("_progress_cache", {}).get("task")
@@ -227,8 +229,21 @@ class CheckedRounds(AveragerHooks):
             f"gradient round: group target {matchmaking.target_group_size}, searching for at least "
             f"{matchmaking.min_matchmaking_time:.1f} s")
 
+    def _match_within_epoch(self, matchmaking, step) -> None:
+        """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that
+        epoch: hivemind's leaders refuse a request made under another key, and no search sees another epoch's."""
+        keys = matchmaking.group_key_manager
+        base = self.__dict__.setdefault("_base_group_prefix", keys.prefix)
+        try:
+            _bandwidth, _mode, user_data = self.serializer.loads(step.data_for_gather)
+            epoch = self.serializer.loads(user_data)
+        except Exception:  # (our own process's data: a round without an epoch keeps the run's key)
+            epoch = None
+        # hivemind's group keys are PREFIX.0bBITS with no dot in PREFIX
+        keys.prefix = f"{base}_epoch{epoch}" if type(epoch) is int else base
+
     def _raise_group_target(self, matchmaking) -> None:
-        training = _peers_training(self._progress_cache["records"])
+        training = _peers_training(self._progress_cache["records"], self._last_group)
         if training is not None and training > (matchmaking.target_group_size or 0):
             matchmaking.target_group_size = training
             logging.getLogger(__name__).debug(f"group target raised to {training} by a fresh read")
@@ -241,6 +256,7 @@ class CheckedRounds(AveragerHooks):
         bound = self._bound(own_norm * self._own_norm_scale(kwargs.get("weight")), phase)
         if self.kind == "gradients":
             await self._first_progress_read()
+            self._last_group = frozenset(peer.to_base58() for peer in group_info.peer_ids)
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
                                 on_finding=self._report, is_banned=self.banned,
@@ -385,11 +401,16 @@ class CheckedRounds(AveragerHooks):
         return self._norms.setdefault(phase, [])
 
 
-def _peers_training(records: dict) -> Optional[int]:
-    """The peers the progress records show training: within an epoch of the furthest (None: fewer than two)."""
-    epochs = [getattr(record, "epoch", None) for record in records.values()]
-    epochs = [e for e in epochs if isinstance(e, int)]
-    training = sum(e >= max(epochs) - 1 for e in epochs) if epochs else 0
+def _peers_training(records: dict, last_group: frozenset = frozenset()) -> Optional[int]:
+    """The peers the progress records show training: within an epoch of the furthest, or in this peer's last
+    gradient group while their record lives (None: fewer than two). A record is up to PROGRESS_REFRESH s old plus its
+    own publishing lag: in a swarm that steps every 3-4 s, two of 12 peers that had just averaged with this one
+    showed two epochs behind, the target fell to 10, and the leader began without them (groups of 9 + 3 from then
+    on). A peer that averaged with this one last round is on its epoch whatever its record says."""
+    epochs = {peer: getattr(record, "epoch", None) for peer, record in records.items()}
+    epochs = {peer: e for peer, e in epochs.items() if isinstance(e, int)}
+    furthest = max(epochs.values(), default=0)
+    training = sum(e >= furthest - 1 or peer in last_group for peer, e in epochs.items())
     return training if training >= 2 else None
 
 

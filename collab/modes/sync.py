@@ -47,6 +47,7 @@ class CollabOptimizer(SwarmOptimizer):
     sums_micro_batches = True  # its averagers count a window's micro-batches (grad_averager.SummedMicroBatches)
 
     def begin_gradient_round(self, grad_scaler) -> bool:
+        self.grad_averager.epoch = self.local_epoch  # (grad_averager.EpochGroups) the round ends this epoch
         if hasattr(self.grad_averager, "set_round_context"):  # dgc: its warm-up and its clipping need these
             self.grad_averager.set_round_context(self.local_epoch, max(1, self.tracker.global_progress.num_peers))
         self._renew_a_stale_round()
@@ -75,14 +76,21 @@ class CollabOptimizer(SwarmOptimizer):
         logger.warning(f"Epoch {self.local_epoch}: the pre-scheduled gradient round had {left:.1f} s left of its "
                        f"{self.averaging_timeout:g} s; renewed")
 
-    def _record_own_step(self, why: str) -> None:
+    def _record_own_step(self, why: str, whose: str = "this peer's own gradients") -> None:
         peers = max(self._most_peers, self.tracker.global_progress.num_peers)
         if peers > 1:
             # with overlap=full this runs in the background step, after the epoch was incremented
             epoch = self.local_epoch + (0 if self.delay_grad_averaging else 1)
             self.replica.stepped_alone(epoch, peers, time.monotonic())  # held before hivemind publishes the epoch
-            logger.warning(f"Epoch {self.local_epoch}: {why}; this step is on this peer's own gradients, so its "
+            logger.warning(f"Epoch {self.local_epoch}: {why}; this step is on {whose}, so its "
                            "replica is one update away from the swarm's until it is re-synced")
+
+    def _in_a_minority(self, group_size: int) -> bool:
+        """Whether this peer's round gathered fewer than half the peers training: the swarm split into groups (two
+        leaders matched at once: 12 linreg peers on 2 cores went 9 + 3), and the replicas of the few part from the
+        many's. Such a step is treated as an own step: the few re-sync from the many (whose records claim the epoch
+        while the few hold theirs at the one before, collab.modes.replica_sync), not the other way round."""
+        return group_size * 2 < self.tracker.global_progress.num_peers
 
     def should_download_state(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
@@ -133,7 +141,7 @@ class CollabOptimizer(SwarmOptimizer):
                 if self._averaged_gradients_are_finite():
                     self.load_averaged_gradients()
                     self.averaging_log.success([peer.to_base58() for peer in group], self.local_epoch)
-                    averaged = True
+                    averaged, group_size = True, len(group)
                 else:
                     self.averaging_log.failure("averaged gradients not finite")
             except BaseException as e:  # timeouts, a peer that vanished mid-round: fall back to local gradients
@@ -162,6 +170,9 @@ class CollabOptimizer(SwarmOptimizer):
                 raise LeavingMidStep()
             self.load_own_gradients()
             self._record_own_step(failure)
+        elif self._in_a_minority(group_size):
+            self._record_own_step(f"its gradient round gathered {group_size} of the "
+                                  f"{self.tracker.global_progress.num_peers} peers training", whose="a few peers' gradients")
 
     def load_own_gradients(self) -> None:
         # the gradients this peer sent into the failed round (hivemind would load its zeroed accumulators); when
@@ -240,6 +251,7 @@ class CollabOptimizer(SwarmOptimizer):
         # the DHT and averager processes busy (a third of a core here). With one peer there is nobody to
         # match; when another appears, begin_gradient_round still starts a round at the epoch's end.
         if self.tracker.global_progress.num_peers > 1:
+            self.grad_averager.epoch = self.local_epoch
             super().schedule_gradient_round()
 
     def _averaged_gradients_are_finite(self) -> bool:

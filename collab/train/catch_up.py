@@ -21,12 +21,12 @@ def settle(opt: AveragingMode, config: RunConfig) -> str:
         print(f"while re-syncing before leaving: {type(e).__name__}: {e}", flush=True)
         return "swarm" if opt.own_step is None else "own step"
     if outcome == "downloaded":
-        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed. "
-              "Downloaded the swarm's state before leaving.", flush=True)
+        print(f"The last step (to epoch {opt.local_epoch}) was not the swarm's: its gradient round failed or gathered "
+              "fewer than half the peers. Downloaded the swarm's state before leaving.", flush=True)
     elif outcome == "own step":
-        print(f"The last step (to epoch {opt.local_epoch}) was this peer's own: its gradient round failed and no "
-              "peer could give the swarm's state. This replica is not the swarm's: no checkpoint written for it.",
-              flush=True)
+        print(f"The last step (to epoch {opt.local_epoch}) was not the swarm's: its gradient round failed or gathered "
+              "fewer than half the peers, and no peer could give the swarm's state. This replica is not the swarm's: "
+              "no checkpoint written for it.", flush=True)
     return outcome
 
 

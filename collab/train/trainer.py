@@ -344,6 +344,9 @@ class TrainingLoop:
         summary, config = self.summary, self.config
         if summary.exit_reason.startswith("reached epoch"):
             summary.final_replica = settle(opt, config)
+            if summary.final_replica == "downloaded" and self.options.summary_path is not None \
+                    and config.averaging.overlap == "none":
+                sketch_replica(summary, opt.local_epoch, self.task.model)  # the replica it leaves with: the swarm's
         opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
         summary.final_epoch = opt.local_epoch
         summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")

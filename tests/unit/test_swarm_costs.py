@@ -10,10 +10,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from hivemind.averaging.key_manager import is_valid_group
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.matching_budget import MatchingBudget
-from collab.averaging.robust_rounds import CheckedRounds
+from collab.averaging.robust_rounds import CheckedRounds, _peers_training
 from collab.hivemind_hooks.patches import count_dht_requests, pace_group_reads, time_matchmaking
 from collab.swarm.dht_traffic import DHTRequests, known_keys
 
@@ -64,7 +66,7 @@ def test_each_search_for_a_group_is_timed_whether_it_finds_one_or_fails():
 
 
 def _fit(target_group_size, epochs: list[int]):
-    averager = SimpleNamespace(_budget=None)
+    averager = SimpleNamespace(_budget=None, _last_group=frozenset())
     matchmaking = SimpleNamespace(target_group_size=target_group_size, min_matchmaking_time=3.0,
                                   potential_leaders=SimpleNamespace(min_matchmaking_time=3.0))
     records = {f"peer{i}": SimpleNamespace(epoch=e) for i, e in enumerate(epochs)}
@@ -78,6 +80,48 @@ def test_a_group_begins_once_every_training_peer_joined_when_no_size_is_set():
     assert _fit(None, [7])[0] is None  # alone, or no records yet: hivemind's own rule (wait out matchmaking_time)
     assert _fit(None, [])[0] is None
     assert _fit(8, [7, 7, 7])[0] == 8  # a size the run set is kept
+
+
+def test_peers_that_averaged_with_this_one_count_whatever_their_late_record_says():
+    # records are up to PROGRESS_REFRESH s old: in a swarm stepping every 3-4 s two of 12 showed two epochs behind
+    records = {f"peer{i}": SimpleNamespace(epoch=7) for i in range(10)}
+    records.update(late0=SimpleNamespace(epoch=5), late1=SimpleNamespace(epoch=5))
+    assert _peers_training(records) == 10
+    assert _peers_training(records, frozenset({"late0", "late1", "peer0"})) == 12
+    # a groupmate whose record expired (it left) is not counted
+    assert _peers_training(records, frozenset({"late0", "gone"})) == 11
+
+
+def _match(prefix_before: str, gathered) -> list[str]:
+    averager = type("Averager", (), {"serializer": MSGPackSerializer})()
+    matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix=prefix_before))
+    prefixes = []
+    for data in gathered:
+        step = SimpleNamespace(data_for_gather=MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(data)]))
+        CheckedRounds._match_within_epoch(averager, matchmaking, step)
+        prefixes.append(matchmaking.group_key_manager.prefix)
+    return prefixes
+
+
+def test_a_gradient_round_is_matched_only_among_peers_at_its_epoch():
+    # a peer late for the first round joined the others' epoch-1 round with its epoch-0 gradients (its replica
+    # stayed 2% off): each round is matched under its epoch's key, which hivemind's leaders check
+    assert _match("run_grad_averager", [5, 6, 6]) == [
+        "run_grad_averager_epoch5", "run_grad_averager_epoch6", "run_grad_averager_epoch6"]
+    assert all(is_valid_group(f"{prefix}.0b") for prefix in _match("run_grad_averager", [0, 12]))
+    # rounds that carry no epoch (diloco gathers [outer step, probe]; no data at all) keep the run's key
+    assert _match("run_grad_averager", [7, [3, 0.5], None]) == [
+        "run_grad_averager_epoch7", "run_grad_averager", "run_grad_averager"]
+
+
+def test_a_round_that_gathered_fewer_than_half_the_peers_training_is_an_own_step():
+    from collab.modes.sync import CollabOptimizer
+
+    optimizer = SimpleNamespace(tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=12)))
+    assert CollabOptimizer._in_a_minority(optimizer, 3)  # the 3 of a 9 + 3 split re-sync from the 9
+    assert not CollabOptimizer._in_a_minority(optimizer, 9)
+    assert not CollabOptimizer._in_a_minority(optimizer, 6)  # 6 + 6: neither side is the swarm's; state rounds heal it
+    assert not CollabOptimizer._in_a_minority(optimizer, 12)
 
 
 def test_the_group_follows_the_swarm_from_round_to_round():
