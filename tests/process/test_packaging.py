@@ -90,6 +90,21 @@ def test_dockerfile_lints_clean_and_runs_collab():
         assert path in dockerfile, path
 
 
+def test_dockerfile_variants_take_torch_from_build_arguments():
+    """The same file builds on a machine that reaches only a mirror: an index written into a RUN line could not be
+    overridden. CPU is the default target and pins the CPU wheel (a plain pin from a general index is the CUDA
+    build)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    code = [line for line in dockerfile.splitlines() if not line.lstrip().startswith("#")]
+    for line in code:
+        if re.search(r"https?://|file:/", line):
+            assert re.match(r"ARG \w+=", line), f"an index URL outside an ARG default: {line}"
+    stages = re.findall(r"^FROM \S+ AS (\w+)", dockerfile, re.M)
+    assert "cuda" in stages and stages[-1] == "cpu", stages
+    cpu_stage = dockerfile.split(" AS cpu", 1)[1]
+    assert "torch==2.13.0+cpu" in cpu_stage
+
+
 def test_a_non_editable_install_finds_its_shipped_configs_and_profiles(tmp_path):
     """What the Docker image and a wheel user get: `pip install .` (not -e). There configs/ is not beside the
     package, and collab.configs (YAML only) is a namespace package; every wheel install once found no shipped
