@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from collab.commands import dashboard, init, invite, join, revoke, simulate, status
+from collab.commands import dashboard, doctor, init, invite, join, revoke, simulate, status
 from collab.commands import id as id_command
 from collab.errors import InternalError, UserError
 from collab.process.defaults import debug_loggers_from_env, set_process_defaults, timestamp_own_logs
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="collab", description="Train one model together over the internet.")
     parser.add_argument("--version", action="version", version=f"collab {__import__('collab').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for module in (init, join, id_command, invite, revoke, status, dashboard, simulate):
+    for module in (init, join, doctor, id_command, invite, revoke, status, dashboard, simulate):
         module.add_parser(sub)
     return parser
 

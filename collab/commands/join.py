@@ -24,6 +24,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("join", help="train with a swarm (or start a new one)",
                        description="Join a collaborative run as a trainer. Without --initial-peers, start a "
                                    "new swarm and print the command others use to join it.")
+    add_join_flags(p)
+    p.set_defaults(run=run, hard_exit=True)
+
+
+def add_join_flags(p) -> None:
+    """The flags of a join line; `collab doctor` takes the same line, so that a volunteer checks exactly it."""
     p.add_argument("--run-id", default=None, help="name of the run; all peers of a run use the same one")
     p.add_argument("--run-key", default=None, metavar="FINGERPRINT",
                    help="the organizer's key (from the join line): the run's manifest must be signed by it")
@@ -86,7 +92,6 @@ def add_parser(sub) -> None:
                    help="also serve the run's dashboard from this peer on 127.0.0.1:P")
     p.add_argument("--summary-json", type=Path, default=None, help="write a JSON summary here when the peer exits")
     p.add_argument("--no-live", action="store_true", help="print one line per epoch instead of a live bar")
-    p.set_defaults(run=run, hard_exit=True)
 
 
 def _number_or_auto(value: str):
@@ -190,6 +195,8 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
         else:  # the run's config and tokenizer come from the swarm: join it first
             credentials = credentials_from_flags(args, run_id)
             swarm = Swarm(peer, credentials.identity, authorizer=credentials.authorizer())
+            swarm, peer = _as_reachable_as_it_is(
+                swarm, peer, lambda client: Swarm(client, credentials.identity, authorizer=credentials.authorizer()))
             cache_gb = args.data_cache_gb if args.data_cache_gb is not None else joining.DATA_CACHE_GB
             config, shared = joining.as_volunteer(swarm, credentials.run_key, user, source, stop, credentials.invite,
                                                   cache_gb)
@@ -214,6 +221,24 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     print(f"Left the run at epoch {summary.final_epoch} ({summary.exit_reason}): contributed "
           f"{summary.samples_contributed} samples, averaged in {summary.rounds_joined} rounds{trend}", flush=True)
     return 0
+
+
+def _as_reachable_as_it_is(swarm, peer, restart):
+    """A joining peer asks swarm peers to dial it back (collab.swarm.reachability) and runs as what they found: a
+    full peer when they reach it, else a client (hivemind's averagers and DHT would otherwise hand others an address
+    nobody can dial: their rounds with it fail). --client-mode and --announce-maddrs say it already."""
+    if peer.client_mode or peer.announce_maddrs:
+        return swarm, peer
+    from collab.swarm.reachability import ask_to_dial_back
+
+    found = ask_to_dial_back(swarm)
+    if found.verdict != "not reachable":
+        print(f"Reachability: {found.reason}", flush=True)
+        return swarm, peer
+    print(f"Joining as a client (it trains and sends its parts; others reduce them): {found.reason}", flush=True)
+    swarm.shutdown()
+    client = peer.model_copy(update={"client_mode": True})
+    return restart(client), client
 
 
 def _check_data_flags(args: argparse.Namespace, task: str) -> None:

@@ -83,32 +83,31 @@ def fetch_manifest(dht, run_id: str, run_key: Optional[str], timeout: float = 30
                     "--initial-peers (the organizer's peers must run collab 0.2 or later)")
 
 
-class RunFileServer:
-    """Serves the run's files (name -> path) from a thread with its own event loop: to any peer that asks, or in
-    a private run (`access`) to members only. Anyone may ask about themselves (ACCESS_NAME): a stranger learns
-    that the run is private and how to get in, a revoked peer that it was revoked."""
+class StreamService:
+    """A service other peers reach through the DHT's p2pd, run by a thread with its own event loop: start() waits
+    until it listens, stop() ends it. A failure to start is kept in .error: serving others is a courtesy and must
+    never end this peer. Subclasses register their handlers in _listen()."""
 
-    def __init__(self, dht, files: dict[str, Path], access=None,
-                 shards: Optional[Callable[[str], Optional[Path]]] = None):
-        self.dht, self.files = dht, {name: Path(path) for name, path in files.items()}
-        self.shards = shards  # a shard's name -> its verified file here, or None (collab.run.shard_fetch.RunShards)
-        self._uploads: Optional[asyncio.Semaphore] = None  # made in the server's own loop
-        self.access = access  # collab.run.access.AccessList, kept current by collab.run.watch; None: open run
+    def __init__(self, dht, name: str):
+        self.dht = dht
+        self.error: Optional[str] = None
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="run-file-server", daemon=True)
-        self.error: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> "RunFileServer":
+    def start(self):
         self._thread.start()
         self._ready.wait(30)
         return self
+
+    async def _listen(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._listen())
-        except Exception as e:  # serving files is a courtesy to others: it must never end this peer
+        except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             self._ready.set()
             return
@@ -117,6 +116,25 @@ class RunFileServer:
             self._loop.run_forever()
         finally:
             close_loop(self._loop, getattr(self, "_p2p", None))
+
+    def stop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)  # the thread closes its client of p2pd (the daemon itself is the DHT's)
+
+
+class RunFileServer(StreamService):
+    """Serves the run's files (name -> path) from a thread with its own event loop: to any peer that asks, or in
+    a private run (`access`) to members only. Anyone may ask about themselves (ACCESS_NAME): a stranger learns
+    that the run is private and how to get in, a revoked peer that it was revoked."""
+
+    def __init__(self, dht, files: dict[str, Path], access=None,
+                 shards: Optional[Callable[[str], Optional[Path]]] = None):
+        self.files = {name: Path(path) for name, path in files.items()}
+        self.shards = shards  # a shard's name -> its verified file here, or None (collab.run.shard_fetch.RunShards)
+        self._uploads: Optional[asyncio.Semaphore] = None  # made in the server's own loop
+        self.access = access  # collab.run.access.AccessList, kept current by collab.run.watch; None: open run
+        super().__init__(dht, "run-file-server")
 
     async def _listen(self) -> None:
         self._p2p = await own_p2p(self.dht)
@@ -145,11 +163,6 @@ class RunFileServer:
             pass  # a peer that hung up or sent garbage: nothing to do
         finally:
             writer.close()
-
-    def stop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)  # the thread closes its client of p2pd (the daemon itself is the DHT's)
 
 
 def close_loop(loop, p2p=None) -> None:

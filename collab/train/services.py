@@ -12,6 +12,7 @@ from collab.dashboard.server import BackgroundDashboard
 from collab.modes import AveragingMode
 from collab.run.sharer import RunSharer, SharedRun
 from collab.swarm.node import Swarm
+from collab.swarm.probe import ProbeServer
 from collab.train.data_feed import PeerData
 from collab.train.plan_keeper import PlanKeeper, start_plan_keeper
 
@@ -22,6 +23,7 @@ class PeerServices:
     def __init__(self, swarm: Swarm):
         self.swarm = swarm
         self.sharer: Optional[RunSharer] = None
+        self.probe: Optional[ProbeServer] = None
         self.dashboard: Optional[BackgroundDashboard] = None
         self.keeper: Optional[PlanKeeper] = None
         self.opt: Optional[AveragingMode] = None
@@ -41,6 +43,12 @@ class PeerServices:
         if shared is not None:
             self.sharer = RunSharer(self.swarm, shared, on_lost=on_lost).start()
             self._stack.callback(self.sharer.stop)
+
+    def start_probe(self) -> None:
+        """Answer other peers' probes (dial-back, clock, bandwidth: collab.swarm.probe); a client cannot be dialled."""
+        if not self.swarm.peer.client_mode:
+            self.probe = ProbeServer(self.swarm.dht).start()
+            self._stack.callback(self.probe.stop)
 
     def start_data(self, data: Optional[PeerData], resume: Optional[dict]) -> None:
         """Place this peer in the run's token shards (its checkpoint's place, its saved one, or the largest gap

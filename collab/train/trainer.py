@@ -169,6 +169,7 @@ class TrainingLoop:
                 services.opt.abort_rounds()
 
         services.start_sharer(shared, on_lost=leave)
+        services.start_probe()
         services.start_dashboard(options.dashboard_port)
         if services.dashboard is not None:
             print(f"Dashboard: {services.dashboard.url}", flush=True)
