@@ -427,12 +427,13 @@ def _norm(tensors) -> float:
 
 
 class _QuietRejections(logging.Filter):
-    """hivemind logs a failed round with its traceback; a round this peer refused is reported by collab, once."""
+    """hivemind logs a failed round with its traceback; a round this peer refused is reported by collab, once, and
+    so is a round that found no group (with why: collab.modes.sync.why_no_group)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         while error is not None:
-            if isinstance(error, RejectedRound):
+            if isinstance(error, RejectedRound) or "could not find a group" in str(error):
                 return False
             error = error.__cause__ or error.__context__
         return True

@@ -13,9 +13,6 @@ import argparse
 import json
 import logging
 import shutil
-import socket
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Optional
 
 from pydantic import BaseModel, Field
@@ -23,11 +20,11 @@ from pydantic import BaseModel, Field
 from collab.commands import join
 from collab.config import check_run_id
 from collab.errors import UserError
+from collab.swarm.dial import reach_all, tcp_target, what_to_check, why_not_joined
 
 # hivemind and torch are imported inside the checks that need them: a flag mistake is reported at once
 
 logger = logging.getLogger(__name__)
-TCP_TIMEOUT = 5.0  # seconds for each initial peer's TCP connect
 MANIFEST_TIMEOUT = 20.0
 MIN_FREE_GB = 1.0  # tokenizer, checkpoints and logs, even for a run without token shards
 SLOW_UPLOAD_MBPS = 10.0  # below this an all-reduce part waits on this peer: announce it with --bandwidth
@@ -115,7 +112,7 @@ def _listen_checks(host_maddrs: list[str]) -> list[Check]:
 
     checks = []
     for maddr in host_maddrs:
-        target = _tcp_target(maddr)
+        target = tcp_target(maddr)
         if target is None or target[1] == 0 or not maddr.startswith("/ip4/"):
             continue
         try:
@@ -129,55 +126,25 @@ def _listen_checks(host_maddrs: list[str]) -> list[Check]:
     return checks
 
 
-def _tcp_target(maddr: str) -> Optional[tuple[str, int]]:
-    parts = maddr.split("/")
-    if len(parts) >= 5 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") and parts[3] == "tcp":
-        return parts[2], int(parts[4])
-    return None
-
-
-def tcp_reach(host: str, port: int, timeout: float = TCP_TIMEOUT) -> tuple[Optional[float], Optional[str]]:
-    """(milliseconds, None) when a TCP connect succeeds, else (None, "refused" | "timed out" | ...)."""
-    started = time.monotonic()
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except socket.timeout:
-        return None, "timed out"
-    except ConnectionRefusedError:
-        return None, "refused"
-    except socket.gaierror:
-        return None, "name not resolved"
-    except OSError as e:
-        return None, f"unreachable ({e.strerror or e})"
-    return round((time.monotonic() - started) * 1000, 1), None
-
-
 def initial_peer_check(maddr: str, ms: Optional[float], error: Optional[str]) -> Check:
-    target = _tcp_target(maddr)
+    target = tcp_target(maddr)
     where = f"{target[0]}:{target[1]}" if target else maddr
     data = dict(address=maddr, reached=error is None, ms=ms, error=error)
     if error is None:
         return Check(name="initial peer", status="ok", detail=f"{maddr}: reached in {ms:g} ms", data=data)
-    fixes = {"refused": f"nothing listens on {where}: that peer is down or restarted on another port; ask the "
-                        "organizer for a current join line",
-             "timed out": f"no answer from {where} in {TCP_TIMEOUT:g} s: a firewall drops it or the address is not "
-                          f"public; check that the address is current and that TCP {where.rsplit(':', 1)[-1]} is "
-                          f"open there ('nc -vz {where.replace(':', ' ')}'), and that your network allows outgoing "
-                          "TCP to it"}
-    fix = fixes.get(error, f"check your network connection and the address {where}")
-    return Check(name="initial peer", status="fail", detail=f"{maddr}: {error} ({where})", fix=fix, data=data)
+    return Check(name="initial peer", status="fail", detail=f"{maddr}: {error} ({where})",
+                 fix=what_to_check(maddr, error), data=data)
 
 
 def _initial_peers(maddrs: list[str]) -> list[Check]:
-    def one(maddr: str) -> Check:
-        target = _tcp_target(maddr)
-        if target is None:  # a relayed or other transport address: the DHT node will try it
-            return Check(name="initial peer", status="ok", detail=f"{maddr}: not a TCP address, not checked",
-                         data=dict(address=maddr, reached=None))
-        return initial_peer_check(maddr, *tcp_reach(*target))
-
-    with ThreadPoolExecutor(min(8, len(maddrs))) as pool:
-        return list(pool.map(one, maddrs))
+    checks = []
+    for maddr, (ms, error) in zip(maddrs, reach_all(maddrs)):
+        if tcp_target(maddr) is None:  # a relayed or other transport address: the DHT node will try it
+            checks.append(Check(name="initial peer", status="ok", detail=f"{maddr}: not a TCP address, not checked",
+                                data=dict(address=maddr, reached=None)))
+        else:
+            checks.append(initial_peer_check(maddr, ms, error))
+    return checks
 
 
 def _swarm_checks(args: argparse.Namespace, peer, run_id: str):
@@ -193,11 +160,9 @@ def _swarm_checks(args: argparse.Namespace, peer, run_id: str):
         if "is private" in str(e):  # the run refuses this peer: its words say how to get in
             detail, _, fix = str(e).partition(". ")
             return [Check(name="swarm", status="fail", detail=detail, fix=fix or None)], None
-        where = ", ".join(peer.initial_peers)
-        return [Check(name="swarm", status="fail", detail=f"{where} answers TCP but not as that libp2p peer",
-                      fix="the peer restarted with a new identity, or another program holds its port: ask the "
-                          "organizer for a current join line (COLLAB_DEBUG_LOGGERS=collab.commands.doctor shows "
-                          "p2pd's own words)")], None
+        detail, _, fix = why_not_joined(peer.initial_peers).partition(": ")
+        return [Check(name="swarm", status="fail", detail=detail, fix=f"{fix} (COLLAB_DEBUG_LOGGERS=collab.commands."
+                      "doctor shows p2pd's own words)")], None
     try:
         return _through(swarm, args, run_id, credentials.run_key)
     finally:

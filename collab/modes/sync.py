@@ -148,6 +148,9 @@ class CollabOptimizer(SwarmOptimizer):
                 if not self.stop.is_set():  # (a round this peer cancelled to leave did not fail)
                     self.averaging_log.failure(round_failure(e))
                 failure = f"gradient averaging failed ({type(e).__name__}: {e})"
+                if round_failure(e) == "no group found":
+                    failure = why_no_group(self.local_epoch, self.client_mode, self.tracker.peers_seen,
+                                           self.grad_averager.matchmaking_kwargs["min_matchmaking_time"])
             else:
                 failure = "the averaged gradients were not finite" if not averaged else None
         else:
@@ -257,6 +260,25 @@ class CollabOptimizer(SwarmOptimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def why_no_group(epoch: int, client_mode: bool, peers_seen: list, matchmaking_time: float) -> str:
+    """Why a gradient round found no group, from the last read of the run's progress records: (epoch, client mode)
+    of each peer, this one's included. hivemind says only "could not find a group"."""
+    others = max(0, len(peers_seen) - 1)
+    if others == 0:
+        return "no group found: this peer is alone in the run (no other peer's progress record)"
+    leaders = sum(not client for _, client in peers_seen)
+    if client_mode and leaders == 0:
+        return (f"no group found: the {others} other peer(s) are clients too, and only a reachable peer can lead a "
+                "round: one of you needs an open port (collab doctor says how)")
+    same = sum(e == epoch for e, _ in peers_seen) - 1
+    if same <= 0:
+        theirs = sorted({e for e, _ in peers_seen if e != epoch})
+        return (f"no group found: the other peers are on epoch {', '.join(map(str, theirs))}, this one on {epoch} (a "
+                "round groups one epoch's peers); it re-syncs with them")
+    return (f"no group found: {same} other peer(s) on this epoch, but none matched within {matchmaking_time:g} s: on "
+            "slow or distant links raise averaging.matchmaking_time")
 
 
 def round_failure(error: BaseException) -> str:

@@ -57,6 +57,7 @@ class HonestProgressTracker(TrackerHooks):
     computing_since: Optional[float] = None  # dht time of this epoch's first micro-batch; None before it
     _stored_at = float("-inf")  # time.monotonic() of this peer's last stored record (_store_due)
     _stored_epoch: Optional[int] = None
+    peers_seen: list = []  # (epoch, client mode) of each peer in the last read
 
     def __init__(self, *args, hold: Callable[[], Optional[int]] = lambda: None, **kwargs):
         self.hold = hold  # the most epoch this peer's record may claim now (collab.modes.replica_sync); None: its own
@@ -97,6 +98,9 @@ class HonestProgressTracker(TrackerHooks):
         if isinstance(metadata, dict):
             metadata = forecastable(trusted_progress(metadata, self.rejected, self._said, self.members),
                                     get_dht_time(), self.micro_batch_size)
+            # (epoch, client) of every trusted record, this peer's included: why a round found no group
+            values = [entry.value for entry in metadata.values() if isinstance(entry.value, dict)]
+            self.peers_seen = [(v["epoch"], bool(v.get("client_mode"))) for v in values if type(v.get("epoch")) is int]
         progress = super().parse_swarm_progress(metadata)
         self.reads, self.read_at, self.forecast_at = self.reads + 1, time.monotonic(), get_dht_time()
         return progress

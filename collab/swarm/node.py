@@ -8,6 +8,7 @@ not duplicated), and the key that signs its DHT records, so that no record can c
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shlex
@@ -30,6 +31,7 @@ from collab.records.identity import Identity, load_or_create_identity
 from collab.records.metrics import MetricsSchema
 from collab.run.sharing import ask_about_access
 from collab.swarm.dht_traffic import start_counting
+from collab.swarm.dial import why_not_joined
 from collab.swarm.rejoin import Rejoiner
 
 
@@ -182,8 +184,10 @@ class Swarm:
 def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     if peer.initial_peers:
-        return (f"could not join the swarm through {', '.join(peer.initial_peers)} ({text}); "
-                "check that the address is current and reachable, or start a new swarm without --initial-peers")
+        # p2pd's own words ("Daemon failed to start: <timestamp> ...") say nothing a volunteer can act on: they go to
+        # the debug log, and a TCP connect to each initial peer says which one failed, how, and what to check
+        logging.getLogger(__name__).debug(f"the DHT node did not join: {text}")
+        return f"could not join the swarm: {why_not_joined(peer.initial_peers)}"
     return f"could not start the DHT node ({text}); check --host-maddrs (is the port free?)"
 
 

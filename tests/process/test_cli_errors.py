@@ -17,6 +17,8 @@ from collab.run.folder import load_run_folder
 from collab.train.precision import Precision
 from tests.conftest import run_cli, write_config
 
+SOME_PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
 
 @pytest.mark.parametrize("args, expected", [
     (["join", "--run-id", "r", "--config", "{bad}"], "collab join: error: config error in {bad}: "
@@ -61,6 +63,11 @@ from tests.conftest import run_cli, write_config
                                                                        "http(s):// URL prefix nor hf:REPO"),
     (["init", "r", "--dir", "{dir}", "--shards-url", "hf:me/corpus"], "--shards-url says where the run's token "
                                                                        "shards live: add the --dataset"),
+    # p2pd's "Daemon failed to start: <timestamp> ..." names nothing to do: a TCP connect says how the peer failed
+    (["join", "--run-id", "r", "--initial-peers", f"/ip4/127.0.0.1/tcp/{{closed}}/p2p/{SOME_PEER}"],
+     f"could not join the swarm: /ip4/127.0.0.1/tcp/{{closed}}/p2p/{SOME_PEER}: refused (127.0.0.1:{{closed}}); nothing "
+     "listens on 127.0.0.1:{closed}: that peer is down or restarted on another port; ask the organizer for a current "
+     "join line"),
     (["join", "--run-id", "r", "--data-cache-gb", "0"], "--data-cache-gb 0.0 must be a positive number of gigabytes"),
     (["join", "--run-id", "r", "--data-cache-gb", "5"], "--data-cache-gb bounds the shards a volunteer fetches; the "
                                                         "organizer's peer reads its run folder: drop it"),
@@ -75,8 +82,13 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = str(taken.getsockname()[1])
-    values = {"{bad}": str(bad), "{latin1}": str(latin1), "{taken}": port, "{dir}": str(tmp_path / "run")}
-    args = [values.get(a, a) for a in args]
+    with socket.socket() as was_open:  # a port nothing listens on (bound a moment ago, so free)
+        was_open.bind(("127.0.0.1", 0))
+        closed = str(was_open.getsockname()[1])
+    values = {"{bad}": str(bad), "{latin1}": str(latin1), "{taken}": port, "{dir}": str(tmp_path / "run"),
+              "{closed}": closed}
+    for placeholder, value in values.items():
+        args = [a.replace(placeholder, value) for a in args]
     for placeholder, value in values.items():
         expected = expected.replace(placeholder, value)
     try:

@@ -89,3 +89,19 @@ def test_a_failed_round_says_why_in_words_that_add_up_across_peers():
                                           FutureTimeout(), TimeoutError("x"), NobodyLeftToJoin("everyone left"))]
     assert reasons == ["no group found", "timed out", "timed out", "nobody left to join"]
     assert _add_up([{"timed out": 2}, {"timed out": 1, "no group found": 4}]) == {"timed out": 3, "no group found": 4}
+
+
+def test_a_round_that_found_no_group_says_why():
+    from collab.modes.sync import why_no_group
+
+    # (epoch, client mode) of each peer in the last read of the records, this one's included
+    assert why_no_group(4, False, [(4, False)], 3.0).startswith("no group found: this peer is alone in the run")
+    both_clients = why_no_group(4, True, [(4, True), (4, True), (5, True)], 3.0)
+    assert both_clients.startswith("no group found: the 2 other peer(s) are clients too") and "open port" in both_clients
+    # a client beside a reachable peer is no reason: that peer can lead
+    assert "clients too" not in why_no_group(4, True, [(4, True), (4, False)], 3.0)
+    elsewhere = why_no_group(4, False, [(4, False), (6, False), (7, True)], 3.0)
+    assert elsewhere.startswith("no group found: the other peers are on epoch 6, 7, this one on 4"), elsewhere
+    slow = why_no_group(4, False, [(4, False), (4, False), (4, True), (3, False)], 3.0)
+    assert slow == ("no group found: 2 other peer(s) on this epoch, but none matched within 3 s: on slow or distant "
+                    "links raise averaging.matchmaking_time")
