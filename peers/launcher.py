@@ -41,7 +41,7 @@ class Placement:
     host: str = "127.0.0.1"
     port: int = 0
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]
-    client_mode: bool = False  # behind NAT: nobody can dial it
+    client_mode: bool = False  # behind NAT: nobody can dial it (the peer finds that out and runs as a client)
     bandwidth_mbit: Optional[float] = None  # announced, so the all-reduce gives a slow peer a smaller share
 
 
@@ -99,8 +99,8 @@ class PeerProcess:
                    "--host-maddrs", f"/ip4/{where.host}/tcp/{where.port}", *extra,
                    "--identity", str(self.identity_path), "--summary-json", str(self._summary(self.starts)),
                    "--no-live"]
-        if where.client_mode:
-            command.append("--client-mode")
+        # a peer behind NAT is not told so: as a volunteer's would, it asks the swarm to dial it back, finds that
+        # nobody can, and joins as a client by itself (collab.commands.join)
         if where.bandwidth_mbit is not None and "--bandwidth" not in command:
             command += ["--bandwidth", f"{where.bandwidth_mbit:g}"]
         with open(self.log_path, "ab") as log:

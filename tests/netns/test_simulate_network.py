@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,11 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
         assert peer.bytes_sent > 100_000 and peer.bytes_received > 100_000, peer
     nat_report = report.peers[3]
     assert "NAT" in nat_report.link and nat_report.mean_group_size > 2, nat_report
+    # nobody told the NAT'd peer (no --client-mode): the swarm could not dial it back, so it joined as a client
+    nat_log = (tmp_path / "sim" / "peer3.log").read_text()
+    assert re.search(r"Joining as a client \(.*\): not reachable on \d+ from (\d+) of \1 peers \(timed out\): forward TCP",
+                     nat_log), nat_log[:2000]
+    assert all("Reachability: reachable on TCP" in (tmp_path / "sim" / f"peer{i}.log").read_text() for i in (1, 2))
 
     # the NAT'd peer applied the same updates: every final checkpoint holds the same parameters
     models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"ckpt{i}")[-1]) for i in range(4)]
