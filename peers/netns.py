@@ -10,6 +10,14 @@ upload does not starve the downloads whose ACKs queue behind it. A NAT'd peer's 
 own SYN-ACKs: nobody can open a connection to it, while its outbound connections work, which is
 what a home router does to a peer without port forwarding.
 
+A peer whose link says `nat: router` is behind a real NAT instead: its own router namespace masquerades
+(iptables MASQUERADE, no port forwarding) what it sends out to its public address, the one it would have
+had on the switch, and forwards inbound only what conntrack knows as a reply:
+
+    peer3 [eth0 192.168.4.2] ──veth── [lan0 192.168.4.1] router3 [eth0 10.77.0.5] ──veth── p3 ─ br0
+
+Two such peers are two routers apart: a double NAT between them, which only a relay or hole punching crosses.
+
 Delay and loss use netem where the kernel has it. A kernel without netem (like this project's CI machine) gets
 its delay from peers/delayer.py instead: the switch namespace sends what enters it from port pN to NFQUEUE N+1
 (br_netfilter, iptables physdev), and one delayer process there holds each queue's packets for peer N's
@@ -38,6 +46,7 @@ from typing import Optional
 from collab.peers.profiles import LinkSpec
 
 SUBNET = "10.77.0"  # private to the lab's namespaces; the root namespace never sees it
+HOME_SUBNET = "192.168.{}"  # a home peer i's LAN behind its router: 192.168.(i+1).0/24
 NS_PREFIX = "collab-"
 UNLIMITED_MBIT = 10_000  # the rate of a class that exists only for the NAT filter
 DELAYER = Path(__file__).with_name("delayer.py")  # run by path: standalone, and importing collab costs a second
@@ -101,6 +110,7 @@ class NetworkLab:
         base = f"{NS_PREFIX}{os.getpid()}-{self.tag}"
         self.switch = f"{base}-sw"
         self.namespaces = [f"{base}-p{i}" for i in range(len(links))]
+        self.routers = {i: f"{base}-r{i}" for i, link in enumerate(links) if link.nat == "router"}
         self.observer = f"{base}-obs"  # an unshaped host for the dashboard and `collab status`
         self.warnings: list[str] = []
         self._created: list[str] = []
@@ -121,6 +131,13 @@ class NetworkLab:
     # -- what peers need ------------------------------------------------------------------------
 
     def address(self, index: int) -> str:
+        """Where peer `index` listens: its switch address, or for a home peer its address on its router's LAN."""
+        if index in self.routers:
+            return f"{HOME_SUBNET.format(index + 1)}.2"
+        return self.public_address(index)
+
+    def public_address(self, index: int) -> str:
+        """The address others see peer `index` connect from: its own, or its router's (the NAT's public side)."""
         return f"{SUBNET}.{index + 2}"
 
     def command_prefix(self, index: int) -> list[str]:
@@ -165,10 +182,14 @@ class NetworkLab:
         netem = wants_netem and netem_available()
         for i, (ns, link) in enumerate(zip(self.namespaces, self.links)):
             port = f"p{i}"
-            self._plug(ns, port, self.address(i))
+            if i in self.routers:
+                self._plug(self.routers[i], port, self.public_address(i))
+                self._home(i)
+            else:
+                self._plug(ns, port, self.address(i))
             # upload: what the peer sends; delay and loss apply to it, so a round trip gets both ends' delay
             shape(ns, "eth0", link.upload_mbit, link.delay_ms if netem else 0.0, link.loss_percent if netem else 0.0,
-                  drop_syn_ack=link.nat)
+                  drop_syn_ack=link.nat is True)
             shape(self.switch, port, link.download_mbit, 0.0, 0.0, drop_syn_ack=False)
         if netem:
             return
@@ -200,6 +221,28 @@ class NetworkLab:
         _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
         _run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def _home(self, index: int) -> None:
+        """Peer `index`'s namespace on its router's LAN; the router masquerades to its public side and lets in
+        only replies (conntrack), as a home router without port forwarding does."""
+        if shutil.which("iptables") is None:
+            raise NetworkError("a peer with 'nat: router' needs iptables (apt-get install iptables)")
+        router, ns, lan = self.routers[index], self.namespaces[index], HOME_SUBNET.format(index + 1)
+        self._add_namespace(ns)
+        _run("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+        _run("ip", "-n", router, "link", "set", "lan0", "up")
+        _run("ip", "-n", ns, "addr", "add", f"{lan}.2/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", f"{lan}.1")
+        inside = ("ip", "netns", "exec", router)
+        _run(*inside, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        _run(*inside, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE")
+        _run(*inside, "iptables", "-A", "FORWARD", "-i", "lan0", "-o", "eth0", "-j", "ACCEPT")
+        _run(*inside, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack",
+             "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(*inside, "iptables", "-P", "FORWARD", "DROP")
 
     def _add_namespace(self, name: str) -> None:
         _run("ip", "netns", "add", name)

@@ -8,7 +8,7 @@ names the field and the fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -26,7 +26,11 @@ class LinkSpec(BaseModel):
     download_mbit: Optional[float] = Field(None, gt=0, le=100_000)
     delay_ms: float = Field(0.0, ge=0, le=10_000, description="one-way delay added to what this peer sends")
     loss_percent: float = Field(0.0, ge=0, lt=100)
-    nat: bool = Field(False, description="behind NAT: cannot accept inbound connections, runs in client mode")
+    # true: the peer's own namespace drops the SYN-ACKs it would send (a stand-in for NAT);
+    # "router": the peer sits behind its own router namespace that masquerades (a real NAT, no port forwarding).
+    # Either way nobody can dial it, and it runs in client mode.
+    nat: Union[bool, Literal["router"]] = Field(
+        False, description="behind NAT: true (inbound SYN-ACKs dropped) or 'router' (its own masquerading router)")
 
     def describe(self) -> str:
         rate = lambda v: "unlimited" if v is None else f"{v:g} Mbit/s"  # noqa: E731
@@ -35,7 +39,9 @@ class LinkSpec(BaseModel):
             parts.append(f"delay {self.delay_ms:g} ms")
         if self.loss_percent:
             parts.append(f"loss {self.loss_percent:g}%")
-        if self.nat:
+        if self.nat == "router":
+            parts.append("NAT (own router, masquerade)")
+        elif self.nat:
             parts.append("NAT")
         return ", ".join(parts)
 

@@ -196,9 +196,11 @@ def reachability_check(found) -> Check:
         return Check(name="reachability", status="ok", detail="client mode: you connect out, nobody needs to reach "
                      "you", data=dict(verdict="client"))
     data = found.model_dump()
+    nat = f"; {found.nat}" if found.nat else ""
     if found.verdict == "public":
-        return Check(name="reachability", status="ok", detail=found.reason, data=data)
+        return Check(name="reachability", status="ok", detail=found.reason + nat, data=data)
     detail, _, fix = found.reason.partition(": ")
+    detail += nat
     if found.verdict == "not reachable":  # it trains all the same: `collab join` then joins as a client by itself
         fix += "; until then collab join runs this peer in client mode (it trains; others reduce its parts)"
     return Check(name="reachability", status="warn", detail=detail, fix=fix or None, data=data)

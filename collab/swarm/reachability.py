@@ -41,6 +41,7 @@ class Reachability(BaseModel):
     answered: int
     connected: int
     observed: list[str]  # where the peers that answered see this peer
+    nat: Optional[str] = None  # what the observed addresses say of a NAT in front of this peer (None: nothing seen)
 
 
 class ClockSample(BaseModel):
@@ -152,7 +153,35 @@ def check_reachability(dht, peers: list[str], own_maddrs: list[str]) -> Reachabi
         replies = _in_own_loop(dht, work, ASK_TIMEOUT + 5)
     except Exception:
         replies = [None] * len(asked)
-    return judge(ports, replies)
+    found = judge(ports, replies)
+    found.nat = nat_behaviour(maddrs, found.observed)
+    return found
+
+
+def nat_behaviour(own_maddrs: list[str], observed: list[str]) -> Optional[str]:
+    """A NAT in front of this peer, from where the swarm sees it: another host than any it listens on means one; the
+    same port means it keeps ports (a forwarded port works as is), another port that it rewrites them (a port to
+    forward must be set up on the router, and hole punching rarely works)."""
+    own = [(host, port) for host, port in map(_host_port, own_maddrs) if host]
+    seen = [(host, port) for host, port in map(_host_port, observed) if host]
+    if not own or not seen:
+        return None
+    hosts = {host for host, _ in own}
+    outside = [(host, port) for host, port in seen if host not in hosts]
+    if not outside:
+        return None
+    ports = {port for _, port in own}
+    where = ", ".join(f"{host}:{port}" for host, port in outside[:3])
+    if all(port in ports for _, port in outside):
+        return f"behind NAT: the swarm sees this peer at {where}, its listening port kept"
+    return f"behind NAT: the swarm sees this peer at {where}, its port rewritten (a port-changing NAT)"
+
+
+def _host_port(maddr: str) -> tuple[Optional[str], Optional[int]]:
+    parts = maddr.split("/")
+    if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[4].isdigit():
+        return parts[2], int(parts[4])
+    return None, None
 
 
 def peers_to_ask(swarm) -> list[str]:

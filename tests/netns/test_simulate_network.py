@@ -34,6 +34,15 @@ def _status_from_inside(sim: Simulation) -> dict:
     return json.loads(result.stdout)
 
 
+def _doctor(sim: Simulation, prefix: list[str]) -> dict:
+    """`collab doctor --json` with the swarm's join line, run with `prefix` (in a namespace): its checks by name."""
+    result = run_cli("doctor", "--run-id", sim.spec.run_id, "--initial-peers", sim.swarm.initial_peer, "--json",
+                     timeout=120, fork=True, prefix=prefix)
+    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, (result.returncode, result.stderr[-2000:])
+    report = json.loads(result.stdout)
+    return {"ready": report["ready"], **{check["name"]: check for check in report["checks"]}}
+
+
 def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_processes):
     # the micro config's 2048 samples per epoch: with 512 a fast peer finished an epoch alone (under a second)
     # before hivemind's progress tracker (refreshed every 0.5-2 s) showed it the others, stepped on its own
@@ -43,7 +52,9 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     config = write_config(tmp_path, {"training.target_batch_size": 2048})
     epochs = 4  # ~15 s each: 4 peers and no group_size, so each round waits out matchmaking_time
     profile_path = tmp_path / "nat.yaml"
-    profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\npeers:\n  3: {nat: true, upload_mbit: 20}\n")
+    # peer 3 behind its own router doing real NAT (masquerade, no port forwarding)
+    profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\n"
+                            "peers:\n  3: {nat: router, upload_mbit: 20}\n")
     spec = SimulationSpec(peers=4, run_id=run_id, workdir=tmp_path / "sim", config_path=config,
                           profile=load_profile(str(profile_path)), max_epochs=epochs, duration=420,
                           require_namespaces=True, env=peer_env(), forks=fork_server(),
@@ -73,6 +84,17 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
         state = wait_for(nat_peer_counted, timeout=120, interval=3, what="the NAT'd peer's progress in the run state")
         nat = next(p for p in state["peers"] if p["peer_id"] == sim.swarm.peers[3].peer_id)
         assert nat["client_mode"] is True and nat["samples_per_second"] > 0 and nat["contribution"] > 0, nat
+        # `collab doctor` with the join line, behind the NAT and on the public side: both can train; only the
+        # public side is reachable
+        home, public = _doctor(sim, sim.lab.command_prefix(3)), _doctor(sim, sim.lab.observer_prefix())
+        assert home["ready"] and public["ready"], (home, public)
+        assert home["reachability"]["data"]["verdict"] == "not reachable", home["reachability"]
+        assert "forward TCP" in home["reachability"]["fix"], home["reachability"]
+        assert public["reachability"]["data"]["verdict"] == "public", public["reachability"]
+        # where the swarm saw each: the home peer at its router's public address (masqueraded), the public one as is
+        assert home["reachability"]["data"]["nat"].startswith("behind NAT: the swarm sees this peer at 10.77.0.5:")
+        assert public["reachability"]["data"]["nat"] is None, public["reachability"]
+        assert home["initial peer"]["status"] == "ok" and home["clock"]["status"] == "ok", home
     finally:
         runner.join(timeout=480)
     assert not runner.is_alive(), "the simulation did not finish"
@@ -87,8 +109,9 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     assert "NAT" in nat_report.link and nat_report.mean_group_size > 2, nat_report
     # nobody told the NAT'd peer (no --client-mode): the swarm could not dial it back, so it joined as a client
     nat_log = (tmp_path / "sim" / "peer3.log").read_text()
-    assert re.search(r"Joining as a client \(.*\): not reachable on \d+ from (\d+) of \1 peers \(timed out\): forward TCP",
-                     nat_log), nat_log[:2000]
+    said = (r"Joining as a client \(.*\): not reachable on \d+ from (\d+) of \1 peers \((refused|timed out)\): "
+            r"forward TCP")
+    assert re.search(said, nat_log), nat_log[:2000]
     assert all("Reachability: reachable on TCP" in (tmp_path / "sim" / f"peer{i}.log").read_text() for i in (1, 2))
 
     # the NAT'd peer applied the same updates: every final checkpoint holds the same parameters

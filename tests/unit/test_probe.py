@@ -112,3 +112,15 @@ def test_the_second_transfer_is_sized_for_two_seconds_within_bounds():
     assert next_size(0.001) == FIRST_TRANSFER
     assert next_size(10.0) == int(10e6 / 8 * 2)
     assert next_size(10_000.0) == MAX_TRANSFER
+
+
+def test_nat_behaviour_from_where_the_swarm_sees_this_peer():
+    from collab.swarm.reachability import nat_behaviour
+
+    own = ["/ip4/192.168.4.2/tcp/31337", "/ip4/127.0.0.1/tcp/31337"]
+    assert nat_behaviour(own, ["/ip4/192.168.4.2/tcp/31337"]) is None  # seen where it listens: no NAT
+    assert nat_behaviour(own, []) is None
+    kept = nat_behaviour(own, ["/ip4/10.77.0.5/tcp/31337"])
+    assert kept == "behind NAT: the swarm sees this peer at 10.77.0.5:31337, its listening port kept"
+    rewritten = nat_behaviour(own, ["/ip4/203.0.113.9/tcp/50000", "/ip4/203.0.113.9/tcp/50002"])
+    assert rewritten.endswith("its port rewritten (a port-changing NAT)") and "203.0.113.9:50000" in rewritten
