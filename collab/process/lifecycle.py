@@ -58,11 +58,20 @@ class _OrphanedRequestFilter(logging.Filter):
         return not isinstance(exc, (ConnectionError, FileNotFoundError, EOFError))
 
 
+class _ClosedLoopChildFilter(logging.Filter):
+    """Drops asyncio's "Loop <...> that handles pid N is closed": a DHT process whose p2pd failed to start closes its
+    loop before p2pd's exit is reaped, and asyncio says so on stderr, a second line beside collab's one-line error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Loop %r that handles pid %r is closed"
+
+
 def quiet_orphaned_requests() -> None:
-    """Call before the DHT process is forked, so that it inherits the filter."""
-    logger = logging.getLogger("hivemind.dht.dht")
-    if not any(isinstance(f, _OrphanedRequestFilter) for f in logger.filters):
-        logger.addFilter(_OrphanedRequestFilter())
+    """Call before the DHT process is forked, so that it inherits the filters."""
+    for name, kind in (("hivemind.dht.dht", _OrphanedRequestFilter), ("asyncio", _ClosedLoopChildFilter)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
 
 
 class StopOnSignal:
