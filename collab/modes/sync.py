@@ -116,14 +116,16 @@ class CollabOptimizer(SwarmOptimizer):
                     self._nobody_left_to_join(control)
 
     def _nobody_left_to_join(self, control) -> None:
-        """Ends this peer's last round (before --max-epochs) when it is still looking for a group and every other
-        peer has made that epoch's step and left it: they are done, and would never join. It failed at once, so
+        """Ends a round still looking for a group once every other peer has made that epoch's step: they would never
+        join it (at the last round before --max-epochs, they are done and leaving). It failed at once, so
         the peer downloads their state before it leaves (settle_before_leaving), rather than wait out
         averaging_timeout alone first while they linger as its donors."""
         epoch = self.local_epoch - (1 if self.delay_grad_averaging else 0)  # overlap=full: the epoch moved on
-        if (self.leave_at_epoch is None or epoch + 1 < self.leave_at_epoch
-                or control.stage != AveragingStage.LOOKING_FOR_GROUP):
-            return  # mid-run a peer ahead may still join this round (a lineage split, healed by state rounds)
+        # mid-run as at the last round: a round is matched among its epoch's peers only (grad_averager.EpochGroups),
+        # so once every other peer has made this epoch's step nobody is left to join it (a late peer then steps on
+        # its own and re-syncs at its next step, rather than search for averaging_timeout first)
+        if control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            return
         try:
             swarm = swarm_finished_without(self.dht, self.run_id, epoch, self.dht.peer_id.to_base58())
         except Exception:  # a DHT that does not answer: wait on, as without this check

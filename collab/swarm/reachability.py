@@ -185,9 +185,22 @@ def _host_port(maddr: str) -> tuple[Optional[str], Optional[int]]:
 
 
 def peers_to_ask(swarm) -> list[str]:
-    """The swarm peers this peer can ask now: its initial peers, then those its p2pd is connected to."""
-    peers = dict.fromkeys([*swarm.peer.initial_peer_ids, *connected_peers(swarm.dht)])
+    """The swarm peers this peer can ask now: its initial peers, those its p2pd is connected to, then those in its
+    DHT routing table (at join the connections are often to the initial peer alone: a verdict from one peer)."""
+    peers = dict.fromkeys([*swarm.peer.initial_peer_ids, *connected_peers(swarm.dht), *routing_peers(swarm.dht)])
     return [peer for peer in peers if peer != swarm.peer_id]
+
+
+async def _in_routing_table(_dht, node) -> list[str]:
+    return [peer.to_base58() for peer in list(node.protocol.routing_table.peer_id_to_uid)]
+
+
+def routing_peers(dht) -> list[str]:
+    """The peer ids in this DHT node's routing table (run in the DHT's process)."""
+    try:
+        return dht.run_coroutine(_in_routing_table)
+    except Exception:  # a node shutting down: nobody more to ask
+        return []
 
 
 def ask_to_dial_back(swarm, peers: Optional[list[str]] = None) -> Reachability:

@@ -47,4 +47,6 @@ def test_twelve_peers_average_in_whole_groups_and_end_on_one_epoch_with_equal_re
     assert str(EPOCHS) in spread and spread[str(EPOCHS)] < SPREAD_BOUND, spread
     # and from the gradient rounds alone at most epochs (a split's few are off until their next step's download)
     assert sum(value < SPREAD_BOUND for value in spread.values()) >= len(spread) / 2, spread
-    assert report["loss_fell"] is True and report["any_nonfinite"] is False
+    # the swarm learned (one peer's last micro-batch loss is noise at lr 0.05: the mean over the 12 is not)
+    first, last = (sum(p[key] for p in peers) / PEERS for key in ("first_loss", "last_loss"))
+    assert last < 0.9 * first and report["any_nonfinite"] is False, (first, last)
