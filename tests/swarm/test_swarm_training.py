@@ -63,9 +63,10 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     assert all(s["final_replica"] in ("swarm", "downloaded") for s in summaries[:2]), summaries[:2]
     assert "swarm" in [s["final_replica"] for s in summaries[:2]], summaries[:2]
     # peer 1's late round at epoch 1 found nobody (the others were past epoch 1) and was given up on at once, not
-    # after averaging_timeout; that was its only failed round: it re-synced and made the later rounds with them
-    assert summaries[1]["rounds_failed"] == 1, summaries[1]
-    assert summaries[1]["rounds_failed_by_reason"] == {"nobody left to join": 1}, summaries[1]
+    # after averaging_timeout; its next round may find nobody too before its download lands (seen in CI), and it
+    # fails for no other reason: it re-synced and made the later rounds with them
+    assert 1 <= summaries[1]["rounds_failed"] <= 2, summaries[1]
+    assert set(summaries[1]["rounds_failed_by_reason"]) == {"nobody left to join"}, summaries[1]
 
     # every peer's final checkpoint is a standard HF folder; their parameters agree
     models = []
