@@ -145,9 +145,10 @@ class ShardFeed:
             for name in wanted:
                 if self._stop.is_set():
                     return
-                if self.store.holds(name):
-                    continue
                 try:
+                    # (inside the try: this thread ending on an error would leave training waiting FETCH_PATIENCE)
+                    if self.store.holds(name):
+                        continue
                     self.cache.put(name, self.fetch(name), keep=wanted)
                     self.fetched += 1
                     self.error = None

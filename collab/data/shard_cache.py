@@ -37,6 +37,8 @@ class ShardCache:
             return False
         try:
             whole = len(Shard(path)) == self.infos[name].tokens
+        except FileNotFoundError:
+            return False  # dropped meanwhile by another thread's check of the same damaged file
         except ValueError:
             whole = False
         if not whole:

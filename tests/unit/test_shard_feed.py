@@ -93,3 +93,31 @@ def test_a_feed_that_nobody_serves_gives_up_in_one_line(tmp_path):
             next(feed.windows(100))
     finally:
         feed.close()
+
+
+def test_a_damaged_file_that_vanishes_while_it_is_checked_is_fetched_again_not_waited_on(tmp_path, monkeypatch):
+    # training and the prefetching thread both check a damaged file, and each drops it: one found it, then could not
+    # open it (in CI the thread died of that, and training waited for a shard nobody would fetch any more)
+    import collab.data.shard_cache as shard_cache
+
+    infos = _source(tmp_path / "organizer", count=2)
+    cache = ShardCache(tmp_path / "cache", infos)
+    for info in infos:  # damaged copies in the cache
+        (tmp_path / "cache" / info.name).write_bytes((tmp_path / "organizer" / info.name).read_bytes()[:-100])
+    real, vanished = shard_cache.Shard, set()
+
+    def dropped_by_the_other_thread(path):
+        if path.name not in vanished:
+            vanished.add(path.name)
+            path.unlink()
+        return real(path)
+
+    monkeypatch.setattr(shard_cache, "Shard", dropped_by_the_other_thread)
+    expected = _take(ShardFeed.from_folder(tmp_path / "organizer", start=0.0), 60)
+    feed = ShardFeed(tmp_path / "cache", infos, start=0.0, fetch=_Fetch(tmp_path / "organizer"), cache=cache,
+                     patience=20.0)
+    try:
+        assert _take(feed, 60) == expected
+        assert vanished == {info.name for info in infos} and feed.fetched == 2
+    finally:
+        feed.close()
