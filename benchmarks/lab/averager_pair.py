@@ -10,13 +10,14 @@ import hivemind
 
 
 def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], Any],
-                        patch: Optional[tuple[int, type, str, Callable[[Callable], Callable]]] = None) -> list:
-    """Averagers 0 and 1, each on its own DHT node of one new swarm, shut down by `stack`. `make(dht, i)` builds
-    averager i (started). patch = (i, cls, name, wrap): averager i alone runs with cls.name replaced by
+                        patch: Optional[tuple[int, type, str, Callable[[Callable], Callable]]] = None,
+                        count: int = 2) -> list:
+    """Averagers 0 to count - 1, each on its own DHT node of one new swarm, shut down by `stack`. `make(dht, i)`
+    builds averager i (started). patch = (i, cls, name, wrap): averager i alone runs with cls.name replaced by
     wrap(original). hivemind forks an averager's process when it starts, so a class patched only around that
     start stays patched in that one process."""
     averagers, first = [], None
-    for i in range(2):
+    for i in range(count):
         dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                            initial_peers=first.get_visible_maddrs() if first else [])
         stack.callback(dht.shutdown)

@@ -48,7 +48,7 @@ from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.hivemind_hooks.averager import AveragerHooks
 from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, never_ask_leaders,
-                                           pace_group_reads, time_matchmaking)
+                                           pace_group_reads, patient_followers, time_matchmaking)
 from collab.records.rejections import HARD_EVIDENCE
 from collab.records.untrusted import progress_records
 
@@ -60,6 +60,9 @@ FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the recor
 STATE_BOUND = 1.0
 GROUP_READ_FLOOR = 0.1  # seconds: the DHT reads of a group key are at least this far apart (pace_group_reads)
 BAN_SECONDS = 600.0
+# how many times request_timeout an accepted follower waits for its group's start past its own search's deadline
+# (hivemind: once; collab.hivemind_hooks.patches.patient_followers)
+FOLLOWER_PATIENCE = 3.0
 _step_in_progress: contextvars.ContextVar = contextvars.ContextVar("collab_step_in_progress", default=None)
 
 
@@ -181,11 +184,20 @@ class CheckedRounds(AveragerHooks):
 
     _matching_seconds = 0.0  # the search that found the last round's group (time_matchmaking)
 
+    def _accepted_request_ended(self, leader, seconds: float, began: bool) -> None:
+        if not began and seconds >= FOLLOWER_PATIENCE * self._matchmaking.request_timeout:
+            # said, because the leader may have begun the group a moment later, counting this peer in: its members
+            # then wait for this peer's parts (next_chunk_timeout) while it looks for another group
+            logging.getLogger(__name__).warning(
+                f"{self.kind} round: leader ...{str(leader)[-6:]} accepted this peer, but its group had not begun "
+                f"after {seconds:.1f} s; looking for another group")
+
     async def averaging_step(self, *, step, **kwargs):
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
         matchmaking = getattr(self, "_matchmaking", None)  # made in the averager process
         if matchmaking is not None:
             never_ask_leaders(matchmaking, self.banned)
+            patient_followers(matchmaking, FOLLOWER_PATIENCE, self._accepted_request_ended)
             time_matchmaking(matchmaking, self._matched_in)
             pace_group_reads(matchmaking, every=max(GROUP_READ_FLOOR, matchmaking.min_matchmaking_time / 10))
         if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing

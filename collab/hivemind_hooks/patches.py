@@ -57,6 +57,54 @@ def never_ask_leaders(matchmaking, refused: Callable) -> None:
     matchmaking._request_join_group, matchmaking._collab_checked = unless_refused, True
 
 
+class _AcceptedToGroup(asyncio.Event):
+    """hivemind's Matchmaking.was_accepted_to_group, set from a leader's ACCEPTED until the follower's join request
+    ends. While it is set, the matchmaking's request_timeout (which the wait for the group's start reads) is
+    `factor` times its own; when it is cleared, `ended(leader, seconds accepted, whether the group began)`."""
+
+    def __init__(self, matchmaking, factor: float, ended: Callable[[object, float, bool], None]):
+        super().__init__()
+        self._matchmaking, self._factor, self._ended = matchmaking, factor, ended
+        self._own, self._since = matchmaking.request_timeout, None
+
+    def set(self) -> None:
+        self._matchmaking.request_timeout, self._since = self._own * self._factor, time.monotonic()
+        super().set()
+
+    def unscaled(self) -> None:
+        """A new join request waits for its answer request_timeout, as in hivemind: also the one made, while this is
+        still set, to the leader a disbanding leader suggests (patience there would slow the breaking of hivemind's
+        deadlocks of peers asking each other)."""
+        self._matchmaking.request_timeout = self._own
+
+    def clear(self) -> None:
+        super().clear()
+        self._matchmaking.request_timeout = self._own
+        if self._since is not None:
+            self._ended(self._matchmaking.current_leader, time.monotonic() - self._since,
+                        self._matchmaking.assembled_group.done())
+            self._since = None
+
+
+def patient_followers(matchmaking, factor: float, ended: Callable[[object, float, bool], None]) -> None:
+    """A follower that a leader accepted waits for the group's start (hivemind's BEGIN_ALLREDUCE) until its own
+    search's deadline plus `factor` x request_timeout, not plus one: a CPU-starved leader that began the group a
+    moment after its follower stopped waiting counted it in, and the group's members then waited next_chunk_timeout
+    for a peer that was looking for another group (a failed round, 30 s, in CI). Waiting longer costs nothing when
+    the leader is gone (its stream closes) or disbands (it says so). `ended(leader, seconds, began)` hears of
+    every accepted request as it ends. Once per Matchmaking, before its first search."""
+    if isinstance(matchmaking.was_accepted_to_group, _AcceptedToGroup):
+        return
+    accepted = _AcceptedToGroup(matchmaking, factor, ended)
+    request_join = matchmaking._request_join_group
+
+    async def request(leader):
+        accepted.unscaled()
+        return await request_join(leader)
+
+    matchmaking.was_accepted_to_group, matchmaking._request_join_group = accepted, request
+
+
 def time_matchmaking(matchmaking, record: Callable[[float, Optional[int]], None]) -> None:
     """Each search for a group (hivemind's Matchmaking.look_for_group, whatever it finds) is timed:
     `record(seconds, group size or None)` after it ends, so a round's matchmaking is measured apart from its

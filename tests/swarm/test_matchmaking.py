@@ -72,3 +72,21 @@ def test_a_group_that_held_a_peer_that_never_joined_it_is_matched_again(no_lefto
 
     results = ghost_round(next_chunk=4.0, step_timeout=30.0)
     assert [outcome for outcome, _ in results] == [1.5, 1.5], results
+
+
+def test_a_follower_waits_for_a_leader_that_starts_its_group_late(no_leftover_processes):
+    """A leader (a CPU-starved one) starts each group it assembles LATE_START s after its client-mode follower
+    joined: past the follower's deadline plus request_timeout, when hivemind's follower stops waiting and looks for
+    another group while the leader counts it in (the race behind a CI failure: two peers waited next_chunk_timeout for
+    a third that had given up on its leader a moment early). collab's follower waits FOLLOWER_PATIENCE x
+    request_timeout past its deadline: the first round gets the exact mean. (With hivemind's wait both rounds failed
+    after their whole 30 s, "could not find a group": checked.)"""
+    from benchmarks.lab.ghost_round import MATCHMAKING_TIME, REQUEST_TIMEOUT, late_start_round
+    from collab.averaging.robust_rounds import FOLLOWER_PATIENCE
+
+    late_start = MATCHMAKING_TIME + 1.5 * REQUEST_TIMEOUT
+    assert MATCHMAKING_TIME + REQUEST_TIMEOUT < late_start < MATCHMAKING_TIME + FOLLOWER_PATIENCE * REQUEST_TIMEOUT
+    results = late_start_round(late_start, step_timeout=30.0)
+    assert [outcome for outcome, _ in results] == [1.5, 1.5], results
+    assert max(seconds for _, seconds in results) < late_start + 10.0, results  # the first group, not a retry
+

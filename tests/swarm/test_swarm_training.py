@@ -66,7 +66,11 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     # after averaging_timeout; its next round may find nobody too before its download lands (seen in CI), and it
     # fails for no other reason: it re-synced and made the later rounds with them
     assert 1 <= summaries[1]["rounds_failed"] <= 2, summaries[1]
-    assert set(summaries[1]["rounds_failed_by_reason"]) == {"nobody left to join"}, summaries[1]
+    # (or, once, hivemind's follower race of benchmarks/lab/ghost_round.py: its groupmates sent BEGIN_ALLREDUCE a
+    # moment after it stopped waiting, so it found no group while they waited for its part; seen in one CI run at the
+    # swarm's first round, under the load of 2 cores)
+    reasons = set(summaries[1]["rounds_failed_by_reason"])
+    assert "nobody left to join" in reasons and reasons <= {"nobody left to join", "no group found"}, summaries[1]
 
     # every peer's final checkpoint is a standard HF folder; their parameters agree
     models = []
