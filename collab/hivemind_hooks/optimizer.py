@@ -98,3 +98,10 @@ class TrackerHooks(ProgressTracker):
 
     def parse_swarm_progress(self, metadata):
         return super()._parse_swarm_progress_data(metadata)
+
+    # the task that stores this peer's progress record
+    async def _progress_reporter(self):
+        return await self.report_progress_forever()
+
+    async def report_progress_forever(self):
+        return await super()._progress_reporter()

@@ -20,6 +20,7 @@ REPORT_EVERY old, which only makes a forecast later, never early) and never for 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable, Optional
 
@@ -57,6 +58,7 @@ class HonestProgressTracker(TrackerHooks):
     computing_since: Optional[float] = None  # dht time of this epoch's first micro-batch; None before it
     _stored_at = float("-inf")  # time.monotonic() of this peer's last stored record (_store_due)
     _stored_epoch: Optional[int] = None
+    trained = False  # whether this peer has computed a micro-batch (report_progress_forever)
     peers_seen: list = []  # (epoch, client mode) of each peer in the last read
 
     def __init__(self, *args, hold: Callable[[], Optional[int]] = lambda: None, **kwargs):
@@ -68,10 +70,12 @@ class HonestProgressTracker(TrackerHooks):
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         if samples_accumulated <= 0:
             self.computing_since = None
-        elif self.computing_since is None:
-            # a forecast read before now counted this peer's pause since its last step as training: read again
-            self.computing_since = get_dht_time()
-            self._read_soon()
+        else:
+            self.trained = True
+            if self.computing_since is None:
+                # a forecast read before now counted this peer's pause since its last step as training: read again
+                self.computing_since = get_dht_time()
+                self._read_soon()
         held = self.hold()
         if held is not None and local_epoch > held:
             local_epoch, samples_accumulated = held, 0
@@ -114,6 +118,37 @@ class HonestProgressTracker(TrackerHooks):
             return True
         return (self.computing_since is not None and self.forecast_at >= self.computing_since
                 and get_dht_time() >= self.global_progress.eta_next_epoch)
+
+    async def report_progress_forever(self):
+        """hivemind's reporter (a record stored when a report is due, and at least every half of its lifetime), less
+        one rule: it stops storing once the records it stored carried no samples for two epochs (an auxiliary
+        peer's). Its task reads the progress when it wakes; with sub-second epochs that was often after the epoch had
+        moved on (samples 0), and a trainer's record froze epochs back: at --max-epochs every peer of a 4-peer
+        linreg run saw the others 1-3 epochs behind and stayed on as their state donor until the records expired
+        (60 s of a 79-s run). collab has no auxiliary peers: a peer that is behind says so (peers_behind). As in
+        hivemind, nothing is stored before this peer's first micro-batch: a record says a peer that trains (the
+        others' --wait-peers hold counts it; stored at start, the first peer began while the last was still loading)."""
+        last_report_time = -float("inf")
+        store_task = None
+        try:
+            while not self.shutdown_triggered.is_set():
+                wait_timeout = max(0.0, last_report_time - get_dht_time() + self.metadata_expiration / 2) \
+                    if self.trained else self.metadata_expiration / 2  # (untrained: until the first micro-batch's)
+                event = getattr(self.should_report_progress, "event", self.should_report_progress)  # not _Muted
+                await asyncio.get_event_loop().run_in_executor(None, event.wait, wait_timeout)
+                event.clear()
+                if self.shutdown_triggered.is_set():
+                    break  # hivemind's shutdown stores the goodbye
+                if not self.trained:
+                    continue  # before the first micro-batch
+                last_report_time = get_dht_time()
+                store_task = asyncio.create_task(asyncio.wait_for(self.dht.store(
+                    key=self.training_progress_key, subkey=self._local_public_key, value=self.local_progress.dict(),
+                    expiration_time=last_report_time + self.metadata_expiration, return_future=True),
+                    timeout=self.metadata_expiration))
+        finally:
+            if store_task is not None:
+                store_task.cancel()
 
     def _read_soon(self) -> None:
         self.global_progress.next_fetch_time = get_dht_time()

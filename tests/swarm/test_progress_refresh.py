@@ -136,3 +136,39 @@ def test_a_computing_peer_stores_its_progress_every_half_second_mid_epoch_and_ev
             time.sleep(0.05)
         time.sleep(0.2)
         assert len(stores) - before >= 8 and stores[-1] == 88, stores
+
+
+def test_a_trainers_record_follows_its_epoch_through_epochs_whose_stores_carried_no_samples(tmp_path,
+                                                                                            no_leftover_processes):
+    """hivemind's reporter stops storing once its stores carried no samples for two epochs (its rule for auxiliary
+    peers); with sub-second epochs a trainer's stores often came after the epoch had moved on (samples 0), its record
+    froze epochs back, and at --max-epochs every peer waited a record's lifetime (60 s) as the others' state donor.
+    collab's reporter stores every due report, and none before the peer's first micro-batch."""
+    with two_trackers(tmp_path, target_batch_size=10**6) as (ours, theirs):
+        stores = []
+        store = ours.dht.store
+
+        def counted(*args, **kwargs):  # the real store, counted
+            value = kwargs.get("value")
+            if isinstance(value, dict):
+                stores.append(value["epoch"])
+            return store(*args, **kwargs)
+        ours.dht.store = counted
+        with ours.pause_updates():
+            ours.update_epoch(0)  # a report of 0 samples: not a trainer yet
+        time.sleep(0.3)
+        assert stores == [], stores
+        ours.report_local_progress(0, 8)  # its first micro-batch
+        for epoch in range(1, 5):  # four epochs whose reports the reporter reads with 0 samples
+            time.sleep(0.3)
+            with ours.pause_updates():
+                ours.update_epoch(epoch)
+        deadline = time.monotonic() + 10
+        while True:  # what another peer reads: our record at our epoch
+            found = theirs.dht.get(ours.training_progress_key, latest=True)
+            epochs = [entry.value["epoch"] for entry in (found.value.values() if found else [])
+                      if isinstance(entry.value, dict) and entry.value["peer_id"] == ours.local_progress.peer_id]
+            if epochs == [4]:
+                break
+            assert time.monotonic() < deadline, f"our record says epochs {epochs}, stores {stores}; we are at 4"
+            time.sleep(0.1)
