@@ -172,3 +172,35 @@ def test_the_others_median_is_the_one_statistics_gives_without_building_each_pee
         if others:
             assert _median_high_without(epochs, own) == statistics.median_high(others), (epochs, own)
         assert _median_high_without(epochs, None) == statistics.median_high(epochs)
+
+
+def test_a_half_of_a_split_that_trained_ahead_is_believed_and_a_few_forgers_are_not():
+    """A 2 + 2 split: the fast half ends 5 epochs ahead; the median of each reader's others is the slow half's, so the
+    median rule alone dropped the fast half's records (each fast peer's partner's, and the slow half's view of both),
+    and the slow half never re-synced from it. Forged epochs still need a quarter of the voters behind them."""
+    from types import SimpleNamespace
+
+    from collab.records.untrusted import drop_implausible_epochs
+
+    now = time.time()
+
+    def records(*epochs):
+        return {f"peer{i}": SimpleNamespace(epoch=e, time=now) for i, e in enumerate(epochs)}
+
+    def dropped(items):
+        rejected = Rejections()
+        kept = drop_implausible_epochs(items, rejected, now)
+        assert rejected.total == len(items) - len(kept)
+        return sorted(set(items) - set(kept))
+
+    assert dropped(records(8, 8, 3, 3)) == []  # the split's two halves, the fast one 5 ahead
+    assert dropped(records(9, 3, 3, 3)) == ["peer0"]  # one peer alone 6 ahead of three: nobody backs it
+    assert dropped(records(10**6, 4, 4, 5)) == ["peer0"]
+    honest = [4] * 10
+    assert dropped(records(10**6, 10**6, *honest)) == ["peer0", "peer1"]  # two colluding forgers of twelve
+    assert dropped(records(*[10**6] * 4, *honest)) == [f"peer{i}" for i in range(4)]  # four of fourteen
+    # a stale voter does not vote: a peer of the fast half alone with two long-gone slow records is kept
+    items = records(8, 3, 3)
+    for gone in ("peer1", "peer2"):
+        items[gone].time = now - 1000
+    assert dropped(items) == []
