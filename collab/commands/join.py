@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -223,6 +224,9 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     return 0
 
 
+ASK_AGAIN_AFTER = 3.0  # seconds before a joining peer asks again for a dial-back nobody answered
+
+
 def _as_reachable_as_it_is(swarm, peer, restart):
     """A joining peer asks swarm peers to dial it back (collab.swarm.reachability) and runs as what they found: a
     full peer when they reach it, else a client (hivemind's averagers and DHT would otherwise hand others an address
@@ -232,6 +236,12 @@ def _as_reachable_as_it_is(swarm, peer, restart):
     from collab.swarm.reachability import ask_to_dial_back
 
     found = ask_to_dial_back(swarm)
+    if found.verdict == "unknown" and found.ports and found.asked and not found.answered:
+        # nobody answered: peers that start with this one (a local swarm, a busy machine) may not serve the question
+        # yet. Unknown joins as a full peer, which a NAT'd one must not: ask once more (a CI run's peer found nobody,
+        # its neighbour a second later found the organizer)
+        time.sleep(ASK_AGAIN_AFTER)
+        found = ask_to_dial_back(swarm)
     if found.verdict != "not reachable":
         print(f"Reachability: {found.reason}", flush=True)
         return swarm, peer

@@ -110,6 +110,7 @@ OVERRIDDEN = {
         "performance_ema_alpha=0.1, metadata_expiration=60.0, status_loglevel=10, private_key=None, daemon=True, "
         "start",
     "hivemind.optim.progress_tracker.ProgressTracker._parse_swarm_progress_data": "self, metadata",
+    "hivemind.optim.progress_tracker.ProgressTracker._progress_reporter": "self",
     "hivemind.optim.progress_tracker.ProgressTracker.ready_to_update_epoch": "self",
     "hivemind.optim.progress_tracker.ProgressTracker.report_local_progress":
         "self, local_epoch, samples_accumulated, update_global_samples=True",
@@ -156,6 +157,7 @@ READ = (
     "hivemind.compression.quantization._BLOCKWISE_QUANTIZATION_BLOCKSIZE",  # decoding a blockwise part
     "hivemind.averaging.control.StepControl.deadline",  # a pre-scheduled round's time left
     "hivemind.averaging.control.StepControl.stage",
+    "hivemind.averaging.control.StepControl.data_for_gather",  # a gradient round's epoch (its group key)
     "hivemind.dht.protocol.DHTProtocol.call_ping",  # lost peers pinged back (rejoin)
     "hivemind.averaging.allreduce.AllReduceRunner.finalize",  # a running all-reduce ended on a signal or revocation
 )
@@ -173,12 +175,16 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.averaging.partition.TensorPartReducer": ("current_part_future", "sender_failed_after",
                                                        "num_parts_received"),
     "hivemind.optim.progress_tracker.ProgressTracker": ("should_report_progress", "global_progress",
-                                                        "global_state_updated"),
+                                                        "global_state_updated", "shutdown_triggered", "local_progress",
+                                                        "training_progress_key", "_local_public_key",
+                                                        "metadata_expiration"),
     "hivemind.dht.routing.RoutingTable": ("peer_id_to_uid",),
     "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor",),
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size",
-                                                   "potential_leaders", "client_mode"),
+                                                   "potential_leaders", "client_mode", "request_timeout",
+                                                   "was_accepted_to_group", "current_leader", "assembled_group"),
     "hivemind.averaging.matchmaking.PotentialLeaders": ("min_matchmaking_time",),
+    "hivemind.averaging.key_manager.GroupKeyManager": ("prefix",),  # one group key per epoch (EpochGroups)
     "hivemind.utils.crypto.RSAPrivateKey": ("_private_key",),
     "hivemind.utils.crypto.RSAPublicKey": ("_public_key",),
 }

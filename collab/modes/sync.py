@@ -53,7 +53,10 @@ class CollabOptimizer(SwarmOptimizer):
         self._renew_a_stale_round()
         began = super().begin_gradient_round(grad_scaler)
         if not began and self._most_peers > 1:
-            self.averaging_log.failure("round could not start")  # hivemind steps alone while others average
+            # hivemind steps alone while others average. Not a round that failed when this peer is leaving: its
+            # leave cancelled the pre-scheduled round (every peer of a `simulate --duration` run, at its end)
+            if not self.stop.is_set():
+                self.averaging_log.failure("round could not start")
             self._record_own_step("the gradient round could not start")
         return began
 
