@@ -10,6 +10,7 @@ import yaml
 from tests.conftest import run_cli
 
 PEERS, EPOCHS = 12, 4
+DISTANCE = 10.0  # |w - w*| at the start (noise_sd: the default 1)
 SPREAD_BOUND = 1e-3  # the issue's: the replicas' spread at an epoch's end, relative to the parameters' norm
 
 
@@ -19,7 +20,7 @@ def test_twelve_peers_average_in_whole_groups_and_end_on_one_epoch_with_equal_re
     # state round would make the replicas equal whether the gradient rounds grouped everyone or not
     config = tmp_path / "many.yaml"
     config.write_text(yaml.safe_dump({
-        "task": {"name": "linreg", "dim": 1000, "distance": 10.0},
+        "task": {"name": "linreg", "dim": 1000, "distance": DISTANCE},
         "training": {"micro_batch_size": 16, "target_batch_size": 64 * PEERS, "learning_rate": 0.05,
                      "warmup_steps": 0, "device": "cpu", "compile": "off"},
         "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0, "average_state_every": 1000},
@@ -35,10 +36,13 @@ def test_twelve_peers_average_in_whole_groups_and_end_on_one_epoch_with_equal_re
     assert all(p["exit"] == f"exit 0 (reached epoch {EPOCHS})" for p in peers), [p["exit"] for p in peers]
     # all rounds but the swarm's start ok: a peer late for the first round steps on its own; until its download
     # lands it is an epoch behind, and its next round finds nobody of its epoch either (seen once in CI: 2 failed
-    # rounds, both 'nobody left to join'). No other failure, and no peer misses more
+    # rounds, both 'nobody left to join'). No other failure. One peer may miss a third: in one CI run a peer starved of
+    # CPU (10-15 samples/s where the others made 800+) was late for the first round, skipped the next by its download
+    # and came late to a third ('nobody left to join'); the others joined every round
     for p in peers:
-        assert p["rounds_joined"] >= EPOCHS - 2, p
         assert set(p["rounds_failed_by_reason"]) <= {"nobody left to join", "no group found"}, p
+    joined = sorted(p["rounds_joined"] for p in peers)
+    assert joined[0] >= 1 and joined[1] >= EPOCHS - 2, joined
     assert sum(p["rounds_failed"] for p in peers) <= 3, [p["rounds_failed_by_reason"] for p in peers]
     assert sum(p["rounds_joined"] for p in peers) >= PEERS * EPOCHS - 3, [p["rounds_joined"] for p in peers]
     # whole groups, not fragments (before the fixes: groups of 2-7). On 2 busy cores two leaders still match at once
@@ -51,6 +55,10 @@ def test_twelve_peers_average_in_whole_groups_and_end_on_one_epoch_with_equal_re
     assert str(EPOCHS) in spread and spread[str(EPOCHS)] < SPREAD_BOUND, spread
     # and from the gradient rounds alone at most epochs (a split's few are off until their next step's download)
     assert sum(value < SPREAD_BOUND for value in spread.values()) >= len(spread) / 2, spread
-    # the swarm learned (one peer's last micro-batch loss is noise at lr 0.05: the mean over the 12 is not)
-    first, last = (sum(p[key] for p in peers) / PEERS for key in ("first_loss", "last_loss"))
-    assert last < 0.9 * first and report["any_nonfinite"] is False, (first, last)
+    # the swarm learned. The starting loss is known exactly: 0.5 (distance^2 + noise_sd^2) = 50.5. Three whole-swarm
+    # steps at lr 0.05 bring it to ~37 (each epoch's loss is a mean over ~770 samples a peer: +-2%), no step leaves it
+    # at 50.5. Not against the peers' own first epoch: in it they saw 32 samples each, and one CI run's 12 means came
+    # to 38.9 (3 sigma low) and failed a 10% drop while every round had grouped all twelve
+    start = 0.5 * (DISTANCE ** 2 + 1.0)
+    last = sum(p["last_loss"] for p in peers) / PEERS
+    assert last < 0.85 * start and report["any_nonfinite"] is False, (start, last)
