@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -197,7 +196,8 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
             credentials = credentials_from_flags(args, run_id)
             swarm = Swarm(peer, credentials.identity, authorizer=credentials.authorizer())
             swarm, peer = _as_reachable_as_it_is(
-                swarm, peer, lambda client: Swarm(client, credentials.identity, authorizer=credentials.authorizer()))
+                swarm, peer, lambda client: Swarm(client, credentials.identity, authorizer=credentials.authorizer()),
+                stop)
             cache_gb = args.data_cache_gb if args.data_cache_gb is not None else joining.DATA_CACHE_GB
             config, shared = joining.as_volunteer(swarm, credentials.run_key, user, source, stop, credentials.invite,
                                                   cache_gb)
@@ -224,10 +224,7 @@ def _join(args: argparse.Namespace, stop: threading.Event) -> int:
     return 0
 
 
-ASK_AGAIN_AFTER = 3.0  # seconds before a joining peer asks again for a dial-back nobody answered
-
-
-def _as_reachable_as_it_is(swarm, peer, restart):
+def _as_reachable_as_it_is(swarm, peer, restart, stop: threading.Event):
     """A joining peer asks swarm peers to dial it back (collab.swarm.reachability) and runs as what they found: a
     full peer when they reach it, else a client (hivemind's averagers and DHT would otherwise hand others an address
     nobody can dial: their rounds with it fail). --client-mode and --announce-maddrs say it already."""
@@ -235,13 +232,7 @@ def _as_reachable_as_it_is(swarm, peer, restart):
         return swarm, peer
     from collab.swarm.reachability import ask_to_dial_back
 
-    found = ask_to_dial_back(swarm)
-    if found.verdict == "unknown" and found.ports and found.asked and not found.answered:
-        # nobody answered: peers that start with this one (a local swarm, a busy machine) may not serve the question
-        # yet. Unknown joins as a full peer, which a NAT'd one must not: ask once more (a CI run's peer found nobody,
-        # its neighbour a second later found the organizer)
-        time.sleep(ASK_AGAIN_AFTER)
-        found = ask_to_dial_back(swarm)
+    found = ask_to_dial_back(swarm, stop=stop)
     if found.verdict != "not reachable":
         print(f"Reachability: {found.reason}", flush=True)
         return swarm, peer

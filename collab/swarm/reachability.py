@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Literal, Optional, TypeVar
@@ -42,6 +43,11 @@ class Reachability(BaseModel):
     connected: int
     observed: list[str]  # where the peers that answered see this peer
     nat: Optional[str] = None  # what the observed addresses say of a NAT in front of this peer (None: nothing seen)
+
+    @property
+    def unanswered(self) -> bool:
+        """Peers were asked to dial a listening peer back and none answered: nothing is known yet."""
+        return self.verdict == "unknown" and bool(self.ports) and self.asked > 0 and self.answered == 0
 
 
 class ClockSample(BaseModel):
@@ -203,10 +209,21 @@ def routing_peers(dht) -> list[str]:
         return []
 
 
-def ask_to_dial_back(swarm, peers: Optional[list[str]] = None) -> Reachability:
-    """check_reachability for a collab.swarm.node.Swarm, on the addresses its p2pd listens on or announces."""
+ASK_AGAIN_AFTER = 3.0  # seconds before a peer asks again for a dial-back nobody answered
+
+
+def ask_to_dial_back(swarm, peers: Optional[list[str]] = None,
+                     stop: Optional[threading.Event] = None) -> Reachability:
+    """check_reachability for a collab.swarm.node.Swarm, on the addresses its p2pd listens on or announces. When
+    nobody answered, it asks once more ASK_AGAIN_AFTER later (sooner if `stop` is set: then it returns what it has):
+    peers that start with this one (a local swarm, a busy machine) may not serve the question yet, and "unknown"
+    joins as a full peer, which a NAT'd one must not (a CI run's peer found nobody; its neighbour, a second later,
+    found the organizer)."""
     own = [str(maddr) for maddr in swarm.dht.get_visible_maddrs()]
-    return check_reachability(swarm.dht, peers_to_ask(swarm) if peers is None else peers, own)
+    found = check_reachability(swarm.dht, peers_to_ask(swarm) if peers is None else peers, own)
+    if found.unanswered and not (stop or threading.Event()).wait(ASK_AGAIN_AFTER):
+        found = check_reachability(swarm.dht, peers_to_ask(swarm) if peers is None else peers, own)
+    return found
 
 
 def measure_clocks(dht, peers: list[str]) -> list[ClockSample]:

@@ -124,3 +124,42 @@ def test_nat_behaviour_from_where_the_swarm_sees_this_peer():
     assert kept == "behind NAT: the swarm sees this peer at 10.77.0.5:31337, its listening port kept"
     rewritten = nat_behaviour(own, ["/ip4/203.0.113.9/tcp/50000", "/ip4/203.0.113.9/tcp/50002"])
     assert rewritten.endswith("its port rewritten (a port-changing NAT)") and "203.0.113.9:50000" in rewritten
+
+
+def test_a_peer_nobody_answered_asks_again_and_a_stop_ends_the_wait(monkeypatch):
+    """Peers that start with this one may not serve the question yet: a joining peer (and collab doctor) asks once
+    more after ASK_AGAIN_AFTER, and only when nobody answered; a stop (Ctrl-C) ends that wait at once."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from collab.swarm import reachability
+
+    asked = []
+    answers = {"none": [None, None], "public": [_dial(True)]}
+
+    def check(dht, peers, own):
+        asked.append(time.monotonic())
+        return judge([31337], answers[script[len(asked) - 1]])
+
+    monkeypatch.setattr(reachability, "check_reachability", check)
+    monkeypatch.setattr(reachability, "ASK_AGAIN_AFTER", 0.2)
+    swarm = SimpleNamespace(dht=SimpleNamespace(get_visible_maddrs=lambda: ["/ip4/1.2.3.4/tcp/31337"]))
+    assert judge([31337], [None]).unanswered and not judge([31337], [_dial(False, "timed out")]).unanswered
+    assert not judge([], [None]).unanswered  # listening nowhere: asking again cannot help
+
+    script = ["none", "public"]
+    assert reachability.ask_to_dial_back(swarm, ["QmA", "QmB"]).verdict == "public"
+    assert len(asked) == 2 and asked[1] - asked[0] >= 0.2
+
+    asked.clear()
+    script = ["public"]
+    assert reachability.ask_to_dial_back(swarm, ["QmA"]).verdict == "public" and len(asked) == 1
+
+    asked.clear()
+    script = ["none"]
+    stop = threading.Event()
+    stop.set()
+    started = time.monotonic()
+    assert reachability.ask_to_dial_back(swarm, ["QmA"], stop=stop).unanswered
+    assert len(asked) == 1 and time.monotonic() - started < 0.2
