@@ -57,9 +57,9 @@ def _expected(args):
 
 
 def _round_record(started: float, finished: float, before: tuple[int, int], tensor, expected,
-                  group_size: int) -> dict:
+                  group_size: int, error: str = "") -> dict:
     after = interface_bytes()
-    return dict(started=started, finished=finished, group_size=group_size,
+    return dict(started=started, finished=finished, group_size=group_size, error=error,
                 max_error=float((tensor.float() - expected).abs().max()),
                 bytes_sent=after[0] - before[0], bytes_received=after[1] - before[1])
 
@@ -114,15 +114,17 @@ def run_hivemind(args, vector) -> list[dict]:
             _barrier(args.rendezvous, f"ready{r}", args.index, args.world, timeout=60)
             before, started = interface_bytes(), time.time()
             control.allow_allreduce()
+            error = ""
             try:
                 gathered = control.result(timeout=300)
             except Exception as e:  # no group, a broken round: recorded as such (group 0, values unaveraged)
-                print(f"round {r} failed: {type(e).__name__}: {e}", flush=True)
+                error = f"{type(e).__name__}: {e}"[:300]
+                print(f"round {r} failed: {error}", flush=True)
                 gathered = None
             finished = time.time()
             with averager.get_tensors() as tensors:
                 records.append(_round_record(started, finished, before, tensors[0], args.expected,
-                                             len(gathered) if gathered else 0))
+                                             len(gathered) if gathered else 0, error))
             time.sleep(1.0)  # let every peer read its result before the next round's matchmaking
         # a reducer finishes its own part before it has streamed a share-0 peer's results (hivemind sends
         # those after the peer's whole input): leaving now would cut that stream. Wait for everyone.

@@ -31,6 +31,7 @@ class RoundOutcome:
     max_error: float  # worst |value - exact mean| over all processes
     bytes_sent: list[int]  # per process, on its interface, during the round
     bytes_received: list[int]
+    errors: list[str]  # per process: how its round failed ("" when it did not)
 
 
 class ProbeFailed(RuntimeError):
@@ -104,7 +105,8 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
         outcomes.append(RoundOutcome(
             seconds=max(x["finished"] for x in records) - min(x["started"] for x in records),
             group_sizes=[x["group_size"] for x in records], max_error=max(x["max_error"] for x in records),
-            bytes_sent=[x["bytes_sent"] for x in records], bytes_received=[x["bytes_received"] for x in records]))
+            bytes_sent=[x["bytes_sent"] for x in records], bytes_received=[x["bytes_received"] for x in records],
+            errors=[x.get("error", "") for x in records]))
     return outcomes
 
 
