@@ -211,6 +211,7 @@ PROBE_STEPS = 400
 PROBE_MARGIN = 0.01
 
 
+@pytest.mark.long
 def test_swav_features_beat_random_features_in_a_linear_probe():
     """Quality, not only motion: pretrain in-process (the task's own loss, LARS and schedule; no swarm)
     on 60% of the digits without labels, then probe with labels on the held-out 40%."""
