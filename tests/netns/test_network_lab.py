@@ -96,7 +96,8 @@ def test_slow_uplink_gets_a_smaller_share_and_sends_less(tmp_path):
     (At 2x and 4x these rates CPU rather than the links sets the shares' timing)
 
     The rounds are collab's (checked rounds, mean), as a run's peers make them: hivemind's own averager lost every
-    round in two recent CI runs (0 of 4 whole, 484 s; before, one round in six, a process keeping its own part).
+    round of the last official CI run (0 of 4 whole, 484 s) and 3 of 4 in one before it (a process that got only
+    its own part as a reducer).
     """
     links = [LinkSpec(upload_mbit=100, download_mbit=100)] * 3 + [LinkSpec(upload_mbit=10, download_mbit=100)]
     # 4 MB: at 2 MB the slow peer's equal-share bytes ranged 1.65-2.88 MB in one run (against the 3 MB its share
