@@ -44,11 +44,12 @@ from hivemind.utils.asyncio import as_aiter, azip
 from collab.averaging.aggregation import Aggregation, RobustPartReducer
 from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.one_average import OneAverage
+from collab.averaging.planned_leader import ASK_AGAIN, PLAN_SHARE, peers_training, planned_leader
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.hivemind_hooks.averager import AveragerHooks
-from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, never_ask_leaders,
-                                           pace_group_reads, patient_followers, time_matchmaking)
+from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
+                                           never_ask_leaders, pace_group_reads, patient_followers, time_matchmaking)
 from collab.records.rejections import HARD_EVIDENCE
 from collab.records.untrusted import progress_records
 
@@ -200,11 +201,12 @@ class CheckedRounds(AveragerHooks):
             patient_followers(matchmaking, FOLLOWER_PATIENCE, self._accepted_request_ended)
             time_matchmaking(matchmaking, self._matched_in)
             pace_group_reads(matchmaking, every=max(GROUP_READ_FLOOR, matchmaking.min_matchmaking_time / 10))
+            follow_a_plan(matchmaking, self._plan, slack=matchmaking.request_timeout, ask_again=ASK_AGAIN)
         if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
             records = self._signed_progress()  # a fresh read starts while the group is being matched
             if matchmaking is not None:
                 self._fit_group_to_swarm(matchmaking, records, step.deadline)
-                self._match_within_epoch(matchmaking, step)
+                self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
         return await super().averaging_step(step=step, **kwargs)
 
     _budget: Optional[MatchingBudget] = None  # set when a gradient round's group size follows the swarm
@@ -253,6 +255,33 @@ class CheckedRounds(AveragerHooks):
             epoch = None
         # hivemind's group keys are PREFIX.0bBITS with no dot in PREFIX
         keys.prefix = f"{base}_epoch{epoch}" if type(epoch) is int else base
+        return epoch if type(epoch) is int else None
+
+    _round_plan: Optional[tuple] = None  # (epoch, until): this search asks the epoch's planned leader until then
+
+    def _plan_round(self, matchmaking, step, epoch: Optional[int]) -> None:
+        """A round matched within its epoch, with a group that follows the swarm, asks the epoch's planned leader
+        (collab.averaging.planned_leader) for the first PLAN_SHARE of its search."""
+        if epoch is None or self.__dict__.get("_configured_group_size") is not None:
+            self._round_plan = None
+            return
+        now = get_dht_time()
+        ends = max(step.scheduled_time, now + matchmaking.min_matchmaking_time)
+        if step.deadline is not None:
+            ends = min(ends, step.deadline)
+        self._round_plan = (epoch, now + PLAN_SHARE * max(0.0, ends - now))
+
+    def _plan(self) -> Optional[tuple]:
+        """(planned leader's PeerID, until) for the search under way, from the records as last read; None: none."""
+        if self._round_plan is None:
+            return None
+        epoch, until = self._round_plan
+        records = self.__dict__.get("_progress_cache", {}).get("records", {})
+        leader = planned_leader(records, epoch, self._last_group)
+        if leader is None:
+            return None
+        leader_id = PeerID.from_base58(leader)
+        return None if self.banned(leader_id) else (leader_id, until)
 
     def _raise_group_target(self, matchmaking) -> None:
         training = _peers_training(self._progress_cache["records"], self._last_group)
@@ -414,15 +443,11 @@ class CheckedRounds(AveragerHooks):
 
 
 def _peers_training(records: dict, last_group: frozenset = frozenset()) -> Optional[int]:
-    """The peers the progress records show training: within an epoch of the furthest, or in this peer's last
-    gradient group while their record lives (None: fewer than two). A record is up to PROGRESS_REFRESH s old plus its
-    own publishing lag: in a swarm that steps every 3-4 s, two of 12 peers that had just averaged with this one
+    """How many peers the progress records show training (collab.averaging.planned_leader.peers_training; None:
+    fewer than two). Counting the last group's peers matters: two of 12 peers that had just averaged with this one
     showed two epochs behind, the target fell to 10, and the leader began without them (groups of 9 + 3 from then
-    on). A peer that averaged with this one last round is on its epoch whatever its record says."""
-    epochs = {peer: getattr(record, "epoch", None) for peer, record in records.items()}
-    epochs = {peer: e for peer, e in epochs.items() if isinstance(e, int)}
-    furthest = max(epochs.values(), default=0)
-    training = sum(e >= furthest - 1 or peer in last_group for peer, e in epochs.items())
+    on)."""
+    training = len(peers_training(records, last_group))
     return training if training >= 2 else None
 
 

@@ -137,6 +137,8 @@ PATCHED = (
     "hivemind.utils.crypto.RSAPrivateKey._process_wide_key",  # the tracker signs with the libp2p identity's key
     "hivemind.averaging.matchmaking.Matchmaking._request_join_group",  # never ask a banned leader
     "hivemind.averaging.matchmaking.Matchmaking.look_for_group",  # each search for a group timed
+    "hivemind.averaging.matchmaking.PotentialLeaders.pop_next_leader",  # the planned leader asked first
+    "hivemind.averaging.matchmaking.Matchmaking._check_reasons_to_reject",  # a planned leader's earlier followers
     "hivemind.averaging.key_manager.GroupKeyManager.get_averagers",  # group reads paced
     "hivemind.averaging.partition.TensorPartContainer.register_failed_reducer",  # reducers that died mid-round
     "hivemind.averaging.partition.TensorPartContainer.register_processed_part",  # every returned part checked
@@ -182,8 +184,9 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor",),
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size",
                                                    "potential_leaders", "client_mode", "request_timeout",
-                                                   "was_accepted_to_group", "current_leader", "assembled_group"),
-    "hivemind.averaging.matchmaking.PotentialLeaders": ("min_matchmaking_time",),
+                                                   "was_accepted_to_group", "current_leader", "assembled_group",
+                                                   "peer_id"),
+    "hivemind.averaging.matchmaking.PotentialLeaders": ("min_matchmaking_time", "declared_expiration_time"),
     "hivemind.averaging.key_manager.GroupKeyManager": ("prefix",),  # one group key per epoch (EpochGroups)
     "hivemind.utils.crypto.RSAPrivateKey": ("_private_key",),
     "hivemind.utils.crypto.RSAPublicKey": ("_public_key",),

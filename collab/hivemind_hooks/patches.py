@@ -5,6 +5,7 @@ function each, with one line on why. Nothing here runs at import time; the calle
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing as mp
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,9 +16,12 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import allreduce
 from hivemind.averaging.control import StepControl
+from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
+
+_log = logging.getLogger(__name__)
 
 
 # --- inside an all-reduce: hivemind's part container, made per round in the averager's process ---
@@ -56,6 +60,51 @@ def never_ask_leaders(matchmaking, refused: Callable) -> None:
 
     matchmaking._request_join_group, matchmaking._collab_checked = unless_refused, True
 
+
+
+def follow_a_plan(matchmaking, plan: Callable[[], Optional[tuple]], slack: float, ask_again: float) -> None:
+    """A search that asks a planned leader first (collab.averaging.planned_leader). `plan()` says, each time hivemind
+    takes its next leader to ask: None (hivemind's search), or (leader PeerID, until dht time). Before `until`, a
+    peer whose planned leader is another asks it (again after `ask_again` s when it was asked a moment ago: not
+    searching yet), and the planned leader asks no one; after it, hivemind's search goes on. A planned leader accepts
+    a follower whose search ends up to `slack` s before its own (hivemind refuses such a follower: its join request
+    would expire first). Wraps PotentialLeaders.pop_next_leader and Matchmaking._check_reasons_to_reject. Once per
+    Matchmaking."""
+    if getattr(matchmaking, "_collab_planned", False):
+        return
+    leaders = matchmaking.potential_leaders
+    pop_next_leader, check = leaders.pop_next_leader, matchmaking._check_reasons_to_reject
+    asked = [float("-inf")]
+
+    async def planned_first():
+        while True:
+            current = plan()
+            if current is None or get_dht_time() >= current[1]:
+                return await pop_next_leader()
+            leader, until = current
+            if leader == matchmaking.peer_id:  # the planned leader waits for its followers
+                await asyncio.sleep(max(0.0, until - get_dht_time()))
+                continue
+            wait = asked[0] + ask_again - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            asked[0] = time.monotonic()
+            return leader
+
+    def leniently(request, context):
+        current = plan()
+        declared = leaders.declared_expiration_time
+        if (current is not None and current[0] == matchmaking.peer_id
+                and isinstance(request.expiration, float) and declared - slack <= request.expiration < declared):
+            lenient = type(request)()
+            lenient.CopyFrom(request)
+            lenient.expiration = declared
+            return check(lenient, context)
+        return check(request, context)
+
+    leaders.pop_next_leader, matchmaking._check_reasons_to_reject = planned_first, leniently
+    matchmaking._collab_planned = True
 
 class _AcceptedToGroup(asyncio.Event):
     """hivemind's Matchmaking.was_accepted_to_group, set from a leader's ACCEPTED until the follower's join request
@@ -140,7 +189,9 @@ def pace_group_reads(matchmaking, every: float) -> None:
         if wait > 0:
             await asyncio.sleep(wait)
         last[0] = time.monotonic()
-        return await get_averagers(*args, **kwargs)
+        found = await get_averagers(*args, **kwargs)
+        _log.debug(f"group key read: {len(found)} averager(s) in {time.monotonic() - last[0]:.2f} s")
+        return found
 
     keys.get_averagers, keys._collab_paced = paced, True
 

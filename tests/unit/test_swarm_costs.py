@@ -92,6 +92,26 @@ def test_peers_that_averaged_with_this_one_count_whatever_their_late_record_says
     assert _peers_training(records, frozenset({"late0", "gone"})) == 11
 
 
+
+def test_every_peer_names_one_planned_leader_that_can_lead_and_changes_with_the_epoch():
+    from collab.averaging.planned_leader import planned_leader
+
+    records = {f"peer{i}": SimpleNamespace(epoch=7, client_mode=False) for i in range(12)}
+    leaders = {planned_leader(records, epoch) for epoch in range(20)}
+    assert len(leaders) > 5  # the lead goes round (a fixed leader would be one peer, every round)
+    leader = planned_leader(records, 7)
+    # views a moment apart: a peer two epochs behind, a client and one more follower leave the plan as it was
+    others = dict(records, slow=SimpleNamespace(epoch=5, client_mode=False),
+                  nat=SimpleNamespace(epoch=7, client_mode=True))
+    assert planned_leader(others, 7) == leader
+    # a client never leads (it accepts no one); a peer that averaged with this one last round counts whatever its
+    # record says
+    assert planned_leader({peer: SimpleNamespace(epoch=7, client_mode=peer == leader) for peer in records}, 7) != leader
+    assert planned_leader(dict(others, slow=others["slow"]), 7, frozenset({"slow"})) in set(records) | {"slow"}
+    # no plan alone, nor when nobody can lead
+    assert planned_leader({"peer0": records["peer0"]}, 7) is None
+    assert planned_leader({p: SimpleNamespace(epoch=7, client_mode=True) for p in ("a", "b")}, 7) is None
+
 def _match(prefix_before: str, gathered) -> list[str]:
     averager = type("Averager", (), {"serializer": MSGPackSerializer})()
     matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix=prefix_before))

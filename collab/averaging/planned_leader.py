@@ -1,0 +1,55 @@
+"""One planned leader for each gradient round: every peer asks the same one first.
+
+hivemind's leader is the peer whose search ends first, and a peer learns of the others' searches only by reading
+the group key from the DHT. On 2 busy cores (12 linreg peers) those reads took 0.2-2.7 s each (median 0.7), and
+two peers that began searching a moment apart each saw the other too late: both led, and the round split (8 + 4,
+6 + 6 and 7 + 5 in three runs of the 12-peer test). The replicas of a split part; in a 6 + 6 neither half is the
+few that re-syncs from the many.
+
+Every peer already reads the run's signed progress records (who trains, at which epoch, as a client or not), so
+each can name the same leader with no read at all: among the peers training that can lead, the one whose hash of
+(epoch, peer id) is least. It changes each epoch, so no peer leads every round. For the first part of its search
+(PLAN_SHARE) a peer asks that leader directly, again every ASK_AGAIN s while the leader is not searching yet, and
+the leader itself asks no one; after that, hivemind's own search takes over, so a planned leader that is missing
+or slow costs part of one search, not the round. The leader accepts a follower whose search ends a little before
+its own (hivemind refuses any such): the follower waits for the group's start past its deadline
+(collab.hivemind_hooks.patches.patient_followers). Records read a moment apart can differ (a peer just joined or
+left); the plan changes only if that peer's hash is the least, and a peer that planned otherwise is brought into the
+group by hivemind's search and its redirects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+PLAN_SHARE = 0.5  # of a search's time: how long a peer asks the planned leader before hivemind's own search
+ASK_AGAIN = 0.3  # seconds between asks while the planned leader is not searching yet
+
+
+@dataclass(frozen=True)
+class Plan:
+    leader: str  # the planned leader's base58 peer id
+    until: float  # dht time: when the planned part of this peer's search ends
+
+
+def peers_training(records: dict, last_group: frozenset = frozenset()) -> set:
+    """The peers (base58) the progress records show training: within an epoch of the furthest, or in this peer's last
+    gradient group while their record lives. A record is up to a few seconds old plus its own publishing lag: in a
+    swarm that steps every 3-4 s, two of 12 peers that had just averaged with this one showed two epochs behind. A
+    peer that averaged with this one last round is on its epoch whatever its record says."""
+    epochs = {peer: getattr(record, "epoch", None) for peer, record in records.items()}
+    epochs = {peer: e for peer, e in epochs.items() if isinstance(e, int) and not isinstance(e, bool)}
+    furthest = max(epochs.values(), default=0)
+    return {peer for peer, e in epochs.items() if e >= furthest - 1 or peer in last_group}
+
+
+def planned_leader(records: dict, epoch: int, last_group: frozenset = frozenset()) -> Optional[str]:
+    """The round's planned leader (base58), or None when fewer than two peers are training or none can lead (a
+    client-mode peer accepts no one)."""
+    training = peers_training(records, last_group)
+    able = [peer for peer in training if getattr(records[peer], "client_mode", False) is False]
+    if len(training) < 2 or not able:
+        return None
+    return min(able, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).digest())
