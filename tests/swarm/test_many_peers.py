@@ -43,9 +43,9 @@ def test_twelve_peers_average_in_whole_groups_and_end_on_one_epoch_with_equal_re
         assert set(p["rounds_failed_by_reason"]) <= {"nobody left to join", "no group found"}, p
     assert sum(p["rounds_failed"] for p in peers) <= 3, [p["rounds_failed_by_reason"] for p in peers]
     assert min(p["rounds_joined"] for p in peers) >= 1, [p["rounds_joined"] for p in peers]
-    # whole groups, not fragments (before the fixes: groups of 2-7): after the first round, the largest group of each
-    # holds 3/4 of the swarm or more and 10 of 12 on average (on 2 busy cores two leaders still match at once now and
-    # then: 9 + 3, the 3 then re-sync from the 9)
+    # whole groups, not fragments (before the fixes: groups of 2-7; before the planned leader, 6 + 6, 8 + 4 or 7 + 5
+    # in 3 of 3 runs here): after the first round, the largest group of each holds 3/4 of the swarm or more and 10 of
+    # 12 on average (a CPU-starved peer late for its rounds is one short of 12 each time)
     largest = largest_group_by_epoch(tmp_path / "run")
     later = [largest.get(epoch, 0) for epoch in range(1, EPOCHS)]
     assert min(later) >= 0.75 * PEERS and sum(later) / len(later) >= 10.0, largest
