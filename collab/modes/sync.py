@@ -17,6 +17,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.donor_patience import donor_patience
+from collab.averaging.planned_leader import planned_leader
 from collab.averaging.replica import cancel_round, peers_behind, swarm_finished_without
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer
@@ -88,12 +89,18 @@ class CollabOptimizer(SwarmOptimizer):
             logger.warning(f"Epoch {self.local_epoch}: {why}; this step is on {whose}, so its "
                            "replica is one update away from the swarm's until it is re-synced")
 
-    def _in_a_minority(self, group_size: int) -> bool:
+    def _in_a_minority(self, group: list[str]) -> bool:
         """Whether this peer's round gathered fewer than half the peers training: the swarm split into groups (two
         leaders matched at once: 12 linreg peers on 2 cores went 9 + 3), and the replicas of the few part from the
         many's. Such a step is treated as an own step: the few re-sync from the many (whose records claim the epoch
-        while the few hold theirs at the one before, collab.modes.replica_sync), not the other way round."""
-        return group_size * 2 < self.tracker.global_progress.num_peers
+        while the few hold theirs at the one before, collab.modes.replica_sync), not the other way round. In an even
+        split (6 + 6) the half without the round's planned leader (collab.averaging.planned_leader, named from this
+        peer's own read of the records) re-syncs from the half with it; when the records name none, neither does."""
+        peers = self.tracker.global_progress.num_peers
+        if len(group) * 2 != peers:
+            return len(group) * 2 < peers
+        leader = planned_leader(getattr(self.tracker, "records_seen", {}), self.grad_averager.epoch)
+        return leader is not None and leader not in group
 
     def should_download_state(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
@@ -145,7 +152,8 @@ class CollabOptimizer(SwarmOptimizer):
                 group = self._wait_for_round(maybe_step_control)
                 if self._averaged_gradients_are_finite():
                     self.load_averaged_gradients()
-                    self.averaging_log.success([peer.to_base58() for peer in group], self.local_epoch)
+                    members = [peer.to_base58() for peer in group]
+                    self.averaging_log.success(members, self.local_epoch)
                     averaged, group_size = True, len(group)
                 else:
                     self.averaging_log.failure("averaged gradients not finite")
@@ -178,7 +186,7 @@ class CollabOptimizer(SwarmOptimizer):
                 raise LeavingMidStep()
             self.load_own_gradients()
             self._record_own_step(failure)
-        elif self._in_a_minority(group_size):
+        elif self._in_a_minority(members):
             self._record_own_step(f"its gradient round gathered {group_size} of the "
                                   f"{self.tracker.global_progress.num_peers} peers training", whose="a few peers' gradients")
 

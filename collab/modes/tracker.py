@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 from hivemind.optim.progress_tracker import LocalTrainingProgress
@@ -60,6 +61,7 @@ class HonestProgressTracker(TrackerHooks):
     _stored_epoch: Optional[int] = None
     trained = False  # whether this peer has computed a micro-batch (report_progress_forever)
     peers_seen: list = []  # (epoch, client mode) of each peer in the last read
+    records_seen: dict = {}  # base58 -> (epoch, client_mode) of each peer in the last read
 
     def __init__(self, *args, hold: Callable[[], Optional[int]] = lambda: None, **kwargs):
         self.hold = hold  # the most epoch this peer's record may claim now (collab.modes.replica_sync); None: its own
@@ -105,6 +107,9 @@ class HonestProgressTracker(TrackerHooks):
             # (epoch, client) of every trusted record, this peer's included: why a round found no group
             values = [entry.value for entry in metadata.values() if isinstance(entry.value, dict)]
             self.peers_seen = [(v["epoch"], bool(v.get("client_mode"))) for v in values if type(v.get("epoch")) is int]
+            # by peer: who planned the last round's group (collab.averaging.planned_leader) after an even split
+            self.records_seen = {_base58(v.get("peer_id")): SimpleNamespace(epoch=v["epoch"], client_mode=bool(
+                v.get("client_mode"))) for v in values if type(v.get("epoch")) is int and _base58(v.get("peer_id"))}
         progress = super().parse_swarm_progress(metadata)
         self.reads, self.read_at, self.forecast_at = self.reads + 1, time.monotonic(), get_dht_time()
         return progress
@@ -230,3 +235,11 @@ def trusted_progress(metadata: dict, rejected: Rejections, said: set,
             logger.warning(f"Ignoring untrusted progress records from {signer} "
                            f"({', '.join(sorted(now_rejected.by_reason))})")
     return {subkeys[signer]: metadata[subkeys[signer]] for signer in kept}
+
+
+def _base58(peer_id) -> Optional[str]:
+    """A record's peer id (bytes) in base58, None if it is none (records reach here checked: collab.records.untrusted)."""
+    try:
+        return PeerID(peer_id).to_base58() if isinstance(peer_id, bytes) else None
+    except Exception:
+        return None

@@ -112,6 +112,7 @@ def test_every_peer_names_one_planned_leader_that_can_lead_and_changes_with_the_
     assert planned_leader({"peer0": records["peer0"]}, 7) is None
     assert planned_leader({p: SimpleNamespace(epoch=7, client_mode=True) for p in ("a", "b")}, 7) is None
 
+
 def _match(prefix_before: str, gathered) -> list[str]:
     averager = type("Averager", (), {"serializer": MSGPackSerializer})()
     matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix=prefix_before))
@@ -137,11 +138,24 @@ def test_a_gradient_round_is_matched_only_among_peers_at_its_epoch():
 def test_a_round_that_gathered_fewer_than_half_the_peers_training_is_an_own_step():
     from collab.modes.sync import CollabOptimizer
 
-    optimizer = SimpleNamespace(tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=12)))
-    assert CollabOptimizer._in_a_minority(optimizer, 3)  # the 3 of a 9 + 3 split re-sync from the 9
-    assert not CollabOptimizer._in_a_minority(optimizer, 9)
-    assert not CollabOptimizer._in_a_minority(optimizer, 6)  # 6 + 6: neither side is the swarm's; state rounds heal it
-    assert not CollabOptimizer._in_a_minority(optimizer, 12)
+    from collab.averaging.planned_leader import planned_leader
+
+    peers = [f"peer{i}" for i in range(12)]
+    records = {peer: SimpleNamespace(epoch=4, client_mode=False) for peer in peers}
+    optimizer = SimpleNamespace(tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=12),
+                                                        records_seen=records), grad_averager=SimpleNamespace(epoch=4))
+    assert CollabOptimizer._in_a_minority(optimizer, peers[:3])  # the 3 of a 9 + 3 split re-sync from the 9
+    assert not CollabOptimizer._in_a_minority(optimizer, peers[3:])
+    assert not CollabOptimizer._in_a_minority(optimizer, peers)
+    # 6 + 6: the half without the round's planned leader re-syncs from the half with it; exactly one half does
+    leader = planned_leader(records, 4)
+    with_leader = [leader] + [p for p in peers if p != leader][:5]
+    without = [p for p in peers if p not in with_leader]
+    assert not CollabOptimizer._in_a_minority(optimizer, with_leader)
+    assert CollabOptimizer._in_a_minority(optimizer, without)
+    # records that name no leader (none read yet): neither half, as before
+    optimizer.tracker.records_seen = {}
+    assert not CollabOptimizer._in_a_minority(optimizer, without)
 
 
 def test_the_group_follows_the_swarm_from_round_to_round():
