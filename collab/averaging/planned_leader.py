@@ -1,7 +1,7 @@
 """One planned leader for each gradient round: every peer asks the same one first.
 
 hivemind's leader is the peer whose search ends first, and a peer learns of the others' searches only by reading
-the group key from the DHT. On 2 busy cores (12 linreg peers) those reads took 0.2-2.7 s each (median 0.7), and
+the group key from the DHT. On 2 busy cores (12 linreg peers) those reads took 0.2-3.2 s each (median 0.7), and
 two peers that began searching a moment apart each saw the other too late: both led, and the round split (8 + 4,
 6 + 6 and 7 + 5 in three runs of the 12-peer test). The replicas of a split part; in a 6 + 6 neither half is the
 few that re-syncs from the many.
@@ -21,17 +21,10 @@ group by hivemind's search and its redirects.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Optional
 
 PLAN_SHARE = 0.5  # of a search's time: how long a peer asks the planned leader before hivemind's own search
 ASK_AGAIN = 0.3  # seconds between asks while the planned leader is not searching yet
-
-
-@dataclass(frozen=True)
-class Plan:
-    leader: str  # the planned leader's base58 peer id
-    until: float  # dht time: when the planned part of this peer's search ends
 
 
 def peers_training(records: dict, last_group: frozenset = frozenset()) -> set:

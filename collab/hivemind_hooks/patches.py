@@ -61,7 +61,6 @@ def never_ask_leaders(matchmaking, refused: Callable) -> None:
     matchmaking._request_join_group, matchmaking._collab_checked = unless_refused, True
 
 
-
 def follow_a_plan(matchmaking, plan: Callable[[], Optional[tuple]], slack: float, ask_again: float) -> None:
     """A search that asks a planned leader first (collab.averaging.planned_leader). `plan()` says, each time hivemind
     takes its next leader to ask: None (hivemind's search), or (leader PeerID, until dht time). Before `until`, a
@@ -105,6 +104,7 @@ def follow_a_plan(matchmaking, plan: Callable[[], Optional[tuple]], slack: float
 
     leaders.pop_next_leader, matchmaking._check_reasons_to_reject = planned_first, leniently
     matchmaking._collab_planned = True
+
 
 class _AcceptedToGroup(asyncio.Event):
     """hivemind's Matchmaking.was_accepted_to_group, set from a leader's ACCEPTED until the follower's join request
