@@ -46,3 +46,18 @@ def planned_leader(records: dict, epoch: int, last_group: frozenset = frozenset(
     if len(training) < 2 or not able:
         return None
     return min(able, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).digest())
+
+
+def loses_an_even_split(records: dict, epoch: int, group) -> bool:
+    """Whether this peer's gradient round at `epoch`, which gathered exactly half the peers training (`group`, base58),
+    was the half without the round's planned leader: that half re-syncs from the other. Only when most of the other
+    half is on `epoch` too (its records say so), so that it can have made this epoch's step in a round of its own:
+    after a network split heals, the other half may be an epoch behind, catching up by download (a 2 + 2 swarm), and
+    then this half's step is the swarm's. Without records of the others, neither half re-syncs."""
+    members = set(group)
+    others = [record for peer, record in records.items() if peer not in members]
+    on_epoch = sum(getattr(record, "epoch", None) is not None and record.epoch >= epoch for record in others)
+    if not others or on_epoch * 2 < len(others):
+        return False
+    leader = planned_leader(records, epoch)
+    return leader is not None and leader not in members

@@ -17,7 +17,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.donor_patience import donor_patience
-from collab.averaging.planned_leader import planned_leader
+from collab.averaging.planned_leader import loses_an_even_split
 from collab.averaging.replica import cancel_round, peers_behind, swarm_finished_without
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer
@@ -95,12 +95,11 @@ class CollabOptimizer(SwarmOptimizer):
         many's. Such a step is treated as an own step: the few re-sync from the many (whose records claim the epoch
         while the few hold theirs at the one before, collab.modes.replica_sync), not the other way round. In an even
         split (6 + 6) the half without the round's planned leader (collab.averaging.planned_leader, named from this
-        peer's own read of the records) re-syncs from the half with it; when the records name none, neither does."""
+        peer's own read of the records) re-syncs from the half with it, if the other half was on this epoch too."""
         peers = self.tracker.global_progress.num_peers
         if len(group) * 2 != peers:
             return len(group) * 2 < peers
-        leader = planned_leader(getattr(self.tracker, "records_seen", {}), self.grad_averager.epoch)
-        return leader is not None and leader not in group
+        return loses_an_even_split(getattr(self.tracker, "records_seen", {}), self.grad_averager.epoch, group)
 
     def should_download_state(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the

@@ -153,6 +153,15 @@ def test_a_round_that_gathered_fewer_than_half_the_peers_training_is_an_own_step
     without = [p for p in peers if p not in with_leader]
     assert not CollabOptimizer._in_a_minority(optimizer, with_leader)
     assert CollabOptimizer._in_a_minority(optimizer, without)
+    # the other half an epoch behind (a healed network split: it is catching up by download, and made no step at this
+    # epoch): this half's step was the swarm's. Seen in a 2 + 2 split's test, where both halves then re-synced from
+    # their own groupmates and stayed apart
+    behind = dict(records, **{peer: SimpleNamespace(epoch=3, client_mode=False) for peer in with_leader})
+    optimizer.tracker.records_seen = behind
+    assert not CollabOptimizer._in_a_minority(optimizer, without)
+    # ... and most of it on this epoch (one record lagging): still a split
+    optimizer.tracker.records_seen = dict(records, **{with_leader[-1]: SimpleNamespace(epoch=3, client_mode=False)})
+    assert CollabOptimizer._in_a_minority(optimizer, without)
     # records that name no leader (none read yet): neither half, as before
     optimizer.tracker.records_seen = {}
     assert not CollabOptimizer._in_a_minority(optimizer, without)
