@@ -127,6 +127,7 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> di
     for p in per_peer:
         for reason, n in p.get("rounds_failed_by_reason", {}).items():
             reasons[reason] = reasons.get(reason, 0) + n
+    replayed = sum(p.get("rounds_replayed", 0) for p in per_peer)  # missed rounds applied from a peer that made them
     spreads = report.get("spread_by_epoch") or {}
     return {
         "peers": peers, "rtt_ms": rtt_ms, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
@@ -138,7 +139,8 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> di
         "allreduce_s": _mean(p["allreduce_seconds"] for p in per_peer),
         "dht_requests": _mean(p["dht_requests_per_minute"] for p in per_peer),
         "dht_kb": _mean(p["dht_kb_per_minute"] for p in per_peer),
-        "failed_why": ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:2]),
+        "failed_why": ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:2])
+        + (f" ({replayed} replayed)" if replayed else ""),
         "spread": max(spreads.values()) if spreads else None,
     }
 

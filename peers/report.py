@@ -49,6 +49,7 @@ class PeerReport:
     dht_requests_per_minute: Optional[float] = None
     dht_kb_per_minute: Optional[float] = None
     rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.sync.round_failure
+    rounds_replayed: int = 0  # failed rounds it then applied from a peer that made them (averaging.round_replay)
     # epoch -> a sketch of its replica as that epoch began (collab.train.summary.sketch_replica), the last epochs
     replica_sketches: dict = field(default_factory=dict)
 
@@ -223,6 +224,7 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         rounds_joined=sum(s.get("rounds_joined", 0) for s in summaries),
         rounds_failed=sum(s.get("rounds_failed", 0) for s in summaries),
         rounds_failed_by_reason=_add_up(s.get("rounds_failed_by_reason", {}) for s in summaries),
+        rounds_replayed=sum(s.get("rounds_replayed", 0) for s in summaries),
         mean_group_size=sum(sizes) / len(sizes) if sizes else None,
         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None, loss_epochs=len(losses),
         loaded_state_from_peers=any(s.get("loaded_state_from_peers") for s in summaries),

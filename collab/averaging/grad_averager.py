@@ -20,6 +20,7 @@ from collab.averaging.aggregation import Aggregation
 from collab.averaging.dgc import DGCMemory, DGCSettings
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
+from collab.averaging.round_replay import ServedRounds
 from collab.run.gate import MemberGate
 
 
@@ -99,13 +100,15 @@ class DGCSelection:
             self.dgc.compress_(averaged, self.round_epoch, self.round_peers)
 
 
-class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, SummedMicroBatches,
+class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, ServedRounds, SummedMicroBatches,
                              GradientAverager):
-    def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
-                 traffic=None, **kwargs):
+    def __init__(self, parameters, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
+                 findings=None, traffic=None, **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
         self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
-        super().__init__(*args, **kwargs)
+        parameters = list(parameters)
+        self.prepare_served_round(parameters)
+        super().__init__(parameters, *args, **kwargs)
 
 
 class CollabPowerSGDAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, SummedMicroBatches,

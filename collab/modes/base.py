@@ -90,6 +90,7 @@ class SwarmOptimizer(OptimizerHooks):
         self._plan_followed = None
         self.replica = ReplicaSync()  # whether the replica is the swarm's (its tracker reads the epoch held)
         self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
+        self.rounds_replayed = 0  # missed gradient rounds applied from a peer that made them (averaging.round_replay)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
         self._start_with: Optional[tuple[int, float]] = None  # start_together: (peers, until when)

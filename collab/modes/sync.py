@@ -19,8 +19,10 @@ from hivemind.utils.timed_storage import get_dht_time
 from collab.averaging.donor_patience import donor_patience
 from collab.averaging.planned_leader import loses_an_even_split
 from collab.averaging.replica import cancel_round, peers_behind, swarm_finished_without
+from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer
+from collab.records.untrusted import progress_records
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 logger = get_logger(__name__)
@@ -145,11 +147,13 @@ class CollabOptimizer(SwarmOptimizer):
                                    f"epoch {swarm}); nobody is left to average with")
 
     def finish_gradient_round(self, maybe_step_control) -> None:
-        averaged = False
+        averaged, missed = False, False
         if maybe_step_control is not None:
             try:
                 group = self._wait_for_round(maybe_step_control)
                 if self._averaged_gradients_are_finite():
+                    if getattr(self.grad_averager, "serves_rounds", False) and not self.delay_grad_averaging:
+                        self.grad_averager.keep_round(self.local_epoch)  # for a peer that missed it (round_replay)
                     self.load_averaged_gradients()
                     members = [peer.to_base58() for peer in group]
                     self.averaging_log.success(members, self.local_epoch)
@@ -159,6 +163,7 @@ class CollabOptimizer(SwarmOptimizer):
             except BaseException as e:  # timeouts, a peer that vanished mid-round: fall back to local gradients
                 if not self.stop.is_set():  # (a round this peer cancelled to leave did not fail)
                     self.averaging_log.failure(round_failure(e))
+                missed = isinstance(e, NobodyLeftToJoin)
                 failure = f"gradient averaging failed ({type(e).__name__}: {e})"
                 if round_failure(e) == "no group found":
                     failure = why_no_group(self.local_epoch, self.client_mode, self.tracker.peers_seen,
@@ -183,11 +188,51 @@ class CollabOptimizer(SwarmOptimizer):
                 # (with overlap=full, past the leave's grace: forced exits). In that mode this runs in hivemind's
                 # background step, which logs what it raises: _QuietLeave keeps that out of the peer's log.
                 raise LeavingMidStep()
+            if missed and self._replayed_the_missed_round(failure):
+                return
             self.load_own_gradients()
             self._record_own_step(failure)
         elif self._in_a_minority(members):
             self._record_own_step(f"its gradient round gathered {group_size} of the "
                                   f"{self.tracker.global_progress.num_peers} peers training", whose="a few peers' gradients")
+
+    def _replayed_the_missed_round(self, failure: str) -> bool:
+        """The round this peer missed (every other peer made this epoch's step without it), applied from a peer that
+        made it: the same step as theirs, with no download (collab.averaging.round_replay). Only for a replica in
+        sync at this epoch; whether it was applied."""
+        averager = self.grad_averager
+        if not getattr(averager, "serves_rounds", False) or self.delay_grad_averaging or not self.in_sync():
+            return False
+        epoch, me = self.local_epoch, self.dht.peer_id.to_base58()
+        try:
+            records = progress_records(self.dht, self.run_id)
+        except Exception:
+            return False
+        # peers one epoch on keep this round (a peer further on kept a later one); a client-mode peer cannot be dialed
+        donors = [peer for peer, record in records.items()
+                  if peer != me and record.epoch == epoch + 1 and not getattr(record, "client_mode", False)]
+        started = time.monotonic()
+        try:
+            got = averager.fetch_round(epoch, donors, timeout=self.load_state_timeout) if donors else None
+        except Exception as e:
+            logger.warning(f"Epoch {epoch}: could not fetch the round it missed ({type(e).__name__}: {e})")
+            return False
+        if got is None:
+            return False
+        donor, tensors = got
+        with torch.no_grad(), averager.get_tensors() as like:
+            why = what_is_wrong(tensors, list(like), averager._own_gradients)
+        if why is not None:
+            self.rejections.add(donor, why, "a missed round")  # counted and attributed, as every refusal
+            logger.warning(f"Epoch {epoch}: refused the missed round's average from {donor}: {why}")
+            return False
+        averager.load_replayed_(tensors)
+        self.load_averaged_gradients()
+        self.rounds_replayed += 1
+        megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+        logger.warning(f"Epoch {epoch}: {failure}; applied that round's average from {donor} instead ({megabytes:.1f} "
+                       f"MB in {time.monotonic() - started:.1f} s): the swarm's step, with no state download")
+        return True
 
     def load_own_gradients(self) -> None:
         # the gradients this peer sent into the failed round (hivemind would load its zeroed accumulators); when

@@ -23,6 +23,7 @@ class Summary:
     rounds_joined: int = 0
     rounds_failed: int = 0
     rounds_failed_by_reason: dict[str, int] = field(default_factory=dict)  # collab.modes.sync.round_failure
+    rounds_replayed: int = 0  # of those, missed rounds applied from a peer that made them (collab.averaging.round_replay)
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
@@ -132,6 +133,7 @@ def harvest(summary: Summary, opt, model, log: AveragingLog) -> None:
     """What the optimizer, its averagers and the model say now, into the summary (at each epoch and at exit):
     rounds, refusals, bytes, non-finite parameters and the mode's own report."""
     log.copy_to(summary)
+    summary.rounds_replayed = getattr(opt, "rounds_replayed", 0)
     summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
     opt.traffic.copy_to(summary)
     summary.nonfinite_parameters = nonfinite_parameters(model)

@@ -1,0 +1,145 @@
+"""A gradient round a peer missed, replayed from a peer that made it: catching up without a full download.
+
+A peer that reaches an epoch's end after the others have averaged it (it was starved of CPU, stalled, or its
+download of the swarm's state landed just as the swarm's round began) finds nobody left to average with
+(collab.modes.sync: NobodyLeftToJoin). Before, it stepped on its own gradients and then downloaded the whole state
+(parameters and the optimizer's statistics: three times the model for LAMB or Adam), and a peer whose download
+takes an epoch missed the next round the same way. The others' step to the next epoch was their round's average
+applied to the parameters and optimizer state this peer still holds (it was in sync at this epoch), so that average
+alone, one model's worth, makes the same step here: the replica is the swarm's again with no download.
+
+Each plain gradient averager keeps a copy of the last average it applied (one model's worth of shared memory) with
+the epoch it ended, and serves it to whoever asks (`rpc_download_round`; in a private run, members only). The peer
+that missed the round asks peers whose records show the next epoch, checks what it gets (the shapes, finite, a norm
+at most NORM_RATIO times the gradients it computed itself) and applies it as the round's average. A peer that is out
+of sync, or finds no peer to give it, steps on its own gradients and re-syncs as before. PowerSGD and DGC keep
+per-peer error feedback that a replayed average would leave wrong: they re-sync by download, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.logging import get_logger
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+NORM_RATIO = 10.0  # a replayed average may be at most this many times the norm of this peer's own gradients
+DIAL_TIMEOUT = 5.0  # seconds to open the stream to one peer (as for a state download)
+ASK_AT_MOST = 3  # peers asked before the replay is given up (then: own step and a download, as before)
+logger = get_logger(__name__)
+
+
+class ServedRounds:
+    """A GradientAverager mixin: keeps the last average the trainer applied and serves it (`rpc_download_round`).
+    `prepare_served_round` must run before hivemind's constructor starts the averager's process."""
+
+    serves_rounds = True
+
+    def prepare_served_round(self, parameters) -> None:
+        self._served = [torch.zeros_like(p, device="cpu").share_memory_() for p in parameters]
+        self._served_epoch = mp.Value("i", -1, lock=False)  # -1: nothing (being) kept
+
+    # -- in the trainer's process -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def keep_round(self, epoch: int) -> None:
+        """The averaged buffers hold the round that ended `epoch`, about to be applied: keep a copy to serve."""
+        self._served_epoch.value = -1  # a reader mid-copy sees the epoch change and sends nothing
+        with self.get_tensors() as averaged:
+            for kept, tensor in zip(self._served, averaged):
+                kept.copy_(tensor)
+        self._served_epoch.value = epoch
+
+    def fetch_round(self, epoch: int, donors: list[str], timeout: float) -> Optional[tuple[str, list]]:
+        """(donor, tensors) of the round that ended `epoch`, from the first of `donors` (base58) that has it."""
+        future = MPFuture()
+        self._outer_pipe.send(("_fetch_round", [], dict(epoch=epoch, donors=donors[:ASK_AT_MOST], timeout=timeout,
+                                                         future=future)))
+        return future.result(timeout=(timeout + DIAL_TIMEOUT) * ASK_AT_MOST + 5)
+
+    @torch.no_grad()
+    def load_replayed_(self, tensors: list[torch.Tensor]) -> None:
+        with self.get_tensors() as averaged:
+            for buffer, tensor in zip(averaged, tensors):
+                buffer.copy_(tensor)
+
+    # -- in the averager's process ------------------------------------------------------------------------
+
+    async def rpc_download_round(self, _request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if getattr(self, "gate", None) is not None and not await self._allows(context.remote_id, "a round's average"):
+            return
+        epoch = self._served_epoch.value
+        if epoch < 0:
+            return
+        tensors = [t.clone() for t in self._served]
+        if self._served_epoch.value != epoch:  # the trainer kept a newer round meanwhile
+            return
+        metadata = self.serializer.dumps(dict(epoch=epoch))
+        for tensor in tensors:
+            for part in split_for_streaming(serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                metadata = None
+
+    async def _fetch_round(self, epoch: int, donors: list[str], timeout: float, future: MPFuture) -> None:
+        try:
+            for donor in donors:
+                gate = getattr(self, "gate", None)
+                if gate is not None and gate.access.verdict(donor) != "member":
+                    continue
+                try:
+                    got = await self._ask_for_round(PeerID.from_base58(donor), timeout)
+                except Exception as e:  # a donor that left, or does not answer: ask the next
+                    logger.debug(f"No round from {donor}: {type(e).__name__}: {e}")
+                    continue
+                if got is not None and got[0] == epoch:
+                    future.set_result((donor, got[1]))
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _ask_for_round(self, peer: PeerID, timeout: float) -> Optional[tuple[int, list]]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await asyncio.wait_for(stub.rpc_download_round(averaging_pb2.DownloadRequest()), DIAL_TIMEOUT)
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+            if len(tensors) > len(self._served):
+                return None  # more tensors than this model has: not a round of this run
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not isinstance(metadata, dict) or type(metadata.get("epoch")) is not int:
+            return None
+        return metadata["epoch"], tensors
+
+
+def what_is_wrong(tensors: list, like: list[torch.Tensor], own: Optional[list[torch.Tensor]]) -> Optional[str]:
+    """Why a replayed round's average may not be applied (None: it may). `like`: this peer's averaged buffers; `own`:
+    the gradients this peer computed for the round, when it still has them."""
+    if len(tensors) != len(like) or any(not isinstance(t, torch.Tensor) or t.shape != o.shape
+                                        for t, o in zip(tensors, like)):
+        return "an average of the wrong shape"
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        return "an average that is not finite"
+    norm = float(torch.stack([t.float().norm() for t in tensors]).norm())
+    if norm == 0.0:
+        return "an average of zeros"
+    if own:
+        own_norm = float(torch.stack([t.float().norm() for t in own]).norm())
+        if own_norm > 0 and norm > NORM_RATIO * own_norm:
+            return f"an average {norm / own_norm:.3g}x the norm of this peer's own gradients"
+    return None
