@@ -110,16 +110,18 @@ class ServedRounds:
     async def _ask_for_round(self, peer: PeerID, timeout: float) -> Optional[tuple[int, list]]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(stub.rpc_download_round(averaging_pb2.DownloadRequest()), DIAL_TIMEOUT)
-        metadata, parts, tensors = None, [], []
+        metadata, parts, tensors, received = None, [], [], 0
+        most = 2 * sum(t.numel() * t.element_size() for t in self._served) + 2**20  # the model's bytes, and slack
         async for message in aiter_with_timeout(stream, timeout=timeout):
+            received += len(message.tensor_part.buffer) + len(message.metadata)
+            if received > most or len(tensors) > len(self._served):
+                return None  # more than this model holds: not a round of this run (nor read to its end)
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []
             parts.append(message.tensor_part)
-            if len(tensors) > len(self._served):
-                return None  # more tensors than this model has: not a round of this run
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         if not isinstance(metadata, dict) or type(metadata.get("epoch")) is not int:
