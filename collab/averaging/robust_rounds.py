@@ -58,6 +58,7 @@ PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's 
 BUDGET_CEILING = 3.0  # a search waits at most this many times the configured matchmaking_time (matching_budget)
 PROGRESS_REFRESH = 5.0  # seconds: the signed progress records are re-read (in the background) at most this often
 FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the records (collab.swarm.state, ~0.1-1 s)
+FIRST_PLAN_WAIT = 5.0  # ... and a first gradient round, for the records its plan is made from (reads took up to 3.2 s)
 STATE_BOUND = 1.0
 GROUP_READ_FLOOR = 0.1  # seconds: the DHT reads of a group key are at least this far apart (pace_group_reads)
 BAN_SECONDS = 600.0
@@ -205,6 +206,11 @@ class CheckedRounds(AveragerHooks):
         if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
             records = self._signed_progress()  # a fresh read starts while the group is being matched
             if matchmaking is not None:
+                # a peer's first round: its first read of the records has only just begun, and without it there is
+                # no planned leader and no group target (12 peers' first rounds, hivemind's search alone, split
+                # 5 + 5 + 2 at start-up on 2 cores, and no group was the many to re-sync from): wait for that read
+                await self._first_progress_read(FIRST_PLAN_WAIT)
+                records = self.__dict__.get("_progress_cache", {}).get("records", records)
                 self._fit_group_to_swarm(matchmaking, records, step.deadline)
                 self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
         return await super().averaging_step(step=step, **kwargs)
