@@ -108,8 +108,9 @@ class HonestProgressTracker(TrackerHooks):
             values = [entry.value for entry in metadata.values() if isinstance(entry.value, dict)]
             self.peers_seen = [(v["epoch"], bool(v.get("client_mode"))) for v in values if type(v.get("epoch")) is int]
             # by peer: who planned the last round's group (collab.averaging.planned_leader) after an even split
-            self.records_seen = {_base58(v.get("peer_id")): SimpleNamespace(epoch=v["epoch"], client_mode=bool(
-                v.get("client_mode"))) for v in values if type(v.get("epoch")) is int and _base58(v.get("peer_id"))}
+            by_peer = ((_base58(v.get("peer_id")), v) for v in values if type(v.get("epoch")) is int)
+            self.records_seen = {peer: SimpleNamespace(epoch=v["epoch"], client_mode=bool(v.get("client_mode")))
+                                 for peer, v in by_peer if peer}
         progress = super().parse_swarm_progress(metadata)
         self.reads, self.read_at, self.forecast_at = self.reads + 1, time.monotonic(), get_dht_time()
         return progress
