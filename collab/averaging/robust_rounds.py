@@ -206,14 +206,18 @@ class CheckedRounds(AveragerHooks):
         if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
             records = self._signed_progress()  # a fresh read starts while the group is being matched
             if matchmaking is not None:
-                # a peer's first round: its first read of the records has only just begun, and without it there is
-                # no planned leader and no group target (12 peers' first rounds, hivemind's search alone, split
-                # 5 + 5 + 2 at start-up on 2 cores, and no group was the many to re-sync from): wait for that read
-                await self._first_progress_read(FIRST_PLAN_WAIT)
-                records = self.__dict__.get("_progress_cache", {}).get("records", records)
-                self._fit_group_to_swarm(matchmaking, records, step.deadline)
-                self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
+                await self._plan_gradient_round(matchmaking, step, records)
         return await super().averaging_step(step=step, **kwargs)
+
+    async def _plan_gradient_round(self, matchmaking, step, records: dict) -> None:
+        """The group size and plan of a gradient round, from the run's progress records. A peer's first round
+        comes as its first read of the records has only just begun, and without them there is no planned leader
+        and no group target (12 peers' first rounds, hivemind's search alone, split 5 + 5 + 2 at start-up on 2
+        cores, and no group was the many to re-sync from): it waits for that read, at most FIRST_PLAN_WAIT."""
+        await self._first_progress_read(FIRST_PLAN_WAIT)
+        records = self.__dict__.get("_progress_cache", {}).get("records", records)
+        self._fit_group_to_swarm(matchmaking, records, step.deadline)
+        self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
 
     _budget: Optional[MatchingBudget] = None  # set when a gradient round's group size follows the swarm
     _last_group: frozenset = frozenset()  # the base58 ids of this peer's last gradient group

@@ -31,8 +31,9 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from collab.averaging.state_download import DIAL_TIMEOUT  # a stream to one peer opens as a state download's does
+
 NORM_RATIO = 10.0  # a replayed average may be at most this many times the norm of this peer's own gradients
-DIAL_TIMEOUT = 5.0  # seconds to open the stream to one peer (as for a state download)
 ASK_AT_MOST = 3  # peers asked before the replay is given up (then: own step and a download, as before)
 logger = get_logger(__name__)
 

@@ -15,6 +15,7 @@ import inspect
 import re
 import sys
 import sysconfig
+from collections import deque
 from pathlib import Path
 
 from collab.data.cache import cache_dir, write_atomically
@@ -64,11 +65,26 @@ def _stdlib_docstrings():
             tree = ast.parse(file.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
-        for node in ast.walk(tree):
+        for node in _statements(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node, clean=False)
                 if doc:
                     yield inspect.cleandoc(doc)
+
+
+_BODIES = {"body", "orelse", "finalbody", "handlers", "cases"}  # the fields that hold statements
+
+
+def _statements(tree: ast.AST):
+    """ast.walk's nodes in ast.walk's order, less expressions: a docstring belongs to a statement, and statements
+    sit only in other statements' bodies, so the walk skips the expressions (three quarters of the time it took)."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        for field in node._fields:
+            if field in _BODIES:
+                todo.extend(child for child in getattr(node, field, ()) if isinstance(child, ast.AST))
+        yield node
 
 
 def _split(text: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,26 @@ def test_embedded_corpus_is_english_prose():
     words = text.split()
     common = sum(w.lower() in {"the", "of", "and", "to", "is", "a"} for w in words)
     assert common / len(words) > 0.1  # English prose, not code
+
+
+def test_the_corpus_walk_finds_every_docstring_ast_walk_finds_in_its_order():
+    # the corpus is built from the docstrings the walk finds, in its order: the same bytes as ast.walk gave, so a
+    # cached tokenizer (named by the corpus's hash) stays valid
+    import ast
+    import sysconfig
+
+    from collab.data.corpus import _statements
+
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text() + \
+        '\nif x:\n    try:\n        pass\n    except E:\n        def f():\n            """in a handler"""\n' \
+        '    finally:\n        class C:\n            """in a finally"""\n' \
+        'match y:\n    case 1:\n        async def g():\n            """in a case"""\n'
+    tree = ast.parse(source)
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    expected = [node for node in ast.walk(tree) if isinstance(node, kinds)]
+    assert [node for node in _statements(tree) if isinstance(node, kinds)] == expected
+    assert len(expected) > 100 and {"in a handler", "in a finally", "in a case"} <= {
+        ast.get_docstring(node) for node in expected}
 
 
 def test_embedded_tokenizer_has_albert_specials_and_round_trips(tokenizer):

@@ -229,6 +229,44 @@ def test_the_budget_sets_both_of_hiveminds_copies_leaves_time_to_the_all_reduce_
         loop.close()
 
 
+def test_a_first_gradient_round_is_planned_from_the_records_its_read_brings_back():
+    # its first read of the run's records has just begun as a peer's first round starts; the round waits for it
+    # (at most FIRST_PLAN_WAIT) and sizes its group from it: planned from nothing, 12 peers' first rounds split
+    averager = SimpleNamespace(_budget=None, _last_group=frozenset())
+    matchmaking = SimpleNamespace(target_group_size=None, min_matchmaking_time=3.0,
+                                  potential_leaders=SimpleNamespace(min_matchmaking_time=3.0))
+    for name in ("_first_progress_read", "_fit_group_to_swarm", "_raise_group_target"):
+        setattr(averager, name, getattr(CheckedRounds, name).__get__(averager))
+    averager._match_within_epoch = lambda mm, step: 4
+    averager._plan_round = lambda mm, step, epoch: setattr(averager, "planned", (mm.target_group_size, epoch))
+    step = SimpleNamespace(deadline=None)
+
+    async def read_back_after(seconds, peers):
+        await asyncio.sleep(seconds)
+        cache["records"] = {f"peer{i}": SimpleNamespace(epoch=4) for i in range(peers)}
+        cache["read_once"] = True
+
+    async def first_round(seconds, peers):
+        cache["task"] = asyncio.ensure_future(read_back_after(seconds, peers))
+        started = time.monotonic()
+        await CheckedRounds._plan_gradient_round(averager, matchmaking, step, cache["records"])
+        return time.monotonic() - started
+
+    cache = averager._progress_cache = {"records": {}, "task": None}
+    assert asyncio.run(first_round(0.3, 12)) < 1.0
+    assert averager.planned == (12, 4)  # without the wait: no records, hivemind's search alone (size None)
+    # later rounds use the last read at once; a first read that never comes back holds a round FIRST_PLAN_WAIT
+    assert asyncio.run(first_round(30.0, 12)) < 0.1 and averager.planned == (12, 4)
+    cache.clear(), cache.update(records={}, task=None)
+    import collab.averaging.robust_rounds as rounds
+    waited = rounds.FIRST_PLAN_WAIT
+    try:
+        rounds.FIRST_PLAN_WAIT = 0.2
+        assert 0.2 <= asyncio.run(first_round(30.0, 12)) < 1.0 and averager.planned == (None, 4)
+    finally:
+        rounds.FIRST_PLAN_WAIT = waited
+
+
 def test_a_nodes_dht_requests_are_counted_by_rpc_and_by_key_with_their_bytes():
     from hivemind.dht.routing import DHTID
 
