@@ -177,13 +177,29 @@ def measure_the_pace_first(request) -> None:
         machine_pace()
 
 
+SHARED_BUILDS_VARIABLE = "COLLAB_TEST_SHARED_BUILDS"  # a folder: the embedded corpus and tokenizer built there once
+
+
 @pytest.fixture(scope="session", autouse=True)
 def collab_cache(tmp_path_factory) -> Path:
     """One cache per test session: the corpus and tokenizer are built here once, before any peer starts."""
     cache = tmp_path_factory.mktemp("collab-cache")
-    os.environ["COLLAB_CACHE_DIR"] = str(cache)
     from collab.data.tokenizer import embedded_tokenizer_file
 
+    shared = os.environ.get(SHARED_BUILDS_VARIABLE)
+    if shared:
+        # built once for every session of a CI run (.ci/run: its three pytest runs and their workers, ~9 s of the 2
+        # cores each), then copied: the session's cache starts with the same two files it would have built
+        import fcntl
+        import shutil
+
+        os.environ["COLLAB_CACHE_DIR"] = shared
+        with open(Path(shared) / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (xdist's workers start together: one builds, the other waits)
+            built = embedded_tokenizer_file(MICRO_CONFIG["task"]["data"]["vocab_size"])
+        for path in (*Path(shared).glob("corpus-*.txt"), built):
+            shutil.copyfile(path, cache / path.name)
+    os.environ["COLLAB_CACHE_DIR"] = str(cache)
     embedded_tokenizer_file(MICRO_CONFIG["task"]["data"]["vocab_size"])
     return cache
 

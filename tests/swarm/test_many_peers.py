@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import run_cli
+from collab.peers.simulation import Simulation, SimulationSpec
+from tests.conftest import fork_server, peer_env, scaled
 
 PEERS, EPOCHS = 12, 4
 DISTANCE = 10.0  # |w - w*| at the start (noise_sd: the default 1)
@@ -26,11 +27,12 @@ def test_twelve_peers_average_in_whole_groups_and_end_on_one_epoch_with_equal_re
                      "warmup_steps": 0, "device": "cpu", "compile": "off"},
         "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0, "average_state_every": 1000},
     }))
-    result = run_cli("simulate", "--peers", str(PEERS), "--config", str(config), "--max-epochs", str(EPOCHS),
-                     "--workdir", str(tmp_path / "run"), "--json", timeout=420)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "Traceback" not in result.stdout + result.stderr
-    report = json.loads(result.stdout[result.stdout.index("\n{"):])
+    # `collab simulate`'s own Simulation, in this process, its peers forked from the session's fork server: the
+    # command itself would start a fork server of its own first (~12 s of the 2 cores; test_simulate.py runs it)
+    spec = SimulationSpec(peers=PEERS, run_id=f"many-{tmp_path.name[-6:]}", workdir=tmp_path / "run",
+                          config_path=config, duration=scaled(420), max_epochs=EPOCHS, env=peer_env(),
+                          forks=fork_server())
+    report = json.loads(Simulation(spec, say=print).run().to_json())
     peers = report["peers"]
     assert len(peers) == PEERS
     # one epoch at the end: every peer reached it and left on its own

@@ -21,7 +21,8 @@ def test_two_swav_peers_average_and_learn(tmp_path, run_id, no_leftover_processe
                              load_state_timeout=30.0, average_state_every=1, group_size=2)
     config = tmp_path / "swav.yaml"
     config.write_text(yaml.safe_dump(data))
-    max_epochs = 5
+    # 3 epochs: the loss fell by 0.27 from the first to the third (6.00, 5.98, 5.72, then 5.60 and 5.51 at 5)
+    max_epochs = 3
     per_peer = {i: ["--checkpoint-dir", str(tmp_path / f"peer{i}")] for i in range(2)}
     summaries = train_swarm_to_epoch(2, run_id, tmp_path, ["--config", str(config)], max_epochs, per_peer)
     for s in summaries:
