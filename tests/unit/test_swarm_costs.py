@@ -267,6 +267,27 @@ def test_a_first_gradient_round_is_planned_from_the_records_its_read_brings_back
         rounds.FIRST_PLAN_WAIT = waited
 
 
+def test_mid_epoch_stores_of_the_progress_record_grow_apart_with_the_swarm():
+    # each store is answered with every peer's record by every node it reaches: N^2 per peer at a fixed period
+    from collab.modes.tracker import REPORT_EVERY, REPORT_EVERY_MOST, HonestProgressTracker
+
+    def tracker(peers: int, stored_ago: float, eta_in: float = 60.0):
+        return SimpleNamespace(global_progress=SimpleNamespace(num_peers=peers, samples_accumulated=100,
+                                                               eta_next_epoch=get_dht_time() + eta_in),
+                               target_batch_size=1000, _stored_epoch=3, _stored_at=time.monotonic() - stored_ago)
+
+    every = [HonestProgressTracker.report_every(tracker(peers, 0)) for peers in (0, 1, 4, 8, 12, 64)]
+    assert every == [REPORT_EVERY] * 3 + [2 * REPORT_EVERY, 3 * REPORT_EVERY, REPORT_EVERY_MOST], every
+    for peers, stored_ago, due in ((4, 0.6, True), (12, 0.6, False), (12, 1.6, True), (64, 2.4, False)):
+        fake = tracker(peers, stored_ago)
+        fake.report_every = lambda fake=fake: HonestProgressTracker.report_every(fake)
+        assert HonestProgressTracker._store_due(fake, 3, 200) is due, (peers, stored_ago)
+    # an epoch's end is still stored micro-batch by micro-batch, and a new epoch at once, whatever the swarm's size
+    near = tracker(64, 0.1, eta_in=0.5)
+    near.report_every = lambda: HonestProgressTracker.report_every(near)
+    assert HonestProgressTracker._store_due(near, 3, 200) and HonestProgressTracker._store_due(near, 4, 0)
+
+
 def test_a_nodes_dht_requests_are_counted_by_rpc_and_by_key_with_their_bytes():
     from hivemind.dht.routing import DHTID
 
