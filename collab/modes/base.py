@@ -20,7 +20,7 @@ from hivemind.utils.logging import get_logger
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace
-from collab.averaging.replica import RecordingStateAverager, cancel_round, swarm_finished_without
+from collab.averaging.replica import RecordingStateAverager, cancel_round
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.hivemind_hooks.optimizer import OptimizerHooks
@@ -276,32 +276,14 @@ class SwarmOptimizer(OptimizerHooks):
         """At --max-epochs: finish the last step, then make sure the replica is the swarm's before it is saved.
         Returns "swarm" (it was), "downloaded" (it is now) or "own step" (no peer could give the state)."""
         # our last state round may look for groupmates who finished theirs long ago (after an own step, it will):
-        # give it the matchmaking time, then go on without it and download instead. Not even that when this step
-        # was our own and every other peer's record shows the step made: they have averaged their state without
-        # us, and stay on as our donors (our record says the epoch before). The starved peer of
-        # tests/swarm/test_swarm_training.py looked for them 10 s, in a test that takes a minute
-        patience = float("-inf") if self._the_others_made_our_own_step() else self.matchmaking_time
-        if self.state_averager.give_up_matchmaking(self.local_epoch, patience, self.stop,
+        # give it the matchmaking time, then go on without it and download instead
+        if self.state_averager.give_up_matchmaking(self.local_epoch, self.matchmaking_time, self.stop,
                                                    limit=self.averaging_timeout):
-            logger.warning(f"Epoch {self.local_epoch}: " + (
-                "the last state-averaging round found no group in time" if patience > 0 else
-                "this step was this peer's own and the others have made theirs: no last state-averaging round"))
+            logger.warning(f"Epoch {self.local_epoch}: the last state-averaging round found no group in time")
         self.state_averager.step(wait_for_delayed_updates=True)  # the last step, and its state-averaging round
         if self.in_sync():
             return "swarm"
         return "downloaded" if self.load_state_from_peers(deadline=time.monotonic() + timeout) else "own step"
-
-    def _the_others_made_our_own_step(self) -> bool:
-        """This peer's last step was on its own gradients, and every other peer's record shows that epoch made (a
-        swarm whose every peer stepped alone shows the epoch before: there, the state round is what repairs them)."""
-        own = self.replica.own_step
-        if own is None or own.epoch != self.local_epoch:  # (the epoch the own step led to)
-            return False
-        try:
-            me = self.dht.peer_id.to_base58()
-            return swarm_finished_without(self.dht, self.run_id, own.epoch - 1, me) is not None
-        except Exception:  # no read: the usual patience
-            return False
 
     def abort_rounds(self) -> None:
         """On a signal: cancel averaging rounds in flight, so the training thread is not held inside

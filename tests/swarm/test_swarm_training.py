@@ -59,10 +59,6 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     assert summaries[2]["rounds_failed"] >= 1, f"{summaries[2]}\n{swarm_logs(tmp_path)}"
     assert summaries[2]["final_replica"] == "downloaded" or summaries[2]["rounds_replayed"] >= 1, \
         f"{summaries[2]}\n{swarm_logs(tmp_path)}"
-    if summaries[2]["final_replica"] == "downloaded":
-        # and did not first look for a last state round: the others had made the step, and waited as its donors
-        # (it used to look for them for 2 x matchmaking_time, 10 s of this test)
-        assert "no last state-averaging round" in (tmp_path / "peer2.log").read_text(), swarm_logs(tmp_path)
     # the others end as the swarm, or by downloading it: in a fresh-clone run under load, peer 0 received 94.7% of
     # its results in its last round with peer 1, which had its own and left; peer 0 lost that reducer, stepped
     # alone and downloaded the state before leaving (the checkpoints below agree). Cause of the lost part unknown
