@@ -90,6 +90,7 @@ class SwarmOptimizer(OptimizerHooks):
         self._plan_followed = None
         self.replica = ReplicaSync()  # whether the replica is the swarm's (its tracker reads the epoch held)
         self.downloads = 0  # states downloaded from other peers (at the start, to re-sync, to catch up)
+        self.downloaded_at_epoch: Optional[int] = None  # the local epoch after the last download
         self.rounds_replayed = 0  # missed gradient rounds applied from a peer that made them (averaging.round_replay)
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
@@ -341,6 +342,7 @@ class SwarmOptimizer(OptimizerHooks):
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
         self.downloads += 1
+        self.downloaded_at_epoch = self.local_epoch  # (a round of this epoch is not replayed on it: sync.py)
         if self.replica.in_sync and deadline is None:
             # hivemind's own catch-up (this replica fell behind the swarm's epoch: e.g. its groupmates made a step
             # whose average it did not get): said, as every other re-sync is

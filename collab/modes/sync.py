@@ -203,6 +203,11 @@ class CollabOptimizer(SwarmOptimizer):
         averager = self.grad_averager
         if not getattr(averager, "serves_rounds", False) or self.delay_grad_averaging or not self.in_sync():
             return False
+        if self.downloaded_at_epoch == self.local_epoch:
+            # a state downloaded during this epoch may already hold the round's step (a donor mid-step says the
+            # epoch before): replayed on it, the step would count twice. The split test's healed peer ended 0.034
+            # from the others after a download at epoch 8 and a replay of epoch 8's round. Own step and re-sync
+            return False
         epoch, me = self.local_epoch, self.dht.peer_id.to_base58()
         try:
             records = progress_records(self.dht, self.run_id)

@@ -57,8 +57,11 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     # the starved peer knew its last step was its own and fetched the swarm's state; the others were the swarm
     # (or, its round having found nobody left, it applied that round from a peer that made it: averaging.round_replay)
     assert summaries[2]["rounds_failed"] >= 1, f"{summaries[2]}\n{swarm_logs(tmp_path)}"
-    assert summaries[2]["final_replica"] == "downloaded" or summaries[2]["rounds_replayed"] >= 1, \
-        f"{summaries[2]}\n{swarm_logs(tmp_path)}"
+    # (or, the others' last state round still matching when its stall ended - a fresh-clone CI run on a slow day - it
+    # joined that round of the whole swarm, which is a re-sync too; the checkpoints below agree either way)
+    repaired = "a state-averaging round of the whole swarm followed it" in (tmp_path / "peer2.log").read_text()
+    assert summaries[2]["final_replica"] == "downloaded" or summaries[2]["rounds_replayed"] >= 1 or (
+        summaries[2]["final_replica"] == "swarm" and repaired), f"{summaries[2]}\n{swarm_logs(tmp_path)}"
     # the others end as the swarm, or by downloading it: in a fresh-clone run under load, peer 0 received 94.7% of
     # its results in its last round with peer 1, which had its own and left; peer 0 lost that reducer, stepped
     # alone and downloaded the state before leaving (the checkpoints below agree). Cause of the lost part unknown
