@@ -29,6 +29,7 @@ from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import Behind
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
+from collab.averaging.served_state import ServesItsSteps
 from collab.averaging.state_download import CheckedDownloads
 from collab.records.untrusted import progress_records
 from collab.run.gate import MemberGate
@@ -58,9 +59,11 @@ class _RecordOutcomes(DecentralizedAverager):
         return loaded
 
 
-class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, TrainingStateAverager, _RecordOutcomes):
+class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, ServesItsSteps, TrainingStateAverager,
+                             _RecordOutcomes):
     """hivemind's TrainingStateAverager, which also says whether a round or a download really happened, checks its
-    rounds (collab.averaging.robust_rounds) and downloads (collab.averaging.state_download) and, in a private run,
+    rounds (collab.averaging.robust_rounds) and downloads (collab.averaging.state_download), serves a state under the
+    epoch its tensors hold (collab.averaging.served_state) and, in a private run,
     averages with and serves its state to members only."""
 
     def __init__(self, *, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,

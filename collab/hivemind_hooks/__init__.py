@@ -119,6 +119,7 @@ OVERRIDDEN = {
         "offload_optimizer=False, custom_gradients=False, reuse_tensors=None, delta_rule_averaging=False, "
         "performance_ema_alpha=0.1, sync_epoch_when_averaging=False, parameter_names=None, "
         "average_opt_statistics=(), extra_tensors=(), status_loglevel=10, **kwargs",
+    "hivemind.optim.state_averager.TrainingStateAverager.get_current_state": "self",
     "hivemind.optim.state_averager.TrainingStateAverager.load_state_from_peers": "self, **kwargs",
     "hivemind.optim.state_averager.TrainingStateAverager.step":
         "self, wait_for_delayed_updates=None, apply_delayed_updates=True, increment_epoch=False, "
@@ -181,7 +182,7 @@ INSTANCE_ATTRIBUTES = {
                                                         "training_progress_key", "_local_public_key",
                                                         "metadata_expiration"),
     "hivemind.dht.routing.RoutingTable": ("peer_id_to_uid",),
-    "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor",),
+    "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor", "lock_optimizer"),
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size",
                                                    "potential_leaders", "client_mode", "request_timeout",
                                                    "was_accepted_to_group", "current_leader", "assembled_group",

@@ -34,6 +34,8 @@ from collab.run.gate import MemberGate
 
 ALONE_READ_AGE = 1.0  # a peer about to step alone reads the swarm's progress again if its view is older than this
 ALONE_READ_TIMEOUT = 2.0
+MID_STEP_RETRIES = 2  # a state downloaded one epoch behind the swarm's is asked for again, this many times at most,
+MID_STEP_PAUSE = 0.5  # this long apart (a donor's optimizer step takes milliseconds to a second)
 logger = get_logger(__name__)
 
 
@@ -325,7 +327,7 @@ class SwarmOptimizer(OptimizerHooks):
                 self.state_averager._outer_pipe.send(("_skip_donor", [peer], {}))
         with self.tracker.pause_updates():
             loaded = download_with_retries(
-                lambda: self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs),
+                lambda: self._download_a_stepped_state(**kwargs),
                 alone=lambda: self.tracker.global_progress.num_peers <= 1, stop=self.stop, deadline=deadline)
             if self.stop.is_set() or not loaded:
                 logger.warning(f"Epoch {self.local_epoch}: no peer gave its state; going on with this replica")
@@ -349,6 +351,25 @@ class SwarmOptimizer(OptimizerHooks):
             logger.warning(f"Epoch {self.local_epoch}: behind the swarm; downloaded its state")
         self._now_in_sync(f"downloaded the swarm's state at epoch {self.local_epoch}")
         return True
+
+    def _download_a_stepped_state(self, **kwargs) -> bool:
+        """One download. A state one epoch behind the swarm's may come from a donor that had yet to make the step
+        (collab.averaging.served_state): asked again a moment later, that donor or another has it. Taking the swarm's
+        epoch number for it instead (hivemind's catch-up, still the fallback) would leave this replica one update
+        behind every other while it counts as in step."""
+        loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+        for _ in range(MID_STEP_RETRIES):
+            behind = self.local_epoch
+            if not loaded or behind != self.tracker.global_epoch - 1 or self.stop.wait(MID_STEP_PAUSE):
+                break
+            try:
+                if not self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs):
+                    break  # (the state loaded first stays)
+            except Exception:
+                break
+            logger.warning(f"Epoch {behind}: the state downloaded was one epoch behind the swarm's; asked again, got "
+                           f"epoch {self.local_epoch}")
+        return loaded
 
     def shutdown(self) -> None:
         if not self.stop.is_set():

@@ -118,3 +118,46 @@ def test_a_catch_up_gives_up_after_unanswered_downloads_and_one_with_a_deadline_
     stop.set()
     calls, load = _tries([TimeoutError()])
     assert not state_download.download_with_retries(load, alone=never, stop=stop) and calls == []
+
+
+def _receiver(epochs_served: list, global_epoch: int):
+    """Just what SwarmOptimizer._download_a_stepped_state reads: each download loads the next epoch of
+    `epochs_served` (None: no donor had a state)."""
+    served = iter(epochs_served)
+    state_averager = SimpleNamespace(local_epoch=0, asked=0)
+
+    def load_state_from_peers(timeout=None):
+        state_averager.asked += 1
+        epoch = next(served)
+        if epoch is None:
+            return False
+        state_averager.local_epoch = epoch
+        return True
+
+    state_averager.load_state_from_peers = load_state_from_peers
+    return SimpleNamespace(state_averager=state_averager, tracker=SimpleNamespace(global_epoch=global_epoch),
+                           stop=threading.Event(), load_state_timeout=1.0)
+
+
+def test_a_state_one_epoch_behind_the_swarm_is_asked_for_again(monkeypatch):
+    """A donor that had yet to make its step served the epoch before (collab.averaging.served_state): the receiver
+    asks again and loads the stepped state; a state at the swarm's epoch is loaded once; retries are bounded."""
+    import collab.modes.base as base
+
+    monkeypatch.setattr(base, "MID_STEP_PAUSE", 0.01)
+
+    class Receiver(SimpleNamespace):
+        local_epoch = property(lambda self: self.state_averager.local_epoch)
+        _download_a_stepped_state = base.SwarmOptimizer._download_a_stepped_state
+
+    def download(epochs_served, global_epoch):
+        peer = Receiver(**vars(_receiver(epochs_served, global_epoch)))
+        return peer._download_a_stepped_state(), peer.local_epoch, peer.state_averager.asked
+
+    assert download([7, 8], global_epoch=8) == (True, 8, 2)  # the donor mid-step, then stepped
+    assert download([8], global_epoch=8) == (True, 8, 1)  # in step: one download
+    assert download([5], global_epoch=8) == (True, 5, 1)  # further behind: not a donor mid-step (hivemind's own path)
+    assert download([None], global_epoch=8) == (False, 0, 1)
+    assert download([7, None], global_epoch=8) == (True, 7, 2)  # a retry that found nobody keeps the state loaded
+    stuck = [7] * (1 + base.MID_STEP_RETRIES)
+    assert download(stuck, global_epoch=8) == (True, 7, 1 + base.MID_STEP_RETRIES)  # bounded; hivemind's catch-up
