@@ -204,10 +204,11 @@ class CollabOptimizer(SwarmOptimizer):
         if not getattr(averager, "serves_rounds", False) or self.delay_grad_averaging or not self.in_sync():
             return False
         if self.downloaded_at_epoch == self.local_epoch:
-            # a state downloaded during this epoch may already hold the round's step (suspected, not proven: a
-            # donor mid-step may send the stepped tensors with the epoch before); replayed on it, the step would
-            # count twice. The split test's healed peer once ended 0.034 from the others after a download at epoch
-            # 8 and a replay of epoch 8's round. Own step instead, and the usual re-sync
+            # a state downloaded during this epoch may lack a step: one a donor had yet to make when it served the
+            # state, renumbered to the swarm's epoch by hivemind's catch-up (the fallback of base.py's
+            # _download_a_stepped_state; before collab.averaging.served_state, any download mid-step). A replay on it
+            # would look in step and stay one update behind: the split test's healed peer ended 0.034 from the others
+            # so once. An own step instead marks it out of step, and the re-sync that follows brings it back
             return False
         epoch, me = self.local_epoch, self.dht.peer_id.to_base58()
         try:
