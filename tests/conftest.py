@@ -188,7 +188,7 @@ def collab_cache(tmp_path_factory) -> Path:
 
     shared = os.environ.get(SHARED_BUILDS_VARIABLE)
     if shared:
-        # built once for every session of a CI run (.ci/run: its three pytest runs and their workers, ~9 s of the 2
+        # built once for every session of a CI run (.ci/run: its two pytest runs and their workers, ~9 s of the 2
         # cores each), then copied: the session's cache starts with the same two files it would have built
         import fcntl
         import shutil
