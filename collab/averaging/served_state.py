@@ -10,9 +10,9 @@ And the tensors it serves are the live ones, which hivemind's averager process t
 optimizer moves them: a download that spans a step gets parts of two states.
 
 Here the epoch a state is served under is the epoch before a step that was asked for and not yet made, and the state
-is a copy, taken while no step is under way (hivemind's `lock_optimizer`, which its step holds). A downloading peer that then finds
-itself one epoch behind the swarm asks again a moment later (collab.modes.base), instead of taking the swarm's epoch
-number for a state that lacks the step.
+is a copy, taken while no step is under way (hivemind's `lock_optimizer`, which its step holds). A downloading peer
+that then finds itself one epoch behind the swarm asks again a moment later (collab.modes.base), instead of taking
+the swarm's epoch number for a state that lacks the step.
 """
 
 from __future__ import annotations
