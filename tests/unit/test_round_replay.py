@@ -43,8 +43,9 @@ def _peer_at(epoch: int, downloaded_at):
 
 def test_a_round_is_not_replayed_onto_a_state_downloaded_in_the_same_epoch(monkeypatch):
     """A download during epoch E may lack a step (a donor's state renumbered to the swarm's epoch): a replay of E's
-    round on it would look in step and stay one update behind. The guard must refuse before it reads a record or dials a donor; a download one epoch earlier
-    must not stop the replay (it goes on to read the records: the second half fails if the guard is too wide)."""
+    round on it would look in step and stay one update behind. The guard must refuse before it reads a record or dials
+    a donor; a download one epoch earlier must not stop the replay (it goes on to read the records: the second half
+    fails if the guard is too wide)."""
     import collab.modes.sync as sync
 
     def asked(*args, **kwargs):
