@@ -35,8 +35,8 @@ def test_ci_installs_torch_first_then_runs_the_suite():
     torch = lines.index("python3 -m pip install torch==2.13.0")
     project = lines.index('python3 -m pip install -e ".[test]"')
     runs = [i for i, line in enumerate(lines) if "python3 -m pytest -q" in line]
-    # unit, then process (in two workers), then swarm and netns one at a time: together, every folder of tests
-    assert [lines[i].split("pytest -q ", 1)[1] for i in runs] == ["tests/unit -n 2", "tests/process -n 2",
+    # unit and process (one run, two workers), then swarm and netns one at a time: together, every folder of tests
+    assert [lines[i].split("pytest -q ", 1)[1] for i in runs] == ["tests/unit tests/process -n 2",
                                                                   "tests/swarm tests/netns"], runs
     run_folders = {word for i in runs for word in lines[i].split() if word.startswith("tests/")}
     assert run_folders == {str(p.relative_to(ROOT)) for p in (ROOT / "tests").iterdir() if p.is_dir()
