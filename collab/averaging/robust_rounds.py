@@ -196,6 +196,7 @@ class CheckedRounds(AveragerHooks):
 
     async def averaging_step(self, *, step, **kwargs):
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
+        self._round_epoch = None  # set by _match_within_epoch for a round that carries its epoch
         matchmaking = getattr(self, "_matchmaking", None)  # made in the averager process
         if matchmaking is not None:
             never_ask_leaders(matchmaking, self.banned)
@@ -265,9 +266,11 @@ class CheckedRounds(AveragerHooks):
             epoch = None
         # hivemind's group keys are PREFIX.0bBITS with no dot in PREFIX
         keys.prefix = f"{base}_epoch{epoch}" if type(epoch) is int else base
-        return epoch if type(epoch) is int else None
+        self._round_epoch = epoch if type(epoch) is int else None
+        return self._round_epoch
 
     _round_plan: Optional[tuple] = None  # (epoch, until): this search asks the epoch's planned leader until then
+    _round_epoch: Optional[int] = None  # the epoch this gradient round averages toward (None: it carries none)
 
     def _plan_round(self, matchmaking, step, epoch: Optional[int]) -> None:
         """A round matched within its epoch, with a group that follows the swarm, asks the epoch's planned leader
@@ -312,7 +315,7 @@ class CheckedRounds(AveragerHooks):
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
                                 on_finding=self._report, is_banned=self.banned,
                                 report_clipping=self.kind == "gradients", exchange_averages=self.exchange_averages,
-                                weight_caps=self._weight_caps() if self.kind == "gradients" else {}, **kwargs)
+                                weight_caps=self._weight_caps(self._round_epoch) if self.kind == "gradients" else {}, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -397,9 +400,10 @@ class CheckedRounds(AveragerHooks):
         # which a finite-only check lets through, wrecks the honest loss: benchmarks/robustness.py)
         return STATE_BOUND * own_norm + 1e-12
 
-    def _weight_caps(self) -> dict[str, float]:
+    def _weight_caps(self, epoch: Optional[int] = None) -> dict[str, float]:
         """Per peer id, the most averaging weight (samples) its signed progress makes plausible now: the samples
-        it reported plus its reported rate times the time since, with slack (records lag; rates are averages)."""
+        it reported plus its reported rate times the time since, with slack (records lag; rates are averages).
+        `epoch`: the round's; a record of another epoch bounds nothing (the group's median does)."""
         now, caps, records = get_dht_time(), {}, self._signed_progress()
         # hivemind's rate is an EMA of seconds per sample, whose first intervals (a cold first batch) are slow: a
         # peer that started seconds ago reports a fraction of its rate (a late joiner's went 13 -> 52 -> 126
@@ -409,6 +413,13 @@ class CheckedRounds(AveragerHooks):
                  if isinstance(getattr(r, "samples_per_second", None), float) and r.samples_per_second >= 1e-3]
         floor = statistics.median(rates) if rates else 0.0
         for peer, record in records.items():
+            # a record of another epoch says nothing of the samples toward this one. A peer that stepped on its own
+            # gradients publishes the epoch before with no samples (collab.modes.replica_sync), freshly timed, while
+            # it computes toward the swarm's epoch: capped by that record, its honest weight was cut to a micro-batch
+            # or two and reported, and in a 2-peer run, where both step alone after a failed round, each peer then
+            # called the other a suspect (a dashboard test in CI)
+            if epoch is not None and getattr(record, "epoch", None) != epoch:
+                continue
             try:
                 rate = record.samples_per_second
                 plausible = record.samples_accumulated + max(rate, floor) * max(0.0, now - record.time)

@@ -119,36 +119,68 @@ def test_every_part_bad_fails_the_part_for_everyone():
         reduce([nan, nan, nan], [1.0] * 3, Aggregation())
 
 
+def rounds_reading(records: dict):
+    """A gradient averager's round logic (no averager process) whose last read of the progress records was
+    `records`, by peer id."""
+    import time
+
+    from hivemind.p2p import PeerID
+
+    from collab.averaging.robust_rounds import CheckedRounds
+
+    class Rounds(CheckedRounds):
+        peer_id = PeerID(b"collab-test-peer")  # a property in hivemind's averager (its id from the DHT)
+
+    rounds = object.__new__(Rounds)
+    rounds._parent_pid = -1  # (what hivemind's __del__ reads: not this process's averager)
+    rounds._progress_cache = {"read_at": time.monotonic(), "task": None, "records": records}
+    return rounds
+
+
+def progress_record(samples, rate, age, epoch=None):
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    return SimpleNamespace(samples_accumulated=samples, samples_per_second=rate, time=get_dht_time() - age,
+                           epoch=epoch)
+
+
 def test_weight_caps_follow_each_senders_signed_progress():
     """What a sender's signed progress makes plausible now: its samples plus its rate (at least the run's median
     rate: a peer's first rates are underestimates) times the record's age (records lag the round), times a slack of
     2; a peer that reported nothing yet gets the floor of 1 sample, one with no rate yet (just started) no cap.
     (This peer's own record counts toward the median rate; the reducer never caps its own part: below)"""
-    import time
-    from types import SimpleNamespace
+    from collab.averaging.robust_rounds import PROGRESS_SLACK
 
-    from hivemind.p2p import PeerID
-    from hivemind.utils import get_dht_time
-
-    from collab.averaging.robust_rounds import PROGRESS_SLACK, CheckedRounds
-
-    now = get_dht_time()
-    record = lambda samples, rate, age: SimpleNamespace(  # noqa: E731
-        samples_accumulated=samples, samples_per_second=rate, time=now - age)
-    class Rounds(CheckedRounds):  # no averager process: only the caps are read
-        peer_id = PeerID(b"collab-test-peer")  # a property in hivemind's averager (its id from the DHT)
-
-    rounds = object.__new__(Rounds)
-    rounds._parent_pid = -1  # (what hivemind's __del__ reads: not this process's averager)
-    rounds._progress_cache = {"read_at": time.monotonic(), "task": None,
-                              "records": {"fast": record(100, 10.0, 2.0), "idle": record(0, 0.1, 0.0),
-                                          "ramping": record(0, 1.0, 3.0), "new": record(0, 1e-30, 30.0),
-                                          rounds.peer_id.to_base58(): record(0, 10.0, 60.0)}}
+    own = "own-peer-id"
+    rounds = rounds_reading({"fast": progress_record(100, 10.0, 2.0), "idle": progress_record(0, 0.1, 0.0),
+                             "ramping": progress_record(0, 1.0, 3.0), "new": progress_record(0, 1e-30, 30.0),
+                             own: progress_record(0, 10.0, 60.0)})
     caps = rounds._weight_caps()
     median_rate = (1.0 + 10.0) / 2  # of 0.1, 1, 10, 10
     assert abs(caps["fast"] - PROGRESS_SLACK * (100 + 10.0 * 2.0)) < 1.0, caps
     assert abs(caps["ramping"] - PROGRESS_SLACK * median_rate * 3.0) < 1.0, caps
-    assert caps["idle"] == 1.0 and set(caps) == {"fast", "idle", "ramping", rounds.peer_id.to_base58()}, caps
+    assert caps["idle"] == 1.0 and set(caps) == {"fast", "idle", "ramping", own}, caps
+
+
+def test_a_peer_holding_its_record_after_an_own_step_is_not_capped_by_it():
+    """A peer that stepped on its own gradients to epoch 7 publishes epoch 6 with no samples, freshly timed, while
+    it computes toward 7 (collab.modes.replica_sync). In the round of epoch 7 that record bounds nothing: its 64
+    honest samples count in full beside the other's 32 and nobody is reported (read as a bound, it cut them to the
+    group's median, 32, and reported the peer)."""
+    rounds = rounds_reading({"held": progress_record(0, 40.0, 0.2, epoch=6),
+                             "in-sync": progress_record(60, 40.0, 0.2, epoch=7)})
+    caps = rounds._weight_caps(epoch=7)
+    assert set(caps) == {"in-sync"}, caps
+    parts = honest(2)
+    result, found = reduce(parts, [64.0, 32.0], Aggregation(method="mean"), caps={0: caps.get("held"),
+                                                                                  1: caps["in-sync"]})
+    assert found == {} and torch.allclose(result, (2 * parts[0] + parts[1]) / 3), found
+    # the same round with the held record read as a bound: what a dashboard test's 2-peer run reported
+    unfiltered = rounds._weight_caps()
+    _, found = reduce(parts, [64.0, 32.0], Aggregation(method="mean"), caps={0: unfiltered["held"]})
+    assert found == {0: ["weight above its signed progress"]}, (unfiltered, found)
 
 
 def test_a_part_from_few_samples_is_noisy_not_an_outlier():
