@@ -36,11 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _remember_early_signals() -> threading.Event:
-    stop = threading.Event()
+_early_stop = threading.Event()  # a SIGINT or SIGTERM that came before `join` installed its own handlers
+
+
+def remember_early_signals() -> threading.Event:
+    """From now on SIGINT and SIGTERM only set the returned event (`join` reads it once it is set up). Called again
+    (a fork server's child calls it at once), it keeps what came before."""
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    return stop
+        signal.signal(signum, lambda *_: _early_stop.set())
+    return _early_stop
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -50,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `join` installs its handlers only once its command is parsed; a SIGTERM before that (a simulation
     # ending, `docker stop`) is still a request to leave, not a reason to die
-    early_stop = _remember_early_signals() if argv[:1] == ["join"] else None
+    early_stop = remember_early_signals() if argv[:1] == ["join"] else None
     parser = build_parser()
     args = parser.parse_args(argv)
     args.early_stop = early_stop

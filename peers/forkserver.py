@@ -273,6 +273,11 @@ def _child(request: dict) -> None:
     """In the fork: become the peer, run it, and never return into the server's loop."""
     code = 1
     try:
+        if request["kind"] == "collab" and request["argv"][:1] == ["join"]:
+            from collab.cli import remember_early_signals
+
+            remember_early_signals()  # a SIGTERM from now on is a request to leave, which `join` reads
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (blocked by the server for the fork)
         os.setsid()
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         err = os.open(request["err"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if request.get("err") else log
@@ -349,9 +354,14 @@ def _serve() -> None:
                 say(f"error: no network namespace {request['netns']}")
                 continue
             out.flush()
+            # the launcher may signal the peer as soon as it reads its pid (a simulation that ends as churn restarts
+            # a peer): held until the child has its handlers, it cannot kill it before (test_churn's restarted peer
+            # was "killed by SIGTERM" with an empty log)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             pid = os.fork()
             if pid == 0:
                 _child(request)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             children.add(pid)
             say(f"pid {pid}")
 

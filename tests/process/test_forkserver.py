@@ -72,3 +72,22 @@ def test_a_peer_that_cannot_be_forked_is_told_why(tmp_path):
     assert server.why_not(collab, {"A": "2", "PYTEST_CURRENT_TEST": "x"}) == \
         "its environment differs from the server's in A, PYTEST_CURRENT_TEST"
     assert server.why_not(["/bin/echo"], {"A": "1"}).startswith("it runs /bin/echo")
+
+
+def test_a_peer_signalled_as_soon_as_it_is_forked_leaves_gracefully(tmp_path, no_leftover_processes):
+    """A launcher may SIGTERM a peer the moment it reads its pid (a simulation that ends as its churn restarts a
+    peer). The server holds the signal over the fork, and the child takes it as `join`'s request to leave: exit 0,
+    never "killed by SIGTERM" (test_churn's restarted peer was, with an empty log)."""
+    env = dict(peer_env(), PYTHONUNBUFFERED="1")
+    server = ForkServer(env, tmp_path / "server.log").start()
+    try:
+        for attempt in range(2):
+            log = tmp_path / f"join{attempt}.log"
+            peer = server.spawn([sys.executable, "-m", "collab", "join", "--run-id", f"early-{attempt}",
+                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-live"],
+                                env, log)
+            peer.terminate()
+            code = peer.wait(timeout=90)
+            assert code == 0, (code, log.read_text()[-2000:] if log.exists() else "no log: killed before it opened one")
+    finally:
+        server.close()
