@@ -33,7 +33,7 @@ WALK_EVERY = 30.0  # seconds: how long the nearest nodes a walk found are stored
 
 _nearest: dict[DHTID, tuple[float, dict]] = {}  # in the DHT's process: key id -> (when walked, {node id: peer id})
 _unanswered: dict[DHTID, float] = {}  # in the DHT's process: node id -> when it last did not answer a store
-_counts: Counter = Counter()  # in the DHT's process: "walked", "direct", "superseded", "fallback", "unanswered"
+_counts: Counter = Counter()  # in the DHT's process: "walked", "direct", "refused", "fallback", "unanswered"
 
 
 def store_near(dht, key: str, subkey: Any, value: Any, expiration_time: float):
@@ -45,9 +45,9 @@ def store_near(dht, key: str, subkey: Any, value: Any, expiration_time: float):
 
 
 def counts() -> dict:
-    """In the DHT's process, since it started: stores made straight to the nearest nodes ("direct"; "superseded"
-    where each node already held a newer one), walks made for them, fallbacks to hivemind's store (no node
-    answered), and store requests that got no answer."""
+    """In the DHT's process, since it started: stores made straight to the nearest nodes ("direct"; "refused" where
+    every node refused the record), walks made for them, fallbacks to hivemind's store (no node answered), and
+    store requests that got no answer."""
     return dict(_counts)
 
 
@@ -70,9 +70,10 @@ async def _store(_dht, node, key: str, subkey: Any, value: Any, expiration_time:
         _nearest.pop(key_id, None)  # too few left: walk again next time
     answered = [result for result in results if result is not None]
     if answered:
-        # a node refuses a record only when it holds a newer one for the subkey: this peer's next store, begun
-        # while this one waited (the reporter does not wait for a store to end), came first
-        _counts["direct" if any(answered) else "superseded"] += 1
+        # every node that answered refused it: it holds a newer one for the subkey (this peer's next store, begun
+        # while this one waited, came first: the reporter does not wait for a store to end), or the record fails
+        # the run's validators. Neither is what a walk would change
+        _counts["direct" if any(answered) else "refused"] += 1
         return any(answered)
     _counts["fallback"] += 1
     return await node.store(key, value, expiration_time, subkey=subkey)

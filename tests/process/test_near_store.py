@@ -96,5 +96,5 @@ def test_stores_go_straight_to_the_keys_nearest_nodes_and_readers_find_them(swar
     # a store that ends after a newer one (the reporter does not wait for one to end) is refused, and not walked for
     late = near_store.store_near(writer, KEY, subkey, {"n": 7.5}, expiration + 7.5).result(timeout=30)
     counts = writer.run_coroutine(_near_counts)
-    assert late is False and counts["superseded"] == 1 and counts.get("fallback", 0) == 0, counts
+    assert late is False and counts["refused"] == 1 and counts.get("fallback", 0) == 0, counts
     assert read() == {subkey: {"n": 8}}
