@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from typing import Optional, Sequence
 
 from collab.commands import dashboard, doctor, init, invite, join, revoke, simulate, status
 from collab.commands import id as id_command
 from collab.errors import InternalError, UserError
 from collab.process.defaults import debug_loggers_from_env, set_process_defaults, timestamp_own_logs
+from collab.process.lifecycle import remember_early_signals
 from collab.process.reaper import watch_this_process
 
 
@@ -34,17 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (init, join, doctor, id_command, invite, revoke, status, dashboard, simulate):
         module.add_parser(sub)
     return parser
-
-
-_early_stop = threading.Event()  # a SIGINT or SIGTERM that came before `join` installed its own handlers
-
-
-def remember_early_signals() -> threading.Event:
-    """From now on SIGINT and SIGTERM only set the returned event (`join` reads it once it is set up). Called again
-    (a fork server's child calls it at once), it keeps what came before."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: _early_stop.set())
-    return _early_stop
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -274,7 +274,7 @@ def _child(request: dict) -> None:
     code = 1
     try:
         if request["kind"] == "collab" and request["argv"][:1] == ["join"]:
-            from collab.cli import remember_early_signals
+            from collab.process.lifecycle import remember_early_signals
 
             remember_early_signals()  # a SIGTERM from now on is a request to leave, which `join` reads
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (blocked by the server for the fork)

@@ -74,6 +74,17 @@ def quiet_orphaned_requests() -> None:
             logger.addFilter(kind())
 
 
+_early_stop = threading.Event()  # a SIGINT or SIGTERM that came before `join` installed its own handlers
+
+
+def remember_early_signals() -> threading.Event:
+    """From now on SIGINT and SIGTERM only set the returned event (`join` reads it once it is set up). Called again
+    (a fork server's child calls it at once, then collab's CLI), it keeps what came before."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: _early_stop.set())
+    return _early_stop
+
+
 class StopOnSignal:
     """Sets `stop` on SIGINT/SIGTERM; forces the exit if the graceful path overruns."""
 
