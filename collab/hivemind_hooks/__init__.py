@@ -66,7 +66,6 @@ OVERRIDDEN = {
     "hivemind.compression.base.CompressionBase.extract": "self, serialized_tensor",
     "hivemind.compression.quantization.BlockwiseQuantization.extract": "self, serialized_tensor",
     "hivemind.compression.quantization.Quantization.extract": "self, serialized_tensor",
-    "hivemind.dht.dht.DHT.get": "self, key, latest=False, return_future=False, **kwargs",
     "hivemind.dht.dht.DHT.run": "self",
     "hivemind.optim.grad_averager.GradientAverager.__init__":
         "self, parameters, *, dht, prefix, reuse_grad_buffers=False, accumulate_grads_on=None, client_mode=None, "
@@ -172,10 +171,6 @@ READ = (
     "hivemind.dht.crypto.RecordValidatorBase.sign_value",
     "hivemind.dht.crypto.RecordValidatorBase.validate",
     "hivemind.dht.storage.DHTLocalStorage.store",
-    "hivemind.dht.protocol.DHTProtocol.call_find",  # ... and read from them (near_store.read_near)
-    "hivemind.dht.node.DHTNode.get",
-    "hivemind.dht.node._SearchState",  # hivemind's merge of a read's answers (patches.merged_answers)
-    "hivemind.dht.routing.RoutingTable.get_nearest_neighbors",  # a node nearer the key than the last walk found
 )
 
 # attributes hivemind sets on its objects (self.NAME = ...) that collab reads or writes, by the class that sets them
@@ -196,7 +191,7 @@ INSTANCE_ATTRIBUTES = {
                                                         "metadata_expiration"),
     "hivemind.dht.routing.RoutingTable": ("peer_id_to_uid",),
     "hivemind.dht.node.DHTNode": ("node_id", "num_replicas", "protocol"),  # collab.records.near_store
-    "hivemind.dht.protocol.DHTProtocol": ("client_mode", "record_validator", "storage", "cache", "routing_table"),
+    "hivemind.dht.protocol.DHTProtocol": ("client_mode", "record_validator", "storage"),
     "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor", "lock_optimizer"),
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size",
                                                    "potential_leaders", "client_mode", "request_timeout",

@@ -278,23 +278,6 @@ def count_dht_requests(protocol, count: Callable) -> None:
     protocol._collab_counted = True
 
 
-def merged_answers(node, key_id, answers: list) -> object:
-    """What hivemind's read of `key_id` returns (a ValueWithExpiration; a dictionary key's subkeys each with theirs;
-    None if nothing was found), from this node's own storage and cache and `answers`, the values other nodes sent
-    (call_find's, checked by its validators on receipt): merged subkey by subkey, newest first, and stripped of their
-    signatures by hivemind's own read state (_SearchState), as its walk would."""
-    from hivemind.dht.node import _SearchState
-
-    state = _SearchState(key_id, float("inf"), serializer=node.protocol.serializer,
-                         record_validator=node.protocol.record_validator)
-    state.add_candidate(node.protocol.storage.get(key_id), source_node_id=node.node_id)
-    state.add_candidate(node.protocol.cache.get(key_id), source_node_id=node.node_id)
-    for source, value in answers:
-        state.add_candidate(value, source_node_id=source)
-    state.finish_search()
-    return state.future.result()
-
-
 # --- a process forked from the simulation's fork server ---
 
 def fresh_process_state() -> None:

@@ -12,13 +12,7 @@ requests of one record each. The walk is made again after WALK_EVERY seconds (a 
 the key, gets the stores from then on; until then the readers, whose walks ask the 20 nearest, still find the
 records on the nodes that had them). A node that does not answer is stored to no more, and left out of the walks for
 WALK_EVERY; when fewer than half the nodes are left, the next store walks. A store that no node answered falls back
-to hivemind's own, walk and all.
-
-Reads of those keys (`read_near`, through collab.swarm.node.OwnGroupDHT.get) ask the same nodes and merge their
-answers as hivemind's walk would (patches.merged_answers): 5 answers of N records, where the walk had every node of a
-swarm under 20 answer (N^2 per read, and min(N, 20) x N above). A swarm smaller than 5 nodes is walked again every
-SMALL_SWARM_WALK_EVERY seconds, so that a newcomer is stored to and read from at once; a read that no node answers
-falls back to hivemind's walk.
+to hivemind's own, walk and all. Readers are unchanged: a read still walks and merges every answer.
 
 Runs in the DHT's process (hivemind's run_coroutine): the walks' answers live there.
 """
@@ -35,18 +29,11 @@ from typing import Any, Optional
 from hivemind.dht.crypto import DHTRecord
 from hivemind.dht.routing import DHTID
 
-from collab.hivemind_hooks.patches import merged_answers
+WALK_EVERY = 30.0  # seconds: how long the nearest nodes a walk found are stored to without walking again
 
-WALK_EVERY = 30.0  # seconds: how long the nearest nodes a walk found are stored to and read from without walking again
-# ... when the walk found a whole set of num_replicas nodes. A walk that found fewer saw a swarm that small: it asks
-# every node anyway (cheap), and a newcomer must be stored to and read from within seconds, not half a minute
-SMALL_SWARM_WALK_EVERY = 3.0
-
-_nearest: dict[DHTID, tuple[float, dict, int]] = {}  # in the DHT's process: key id -> (when walked, {node id: peer
-# id} still answering, how many the walk found)
-_unanswered: dict[DHTID, float] = {}  # in the DHT's process: node id -> when it last did not answer
-_counts: Counter = Counter()  # in the DHT's process: "walked", "direct", "refused", "fallback", "unanswered", "read",
-# "read fallback"
+_nearest: dict[DHTID, tuple[float, dict]] = {}  # in the DHT's process: key id -> (when walked, {node id: peer id})
+_unanswered: dict[DHTID, float] = {}  # in the DHT's process: node id -> when it last did not answer a store
+_counts: Counter = Counter()  # in the DHT's process: "walked", "direct", "refused", "fallback", "unanswered"
 
 
 def store_near(dht, key: str, subkey: Any, value: Any, expiration_time: float):
@@ -57,29 +44,30 @@ def store_near(dht, key: str, subkey: Any, value: Any, expiration_time: float):
                              return_future=True)
 
 
-def read_near(dht, key: str):
-    """From any process holding the DHT: the latest value of `key` as DHT.get(key, latest=True) returns it (a
-    dictionary key's subkeys merged, newest first, signatures checked and stripped), read from the nodes stores go to
-    (this one's own storage included) instead of a walk that has every node answer. Returns hivemind's MPFuture."""
-    return dht.run_coroutine(partial(_read, key=key), return_future=True)
-
-
 def counts() -> dict:
     """In the DHT's process, since it started: stores made straight to the nearest nodes ("direct"; "refused" where
-    every node refused the record), walks made for them, fallbacks to hivemind's store (no node answered), requests
-    that got no answer, and reads from the nearest nodes ("read"; "read fallback": none answered, hivemind's walk)."""
+    every node refused the record), walks made for them, fallbacks to hivemind's store (no node answered), and
+    store requests that got no answer."""
     return dict(_counts)
 
 
 async def _store(_dht, node, key: str, subkey: Any, value: Any, expiration_time: float) -> bool:
     key_id = DHTID.generate(source=key)
-    targets = await _targets(node, key_id)
+    walked_at, targets = _nearest.get(key_id, (float("-inf"), None))
+    if targets is None or time.monotonic() - walked_at > WALK_EVERY:
+        targets = await _walk(node, key_id)
+        _nearest[key_id] = (time.monotonic(), targets)
+        _counts["walked"] += 1
     record = _signed_record(node, key_id, subkey, value, expiration_time)
     results = await asyncio.gather(*(_store_on(node, node_id, peer_id, key_id, subkey, record)
                                      for node_id, peer_id in list(targets.items())))
     for node_id, result in zip(list(targets), results):
-        if result is None:
-            _lost(key_id, node_id)
+        if result is None:  # no answer: stored to no more until it answers a walk again
+            _unanswered[node_id] = time.monotonic()
+            targets.pop(node_id)
+            _counts["unanswered"] += 1
+    if len(targets) < (node.num_replicas + 1) // 2:
+        _nearest.pop(key_id, None)  # too few left: walk again next time
     answered = [result for result in results if result is not None]
     if answered:
         # every node that answered refused it: it holds a newer one for the subkey (this peer's next store, begun
@@ -91,62 +79,9 @@ async def _store(_dht, node, key: str, subkey: Any, value: Any, expiration_time:
     return await node.store(key, value, expiration_time, subkey=subkey)
 
 
-async def _read(_dht, node, key: str):
-    key_id = DHTID.generate(source=key)
-    targets = await _targets(node, key_id)
-    others = [(node_id, peer_id) for node_id, peer_id in targets.items() if node_id != node.node_id]
-    replies = await asyncio.gather(*(node.protocol.call_find(peer_id, [key_id]) for _, peer_id in others))
-    answers = []
-    for (node_id, _), reply in zip(others, replies):
-        if reply is None or key_id not in reply:
-            _lost(key_id, node_id)
-        else:
-            answers.append((node_id, reply[key_id][0]))
-    if others and not answers:  # the nodes that hold the key are gone: hivemind's walk finds who holds it now
-        _counts["read fallback"] += 1
-        return await node.get(key, latest=True)
-    _counts["read"] += 1
-    return merged_answers(node, key_id, answers)
-
-
-async def _targets(node, key_id: DHTID) -> dict:
-    """The key's nearest nodes that still answer, {node id: peer id}, from the last walk while it is fresh."""
-    walked_at, targets, found = _nearest.get(key_id, (float("-inf"), None, 0))
-    fresh_for = WALK_EVERY if found >= node.num_replicas else SMALL_SWARM_WALK_EVERY
-    if targets is None or time.monotonic() - walked_at > fresh_for or _someone_nearer(node, key_id, targets):
-        targets = await _walk(node, key_id)
-        _nearest[key_id] = (time.monotonic(), targets, len(targets))
-        _counts["walked"] += 1
-    return targets
-
-
-def _someone_nearer(node, key_id: DHTID, targets: dict) -> bool:
-    """Whether this node's routing table knows a node the last walk did not find that belongs among the key's
-    nearest: a peer that joined since (a swarm under 20 nodes is all in every routing table). Peers that start
-    together walk while the others still join; a walk kept for WALK_EVERY would have left those that walked first
-    storing to and reading from nodes the later ones do not (at 12 peers, 7 new, all 5 nearest are new 3% of the
-    time), each deaf to the other for half a minute."""
-    known = node.protocol.routing_table.get_nearest_neighbors(key_id, node.num_replicas, exclude=node.node_id)
-    farthest = max((key_id.xor_distance(node_id) for node_id in targets), default=None)
-    full = len(targets) >= node.num_replicas
-    return any(node_id not in targets and node_id not in _unanswered
-               and (not full or key_id.xor_distance(node_id) < farthest) for node_id, _ in known)
-
-
-def _lost(key_id: DHTID, node_id: DHTID) -> None:
-    """A node that did not answer: asked no more until it answers a walk again; with fewer than half of the nodes
-    the walk found left, the next store or read walks."""
-    _unanswered[node_id] = time.monotonic()
-    _counts["unanswered"] += 1
-    walked_at, targets, found = _nearest.get(key_id, (float("-inf"), {}, 0))
-    targets.pop(node_id, None)
-    if len(targets) < (found + 1) // 2:
-        _nearest.pop(key_id, None)
-
-
 async def _walk(node, key_id: DHTID) -> dict:
-    """The key's num_replicas nearest nodes, {node id: peer id}, less those that lately did not answer: a walk
-    still returns a node that has died (the nodes it asks still list it) until their routing tables drop it."""
+    """The key's num_replicas nearest nodes, {node id: peer id}, less those that lately did not answer a store: a
+    walk still returns a node that has died (the nodes it asks still list it) until their routing tables drop it."""
     now = time.monotonic()
     for node_id in [n for n, at in _unanswered.items() if now - at > WALK_EVERY]:
         del _unanswered[node_id]

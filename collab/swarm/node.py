@@ -28,8 +28,7 @@ from collab.errors import UserError
 from collab.hivemind_hooks.patches import sign_progress_with
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.records.identity import Identity, load_or_create_identity
-from collab.records.metrics import PROGRESS_SUFFIX, MetricsSchema, metrics_key
-from collab.records.near_store import read_near
+from collab.records.metrics import MetricsSchema
 from collab.run.sharing import ask_about_access
 from collab.swarm.dht_traffic import start_counting
 from collab.swarm.dial import why_not_joined
@@ -92,20 +91,9 @@ class OwnGroupDHT(hivemind.DHT):
     It is still our child: collab.process.lifecycle and collab.peers.launcher reap it by parentage and session.
     """
 
-    near_keys: frozenset = frozenset()  # keys read from their nearest nodes, not by a walk (Swarm sets them)
-
     def run(self) -> None:
         os.setpgid(0, 0)
         super().run()
-
-    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
-        """The run's progress and metrics records are read from the nodes their writers store them to
-        (collab.records.near_store); hivemind's walk had every node answer with every peer's record. Any other read
-        is hivemind's. Every progress tracker, averager and state reader of this peer reads through here."""
-        if latest and not kwargs and key in self.near_keys:
-            future = read_near(self, key)
-            return future if return_future else future.result()
-        return super().get(key, latest=latest, return_future=return_future, **kwargs)
 
 
 class Swarm:
@@ -153,7 +141,6 @@ class Swarm:
             if peer.initial_peers:  # refused because the run is private (and this peer's invite is none, or void)?
                 _refuse_if_private(self.identity, peer)
             raise UserError(_explain_dht_failure(e, peer)) from None
-        self.dht.near_keys = frozenset({peer.run_id + PROGRESS_SUFFIX, metrics_key(peer.run_id)})
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
         self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
