@@ -163,14 +163,6 @@ READ = (
     "hivemind.averaging.control.StepControl.data_for_gather",  # a gradient round's epoch (its group key)
     "hivemind.dht.protocol.DHTProtocol.call_ping",  # lost peers pinged back (rejoin)
     "hivemind.averaging.allreduce.AllReduceRunner.finalize",  # a running all-reduce ended on a signal or revocation
-    # progress records stored straight to the key's nearest nodes (collab.records.near_store), as store_many would
-    "hivemind.dht.node.DHTNode.find_nearest_nodes",
-    "hivemind.dht.node.DHTNode.store",
-    "hivemind.dht.protocol.DHTProtocol.call_store",
-    "hivemind.dht.protocol.DHTProtocol.serializer",
-    "hivemind.dht.crypto.RecordValidatorBase.sign_value",
-    "hivemind.dht.crypto.RecordValidatorBase.validate",
-    "hivemind.dht.storage.DHTLocalStorage.store",
 )
 
 # attributes hivemind sets on its objects (self.NAME = ...) that collab reads or writes, by the class that sets them
@@ -190,8 +182,6 @@ INSTANCE_ATTRIBUTES = {
                                                         "training_progress_key", "_local_public_key",
                                                         "metadata_expiration"),
     "hivemind.dht.routing.RoutingTable": ("peer_id_to_uid",),
-    "hivemind.dht.node.DHTNode": ("node_id", "num_replicas", "protocol"),  # collab.records.near_store
-    "hivemind.dht.protocol.DHTProtocol": ("client_mode", "record_validator", "storage"),
     "hivemind.optim.state_averager.TrainingStateAverager": ("step_executor", "lock_optimizer"),
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size",
                                                    "potential_leaders", "client_mode", "request_timeout",

@@ -33,7 +33,6 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from collab.hivemind_hooks.optimizer import TrackerHooks
 from collab.records.identity import signer_peer_id
 from collab.records.untrusted import Rejections, accept, drop_implausible_epochs
-from collab.records.near_store import store_near
 
 logger = get_logger(__name__)
 
@@ -46,12 +45,10 @@ EXTRAPOLATE_AT_MOST = 5.0  # seconds: a computing peer stores a record after eve
 # so the end of an epoch is read as exactly as before
 REPORT_EVERY = 0.5
 NEAR_THE_END = 1.0
-# ... in a swarm of up to PEERS_PER_REPORT peers. Each store walked the DHT and every node it reached answered with all
+# ... in a swarm of up to PEERS_PER_REPORT peers. Each store walks the DHT and every node it reaches answers with all
 # N records, so a swarm's store traffic grew with N^2 per peer (12 linreg peers: the progress key was 78% of a peer's
-# ~6 MB of DHT traffic a minute). Stores now go straight to the key's nearest nodes (collab.records.near_store), and
-# each of the N - 1 others' reads still carries every record: mid-epoch the period grows with N, up to
-# REPORT_EVERY_MOST. The others extrapolate a record at its rate for up to EXTRAPOLATE_AT_MOST seconds, and an epoch's
-# end is stored micro-batch by micro-batch
+# ~6 MB of DHT traffic a minute). Mid-epoch the period grows with N, up to REPORT_EVERY_MOST: the others extrapolate
+# a record at its rate for up to EXTRAPOLATE_AT_MOST seconds, and an epoch's end is stored micro-batch by micro-batch
 PEERS_PER_REPORT = 4
 REPORT_EVERY_MOST = EXTRAPOLATE_AT_MOST / 2
 
@@ -162,10 +159,10 @@ class HonestProgressTracker(TrackerHooks):
                 if not self.trained:
                     continue  # before the first micro-batch
                 last_report_time = get_dht_time()
-                # straight to the key's nearest nodes, not a walk per store (collab.records.near_store)
-                store_task = asyncio.create_task(asyncio.wait_for(store_near(
-                    self.dht, self.training_progress_key, self._local_public_key, self.local_progress.dict(),
-                    expiration_time=last_report_time + self.metadata_expiration), timeout=self.metadata_expiration))
+                store_task = asyncio.create_task(asyncio.wait_for(self.dht.store(
+                    key=self.training_progress_key, subkey=self._local_public_key, value=self.local_progress.dict(),
+                    expiration_time=last_report_time + self.metadata_expiration, return_future=True),
+                    timeout=self.metadata_expiration))
         finally:
             if store_task is not None:
                 store_task.cancel()

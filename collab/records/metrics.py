@@ -17,7 +17,6 @@ from hivemind.utils.timed_storage import get_dht_time
 from pydantic import v1 as pydantic
 
 from collab import __version__
-from collab.records.near_store import store_near
 
 METRICS_SUFFIX = "_metrics"
 PROGRESS_SUFFIX = "_progress"  # written by hivemind's ProgressTracker
@@ -156,6 +155,11 @@ def rate_for_record(value: float) -> float:
 
 
 def publish(dht, run_id: str, public_key: bytes, record: PeerMetricsRecord, expiration: float) -> None:
-    """Store without waiting: a slow DHT must never stall training. Straight to the key's nearest nodes
-    (collab.records.near_store): a walk per store received every peer's record from every node."""
-    store_near(dht, metrics_key(run_id), public_key, record.dict(), get_dht_time() + expiration)
+    """Store without waiting: a slow DHT must never stall training."""
+    dht.store(
+        key=metrics_key(run_id),
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )

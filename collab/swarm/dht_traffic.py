@@ -15,7 +15,6 @@ from hivemind.dht.routing import DHTID
 
 from collab.adaptive.batch_plan import PLAN_SUFFIX
 from collab.hivemind_hooks.patches import count_dht_requests
-from collab.records import near_store
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX
 from collab.run.gate import MEMBERS_SUFFIX, REVOKED_SUFFIX
 from collab.run.shard_fetch import HOLDINGS_SUFFIX
@@ -84,10 +83,7 @@ async def _start(_dht, node) -> None:
 
 
 async def _report(_dht, _node, names: tuple = ()) -> Optional[dict]:
-    if _counting is None:
-        return None
-    # how the progress stores went: straight to the key's nearest nodes, or walks (collab.records.near_store)
-    return {**_counting.report(names), "stores_near": near_store.counts()}
+    return _counting.report(names) if _counting is not None else None
 
 
 def start_counting(dht) -> None:
