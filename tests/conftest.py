@@ -349,8 +349,9 @@ def status_json(run_id: str, initial_peer: str) -> dict:
     return json.loads(result.stdout)
 
 
-def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "condition"):
-    """Polls `predicate` until it is true, for `timeout` seconds on the developers' machine (scaled here)."""
+def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "condition", explain=None):
+    """Polls `predicate` until it is true, for `timeout` seconds on the developers' machine (scaled here);
+    on a timeout, `explain()` (the peers' logs, say) follows the failure message."""
     timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -358,4 +359,5 @@ def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "cond
         if value:
             return value
         time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+    detail = f"\n{explain()}" if explain else ""
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{detail}")

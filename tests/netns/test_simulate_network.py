@@ -16,7 +16,7 @@ from collab.peers.netns import namespaces_skip_reason
 from collab.peers.profiles import load_profile
 from collab.peers.simulation import Simulation, SimulationSpec
 from collab.train.checkpoint import list_checkpoints
-from tests.conftest import fork_server, peer_env, run_cli, swarm_config, wait_for, write_config
+from tests.conftest import fork_server, peer_env, run_cli, swarm_config, swarm_logs, wait_for, write_config
 from tests.swarm.test_swarm_training import PARAM_TOLERANCE
 
 pytestmark = pytest.mark.skipif(namespaces_skip_reason() is not None,
@@ -131,7 +131,8 @@ def test_simulate_cli_with_profile_stops_on_ctrl_c_and_cleans_up(tmp_path, no_le
     reader.start()
     try:
         wait_for(lambda: any(line.startswith("  epoch 2:") for line in lines), timeout=300, interval=1,
-                 what="the simulated swarm to reach epoch 2")
+                 what="the simulated swarm to reach epoch 2",
+                 explain=lambda: "".join(lines)[-3000:] + swarm_logs(tmp_path / "sim", tail=6000))
         pid_prefix = f"collab-{sim.pid}-"
         assert pid_prefix in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         sim.send_signal(signal.SIGINT)
