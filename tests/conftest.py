@@ -338,8 +338,8 @@ def train_swarm_to_epoch(peers: int, run_id: str, tmp_path: Path, args: list[str
 
 def swarm_logs(workdir: Path, tail: int = 4000) -> str:
     """The tails of the peers' logs a LocalSwarm left in `workdir`, for a failure message."""
-    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-tail:]}"
-                     for log in sorted(workdir.glob("peer*.log")))
+    logs = [*sorted(workdir.glob("peer*.log")), *workdir.glob("forkserver.log")]
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-tail:]}" for log in logs)
 
 
 def status_json(run_id: str, initial_peer: str) -> dict:
