@@ -358,12 +358,17 @@ def _serve() -> None:
             # a peer): held until the child has its handlers, it cannot kill it before (test_churn's restarted peer
             # was "killed by SIGTERM" with an empty log)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            pid = os.fork()
+            try:
+                pid: Optional[int] = os.fork()
+            except OSError as error:  # out of processes or memory: this peer is not started, the others go on
+                pid = None
+                say(f"error: cannot fork a peer: {error}")
             if pid == 0:
-                _child(request)
+                _child(request)  # never returns
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-            children.add(pid)
-            say(f"pid {pid}")
+            if pid is not None:
+                children.add(pid)
+                say(f"pid {pid}")
 
 
 def _end(children: set[int], reap, grace: float = LEAVE_GRACE) -> None:

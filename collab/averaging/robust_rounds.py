@@ -311,11 +311,13 @@ class CheckedRounds(AveragerHooks):
         if self.kind == "gradients":
             await self._first_progress_read()
             self._last_group = frozenset(peer.to_base58() for peer in group_info.peer_ids)
+        # (run by hivemind, which passes no epoch: the round's, as matched, is self._round_epoch)
+        caps = self._weight_caps(self._round_epoch) if self.kind == "gradients" else {}
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, rule=self.rule, bound=bound,
                                 on_finding=self._report, is_banned=self.banned,
                                 report_clipping=self.kind == "gradients", exchange_averages=self.exchange_averages,
-                                weight_caps=self._weight_caps(self._round_epoch) if self.kind == "gradients" else {}, **kwargs)
+                                weight_caps=caps, **kwargs)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
