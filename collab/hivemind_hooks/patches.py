@@ -10,12 +10,14 @@ import multiprocessing as mp
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterator, Optional
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import allreduce
 from hivemind.averaging.control import StepControl
+from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
 from hivemind.utils.crypto import RSAPrivateKey
@@ -276,6 +278,45 @@ def count_dht_requests(protocol, count: Callable) -> None:
 
     protocol.get_stub = lambda peer: CountedStub(inner(peer))
     protocol._collab_counted = True
+
+
+_walking_to_store: ContextVar[bool] = ContextVar("collab_walking_to_store", default=False)
+
+
+def twin_key(key_id: DHTID) -> DHTID:
+    """The id one bit from `key_id` (its lowest flipped): it has the same nearest nodes (XOR distances to it keep
+    their order unless two nodes differ in that bit alone), and nothing is stored under it."""
+    return DHTID(key_id ^ 1)
+
+
+def store_walks_without_values(node) -> None:
+    """hivemind's store first walks the DHT for the key's nearest nodes, and each node the walk asks answers with
+    everything it holds under the key, which the walk throws away: under the progress key, every peer's signed
+    record, each checked by the walker, so (N - 1) x N records per store. Its walk asks for the key's twin instead
+    (`twin_key`): the same nodes answer with the same neighbours, and no values. Reads (get) are unchanged. Once per
+    DHT node, in the DHT's process."""
+    if getattr(node, "_collab_store_walks", False):
+        return
+    store_many, call_find = node.store_many, node._call_find_with_blacklist
+
+    async def store_many_walking_to_the_twin(*args, **kwargs):
+        walking = _walking_to_store.set(True)  # the walk's tasks, made inside, inherit it
+        try:
+            return await store_many(*args, **kwargs)
+        finally:
+            _walking_to_store.reset(walking)
+
+    async def find(peer_id, keys):
+        if not _walking_to_store.get():
+            return await call_find(peer_id, keys)
+        twins = {twin_key(key): key for key in keys}
+        response = await call_find(peer_id, list(twins))
+        if not response:
+            return response
+        return {twins[twin]: (None, neighbours) for twin, (_nothing, neighbours) in response.items()}
+
+    node.store_many, node._call_find_with_blacklist = store_many_walking_to_the_twin, find
+    node._collab_store_walks = True
 
 
 # --- a process forked from the simulation's fork server ---

@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 from hivemind.dht.routing import DHTID
 
 from collab.adaptive.batch_plan import PLAN_SUFFIX
-from collab.hivemind_hooks.patches import count_dht_requests
+from collab.hivemind_hooks.patches import count_dht_requests, twin_key
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX
 from collab.run.gate import MEMBERS_SUFFIX, REVOKED_SUFFIX
 from collab.run.shard_fetch import HOLDINGS_SUFFIX
@@ -49,6 +49,8 @@ class DHTRequests:
         rows = {rpc: dict(requests=r[0], failed=r[1], bytes_sent=r[2], bytes_received=r[3])
                 for rpc, r in sorted(self.by_rpc.items())}
         named = {DHTID.generate(source=name).to_bytes(): name for name in names}
+        # a store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values)
+        named.update({twin_key(DHTID.generate(source=name)).to_bytes(): f"{name} (store walks)" for name in names})
         by_key: dict[str, dict] = {}
         for key, (requests, size) in self.by_key.items():
             row = by_key.setdefault(named.get(key, "other"), dict(requests=0, bytes=0))

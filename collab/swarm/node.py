@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
-from collab.hivemind_hooks.patches import sign_progress_with
+from collab.hivemind_hooks.patches import sign_progress_with, store_walks_without_values
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.records.identity import Identity, load_or_create_identity
 from collab.records.metrics import MetricsSchema
@@ -96,6 +96,10 @@ class OwnGroupDHT(hivemind.DHT):
         super().run()
 
 
+async def _store_walks_without_values(_dht, node) -> None:
+    store_walks_without_values(node)  # (in the DHT's process)
+
+
 class Swarm:
     """This peer's DHT node, its signing key and the run's record validators."""
 
@@ -144,6 +148,7 @@ class Swarm:
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
         self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
+        self.dht.run_coroutine(_store_walks_without_values)  # a store's walk carries no records back
         start_counting(self.dht)  # its requests to the swarm, per RPC (collab.swarm.dht_traffic)
 
     def rejoin(self) -> int:

@@ -1,0 +1,90 @@
+"""A store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values), on real DHT
+nodes (p2pd): the record lands on exactly the nodes hivemind's own walk picks, readers find it, and the walk brings
+back no records, where hivemind's brings back every record under the key from every node it asks."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import hivemind
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.utils import get_dht_time
+
+from collab.hivemind_hooks.patches import store_walks_without_values
+from collab.records.metrics import PROGRESS_SUFFIX
+from collab.swarm.dht_traffic import dht_requests, start_counting
+
+RUN = "walks"
+KEY = RUN + PROGRESS_SUFFIX  # a key dht_requests names
+NODES = 7
+RECORD = "x" * 800  # about a signed progress record
+
+
+async def _node_id(_dht, node):
+    return node.node_id
+
+
+async def _holds(_dht, node, subkey: str) -> bool:
+    found = node.protocol.storage.get(DHTID.generate(source=KEY))
+    return found is not None and subkey in found.value.data
+
+
+async def _patch(_dht, node) -> None:
+    store_walks_without_values(node)
+
+
+@pytest.fixture()
+def swarm():
+    nodes = []
+    try:
+        for _ in range(NODES):
+            initial = nodes[0].get_visible_maddrs() if nodes else None
+            nodes.append(hivemind.DHT(initial_peers=initial, start=True))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def _walk_of_one_store(writer, subkey: str) -> dict:
+    """The writer stores one record; what its requests for the key (and for its twin) carried."""
+    before = dht_requests(writer, run_id=RUN, timeout=10)["by_key"]
+    assert writer.store(KEY, RECORD, get_dht_time() + 60, subkey=subkey)
+    after = dht_requests(writer, run_id=RUN, timeout=10)["by_key"]
+
+    def grew(name: str) -> dict:
+        old, new = before.get(name, {}), after.get(name, {})
+        return {field: new.get(field, 0) - old.get(field, 0) for field in ("requests", "bytes")}
+    return {"key": grew(KEY), "twin": grew(f"{KEY} (store walks)")}
+
+
+def test_a_store_walks_to_the_same_nodes_without_bringing_back_their_records(swarm):
+    for i, node in enumerate(swarm):  # every node holds several peers' records under the key
+        assert node.store(KEY, RECORD, get_dht_time() + 60, subkey=f"peer{i}")
+    patched, plain = swarm[1], swarm[2]
+    for node in (patched, plain):
+        start_counting(node)
+    patched.run_coroutine(_patch)
+
+    walked_plain = _walk_of_one_store(plain, "plain")
+    walked_patched = _walk_of_one_store(patched, "patched")
+    print(f"one store's requests for {KEY}: hivemind's {walked_plain}, collab's {walked_patched}")
+    # hivemind's walk asks for the key itself, and every node it asks answers with the records it holds
+    assert walked_plain["key"]["requests"] >= NODES - 2 and walked_plain["twin"]["requests"] == 0, walked_plain
+    # collab's asks for the twin only: the key itself is named by the stores alone (one request per target node)
+    assert walked_patched["twin"]["requests"] >= NODES - 2, walked_patched
+    assert walked_patched["key"]["requests"] <= 5, walked_patched  # num_replicas: the stores
+    plain_per_find = walked_plain["key"]["bytes"] / walked_plain["key"]["requests"]
+    twin_per_find = walked_patched["twin"]["bytes"] / walked_patched["twin"]["requests"]
+    assert plain_per_find > 3 * len(RECORD) and twin_per_find < len(RECORD), (plain_per_find, twin_per_find)
+
+    # both records landed on the key's 5 nearest nodes: the twin's nearest are the key's
+    key_id = DHTID.generate(source=KEY)
+    nearest = sorted(swarm, key=lambda dht: key_id.xor_distance(dht.run_coroutine(_node_id)))[:5]
+    for subkey in ("plain", "patched"):
+        holders = [dht for dht in swarm if dht.run_coroutine(partial(_holds, subkey=subkey))]
+        assert set(holders) == set(nearest), subkey
+    # and a reader that walks the key finds every record
+    found = swarm[-1].get(KEY, latest=True)
+    assert found is not None and {"plain", "patched", *(f"peer{i}" for i in range(NODES))} <= set(found.value)
