@@ -45,10 +45,12 @@ EXTRAPOLATE_AT_MOST = 5.0  # seconds: a computing peer stores a record after eve
 # so the end of an epoch is read as exactly as before
 REPORT_EVERY = 0.5
 NEAR_THE_END = 1.0
-# ... in a swarm of up to PEERS_PER_REPORT peers. Each store walks the DHT and every node it reaches answers with all
-# N records, so a swarm's store traffic grew with N^2 per peer (12 linreg peers: the progress key was 78% of a peer's
-# ~6 MB of DHT traffic a minute). Mid-epoch the period grows with N, up to REPORT_EVERY_MOST: the others extrapolate
-# a record at its rate for up to EXTRAPOLATE_AT_MOST seconds, and an epoch's end is stored micro-batch by micro-batch
+# ... in a swarm of up to PEERS_PER_REPORT peers. Each store's walk had every node it reached answer with all N
+# records, so a swarm's store traffic grew with N^2 per peer (12 linreg peers: the progress key was 78% of a peer's
+# ~6 MB of DHT traffic a minute). The walk now carries no records (collab.hivemind_hooks.patches.
+# store_walks_without_values), but each of the N - 1 others' reads still carries every record: mid-epoch the period
+# grows with N, up to REPORT_EVERY_MOST. The others extrapolate a record at its rate for up to EXTRAPOLATE_AT_MOST
+# seconds, and an epoch's end is stored micro-batch by micro-batch
 PEERS_PER_REPORT = 4
 REPORT_EVERY_MOST = EXTRAPOLATE_AT_MOST / 2
 

@@ -48,9 +48,12 @@ class DHTRequests:
         """`names`: keys this peer knows (the run's progress, metrics, group keys...): the others are "other"."""
         rows = {rpc: dict(requests=r[0], failed=r[1], bytes_sent=r[2], bytes_received=r[3])
                 for rpc, r in sorted(self.by_rpc.items())}
-        named = {DHTID.generate(source=name).to_bytes(): name for name in names}
-        # a store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values)
-        named.update({twin_key(DHTID.generate(source=name)).to_bytes(): f"{name} (store walks)" for name in names})
+        named: dict[bytes, str] = {}
+        for name in names:
+            key_id = DHTID.generate(source=name)
+            named[key_id.to_bytes()] = name
+            # a store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values)
+            named[twin_key(key_id).to_bytes()] = f"{name} (store walks)"
         by_key: dict[str, dict] = {}
         for key, (requests, size) in self.by_key.items():
             row = by_key.setdefault(named.get(key, "other"), dict(requests=0, bytes=0))

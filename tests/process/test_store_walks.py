@@ -18,6 +18,7 @@ from collab.swarm.dht_traffic import dht_requests, start_counting
 RUN = "walks"
 KEY = RUN + PROGRESS_SUFFIX  # a key dht_requests names
 NODES = 7
+WAIT = 30  # seconds: every call into a DHT's process is bounded
 RECORD = "x" * 800  # about a signed progress record
 
 
@@ -32,6 +33,11 @@ async def _holds(_dht, node, subkey: str) -> bool:
 
 async def _patch(_dht, node) -> None:
     store_walks_without_values(node)
+
+
+def _in_process(dht, coroutine):
+    """`coroutine(dht, node)` run in the DHT's process, its result waited for WAIT seconds at most."""
+    return dht.run_coroutine(coroutine, return_future=True).result(timeout=WAIT)
 
 
 @pytest.fixture()
@@ -50,7 +56,7 @@ def swarm():
 def _walk_of_one_store(writer, subkey: str) -> dict:
     """The writer stores one record; what its requests for the key (and for its twin) carried."""
     before = dht_requests(writer, run_id=RUN, timeout=10)["by_key"]
-    assert writer.store(KEY, RECORD, get_dht_time() + 60, subkey=subkey)
+    assert writer.store(KEY, RECORD, get_dht_time() + 60, subkey=subkey, return_future=True).result(timeout=WAIT)
     after = dht_requests(writer, run_id=RUN, timeout=10)["by_key"]
 
     def grew(name: str) -> dict:
@@ -61,11 +67,11 @@ def _walk_of_one_store(writer, subkey: str) -> dict:
 
 def test_a_store_walks_to_the_same_nodes_without_bringing_back_their_records(swarm):
     for i, node in enumerate(swarm):  # every node holds several peers' records under the key
-        assert node.store(KEY, RECORD, get_dht_time() + 60, subkey=f"peer{i}")
+        assert node.store(KEY, RECORD, get_dht_time() + 60, subkey=f"peer{i}", return_future=True).result(timeout=WAIT)
     patched, plain = swarm[1], swarm[2]
     for node in (patched, plain):
         start_counting(node)
-    patched.run_coroutine(_patch)
+    _in_process(patched, _patch)
 
     walked_plain = _walk_of_one_store(plain, "plain")
     walked_patched = _walk_of_one_store(patched, "patched")
@@ -81,10 +87,10 @@ def test_a_store_walks_to_the_same_nodes_without_bringing_back_their_records(swa
 
     # both records landed on the key's 5 nearest nodes: the twin's nearest are the key's
     key_id = DHTID.generate(source=KEY)
-    nearest = sorted(swarm, key=lambda dht: key_id.xor_distance(dht.run_coroutine(_node_id)))[:5]
+    nearest = sorted(swarm, key=lambda dht: key_id.xor_distance(_in_process(dht, _node_id)))[:5]
     for subkey in ("plain", "patched"):
-        holders = [dht for dht in swarm if dht.run_coroutine(partial(_holds, subkey=subkey))]
+        holders = [dht for dht in swarm if _in_process(dht, partial(_holds, subkey=subkey))]
         assert set(holders) == set(nearest), subkey
     # and a reader that walks the key finds every record
-    found = swarm[-1].get(KEY, latest=True)
+    found = swarm[-1].get(KEY, latest=True, return_future=True).result(timeout=WAIT)
     assert found is not None and {"plain", "patched", *(f"peer{i}" for i in range(NODES))} <= set(found.value)
