@@ -47,7 +47,7 @@ from collab.averaging.one_average import OneAverage
 from collab.averaging.planned_leader import ASK_AGAIN, PLAN_SHARE, peers_training, planned_leader
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
-from collab.hivemind_hooks.averager import AveragerHooks
+from collab.hivemind_hooks.averager import AveragerHooks, end_step_unstarted
 from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
                                            never_ask_leaders, pace_group_reads, patient_followers, time_matchmaking)
 from collab.records.rejections import HARD_EVIDENCE
@@ -70,6 +70,10 @@ _step_in_progress: contextvars.ContextVar = contextvars.ContextVar("collab_step_
 
 class RejectedRound(MatchmakingException):
     """This peer refused the average its group computed: nothing was applied."""
+
+
+class LeavingPeer(MatchmakingException):
+    """A round asked for after this peer began to leave (CheckedRounds.abort_running_rounds): never started."""
 
 
 def nobody_else_sent(runner, peer_id) -> bool:
@@ -149,11 +153,17 @@ class CheckedRounds(AveragerHooks):
         it ends or times out, and the leaving peer's last optimizer step waits on that lock: when a whole swarm
         leaves at once (the end of a simulation), every state round would stall for next_chunk_timeout and the
         peers be killed at the end of their grace period instead of leaving. The groupmates lose this peer's part, as
-        they would if it were killed."""
+        they would if it were killed. No round starts after this: a step the leave itself makes (the signal came
+        inside an optimizer step, whose gradient round it cancelled: the step goes on alone, and asks for a
+        state round) would otherwise run an all-reduce with peers that are leaving too, holding the lock the
+        step's optimizer update waits for until it timed out, past the leave's grace (test_churn, 2 in 16)."""
         if self.is_alive():
             self._outer_pipe.send(("_abort_running_rounds", [], {}))
 
+    _leaving = False  # (the averager's process) set by _abort_running_rounds: no round starts after it
+
     async def _abort_running_rounds(self) -> None:
+        self._leaving = True
         for future in list(self._running_groups.values()):  # hivemind: group id -> future of its AllReduceRunner
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().finalize(cancel=True)
@@ -195,6 +205,9 @@ class CheckedRounds(AveragerHooks):
                 f"after {seconds:.1f} s; looking for another group")
 
     async def averaging_step(self, *, step, **kwargs):
+        if self._leaving:
+            end_step_unstarted(step, kwargs["future_for_init"], LeavingPeer("this peer is leaving the swarm"))
+            return
         _step_in_progress.set(step)  # the round's tasks inherit it: a rejected round must end this step
         self._round_epoch = None  # set by _match_within_epoch for a round that carries its epoch
         matchmaking = getattr(self, "_matchmaking", None)  # made in the averager process
@@ -209,6 +222,14 @@ class CheckedRounds(AveragerHooks):
             if matchmaking is not None:
                 await self._plan_gradient_round(matchmaking, step, records)
         return await super().averaging_step(step=step, **kwargs)
+
+    async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        if self._leaving:  # matched as this peer began to leave: its all-reduce would hold the tensors' lock
+            step = _step_in_progress.get()
+            if step is not None and not step.done():
+                step.set_exception(LeavingPeer("this peer is leaving the swarm"))  # no retry either
+            raise LeavingPeer("this peer is leaving the swarm")
+        return await super().aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _plan_gradient_round(self, matchmaking, step, records: dict) -> None:
         """The group size and plan of a gradient round, from the run's progress records. A peer's first round

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import AsyncIterator, Optional
 
 from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils.mpfuture import MPFuture
 
 from collab.hivemind_hooks.allreduce import AggregatePartHooks
 
@@ -79,3 +81,14 @@ class AveragerHooks(AggregatePartHooks, DecentralizedAverager):
                                    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         async for message in super().rpc_download_state(request, context):
             yield message
+
+
+def end_step_unstarted(step, future_for_init: MPFuture, error: BaseException) -> None:
+    """(the averager's process) End an averaging step with `error` before it looks for a group. The process that
+    asked for the step first waits for the step's trigger and cancel futures (hivemind's _step hands them over
+    before it matches), then for the step itself: both are answered here."""
+    trigger, cancel = MPFuture(), MPFuture()
+    step.attach(trigger, cancel)
+    future_for_init.set_result((trigger, cancel))
+    step.stage = AveragingStage.FINISHED
+    step.set_exception(error)

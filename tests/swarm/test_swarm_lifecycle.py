@@ -170,3 +170,37 @@ def test_a_round_cancelled_by_two_threads_at_once_is_cancelled_once_without_an_e
     cancel_round(control)  # hivemind's own control.cancel() raises InvalidStateError here
     assert control.cancelled()
     cancel_round(control)  # and again, once it is over: nothing
+
+
+def test_an_averager_that_began_to_leave_starts_no_round(no_leftover_processes):
+    """After abort_running_rounds (a signal) no round of that averager starts: a step the leave itself made (the
+    signal came inside an optimizer step, which went on alone and asked for a state round) ran an all-reduce with
+    peers that were leaving too, holding the tensors' lock its optimizer update waited for, past the leave's grace
+    (test_churn: "forced exit: graceful shutdown overran"). Two real averagers (DHT, p2pd, averager processes),
+    one of them leaving: without the fix the two average (0.5 each)."""
+    from contextlib import ExitStack
+
+    import pytest
+    import torch
+
+    from benchmarks.lab.averager_pair import start_averager_pair
+    from collab.averaging.robust_rounds import CheckedRounds, LeavingPeer
+
+    class StateRounds(CheckedRounds):
+        kind = "state"
+
+    sent, prefix = [torch.zeros(8), torch.ones(8)], f"leaving-{time.time_ns()}"
+    with ExitStack() as stack:
+        averagers = start_averager_pair(stack, lambda dht, i: StateRounds(
+            [sent[i].clone()], dht=dht, prefix=prefix, start=True, target_group_size=2, min_matchmaking_time=2.0,
+            request_timeout=1.0, next_chunk_timeout=5.0))
+        leaving, staying = averagers
+        leaving.abort_running_rounds()
+        controls = [averager.step(wait=False, timeout=10.0) for averager in averagers]
+        with pytest.raises(LeavingPeer):
+            controls[0].result(timeout=30)
+        with pytest.raises(Exception):  # nobody to average with: hivemind's "could not find a group"
+            controls[1].result(timeout=60)
+        for averager, value in zip(averagers, (0.0, 1.0)):
+            with averager.get_tensors() as tensors:  # the lock is free, and nothing was averaged
+                assert torch.equal(tensors[0], torch.full((8,), value)), tensors[0]
