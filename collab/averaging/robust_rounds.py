@@ -30,6 +30,7 @@ import logging
 import math
 import statistics
 import time
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -236,7 +237,8 @@ class CheckedRounds(AveragerHooks):
         comes as its first read of the records has only just begun, and without them there is no planned leader
         and no group target (12 peers' first rounds, hivemind's search alone, split 5 + 5 + 2 at start-up on 2
         cores, and no group was the many to re-sync from): it waits for that read, at most FIRST_PLAN_WAIT."""
-        await self._first_progress_read(FIRST_PLAN_WAIT)
+        if not records:  # (the trainer's view, read_progress_soon, is enough for a plan)
+            await self._first_progress_read(FIRST_PLAN_WAIT)
         records = self.__dict__.get("_progress_cache", {}).get("records", records)
         self._fit_group_to_swarm(matchmaking, records, step.deadline)
         self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
@@ -454,6 +456,26 @@ class CheckedRounds(AveragerHooks):
                 caps[peer] = max(1.0, PROGRESS_SLACK * plausible)
         return caps
 
+    def read_progress_soon(self, seen: dict) -> None:
+        """(the trainer's process) Before this averager's first gradient round: `seen`, the trainer's tracker's last
+        view of the run's progress records (base58 -> (epoch, client mode), signed records only), is this averager's
+        until its own read of the records is back; that read starts now. Without it, a first round starts the read
+        itself and waits FIRST_PLAN_WAIT for it: 24 peers on 2 cores, 21 of them had none back by then (a read took
+        4-6 s), so no planned leader and no group target, and the first round split into groups of 2-8; every
+        later round, with the records, had one plan on every peer. The view names who trains, at which epoch, and
+        who can lead: all a plan needs (weight caps wait for the signed records themselves)."""
+        if self.kind == "gradients" and self.is_alive():
+            self._outer_pipe.send(("_read_progress_soon", [dict(seen)], {}))
+
+    async def _read_progress_soon(self, seen: dict) -> None:
+        cache = self.__dict__.setdefault("_progress_cache", {"read_at": float("-inf"), "records": {}, "task": None})
+        if not cache["records"]:
+            cache["records"] = {peer: SimpleNamespace(epoch=epoch, client_mode=client) for peer, (epoch, client)
+                                in seen.items() if type(epoch) is int and type(client) is bool}
+        if cache["task"] is None or cache["task"].done():
+            cache["read_at"] = float("-inf")  # whatever the last read's age: the swarm may have grown since
+            self._signed_progress()
+
     def _signed_progress(self) -> dict:
         """The run's progress records (hivemind's tracker, signed; collab.swarm.state drops untrusted ones) as last
         read; a read older than PROGRESS_REFRESH starts another in the background, so no round waits for one."""
@@ -465,8 +487,12 @@ class CheckedRounds(AveragerHooks):
 
     async def _read_signed_progress(self, cache: dict) -> None:
         try:
-            cache["records"] = await asyncio.get_event_loop().run_in_executor(
+            records = await asyncio.get_event_loop().run_in_executor(
                 None, progress_records, self.dht, run_id_of(self.prefix))
+            # an empty read (a walk that found nothing: on a busy machine one can time out) keeps the records it
+            # had, the trainer's view among them (read_progress_soon): a plan from those beats none
+            if records or not cache["records"]:
+                cache["records"] = records
         except Exception as e:  # no records: no caps from them this time (the median cap still holds)
             logging.getLogger(__name__).debug(f"could not read the run's progress: {e!r}")
         finally:

@@ -127,7 +127,16 @@ class SwarmOptimizer(OptimizerHooks):
             if self.tracker.global_progress.num_peers < peers:
                 return True
         self._start_with = None
+        self.read_progress_soon()  # every peer has a record now: the first round's plan needs them all
         return False
+
+    def read_progress_soon(self) -> None:
+        """Hand the gradient averager this peer's view of who trains, for its first round's group target and planned
+        leader (collab.averaging.robust_rounds), and have it read the run's records now, not when that round begins."""
+        averager = self.grad_averager if self.use_gradient_averaging else None
+        if averager is not None and hasattr(averager, "read_progress_soon"):
+            seen = getattr(self.tracker, "records_seen", {})  # (collab.modes.tracker: signed records only)
+            averager.read_progress_soon({peer: (r.epoch, r.client_mode) for peer, r in seen.items()})
 
     def count_only_members(self, allows) -> None:
         self.tracker.members = allows

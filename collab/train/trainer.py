@@ -203,7 +203,9 @@ class TrainingLoop:
         self._publish()  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:
             wait_for_peers(self.swarm, options.wait_peers, options.wait_peers_timeout, self.display, self.stop)
-            opt.start_together(options.wait_peers, options.wait_peers_timeout)
+            opt.start_together(options.wait_peers, options.wait_peers_timeout)  # (it reads them when all are in)
+        else:
+            opt.read_progress_soon()  # the swarm's records, for this peer's first round
         summary.start_epoch = opt.local_epoch
         # hivemind's rate estimate (an EMA of seconds per sample) counts its first interval from the optimizer's
         # creation: the state download and --wait-peers made a peer look 50x slower than it is for its first ~40

@@ -172,3 +172,55 @@ def test_a_trainers_record_follows_its_epoch_through_epochs_whose_stores_carried
                 break
             assert time.monotonic() < deadline, f"our record says epochs {epochs}, stores {stores}; we are at 4"
             time.sleep(0.1)
+
+
+
+def test_a_first_gradient_round_plans_from_the_trainers_view_and_the_averager_reads_the_records_at_once(
+        no_leftover_processes):
+    """read_progress_soon (called when --wait-peers counts every peer, or as a peer joins without it) hands the
+    gradient averager the trainer's view of who trains, and starts the averager's own read of the records at once.
+    24 peers on 2 cores: 21 had no records FIRST_PLAN_WAIT into their first round (a read took 4-6 s under that
+    load), so no group target and no planned leader, and the round split into groups of 2-8. Here two real
+    averagers (DHT, p2pd, averager processes) with no progress records in the DHT at all: given the view naming both,
+    the leader begins as soon as the other has joined; without it, the round waits out the whole matchmaking time
+    (no target). And the averager's DHT node asks for the progress key at once, before any round."""
+    import torch
+
+    from benchmarks.lab.averager_pair import start_averager_pair
+    from collab.averaging.robust_rounds import CheckedRounds
+    from collab.swarm.dht_traffic import dht_requests, start_counting
+    from tests.conftest import wait_for
+
+    class GradientRounds(CheckedRounds):
+        kind = "gradients"
+
+    matchmaking = 15.0
+    run_id, sent, dhts = f"warm-{time.time_ns()}", [torch.ones(8), torch.full((8,), 3.0)], []
+
+    def make(dht, i):
+        dhts.append(dht)
+        return GradientRounds([sent[i].clone()], dht=dht, prefix=f"{run_id}_grad_averager", start=True,
+                              target_group_size=None, min_matchmaking_time=matchmaking, request_timeout=2.0)
+
+    def progress_requests() -> int:
+        counts = dht_requests(dhts[0], run_id) or {}
+        return counts.get("by_key", {}).get(f"{run_id}_progress", {}).get("requests", 0)
+
+    with contextlib.ExitStack() as stack:
+        averagers = start_averager_pair(stack, make)
+        start_counting(dhts[0])
+        time.sleep(1.0)
+        assert progress_requests() == 0, dht_requests(dhts[0], run_id)  # no round, no read
+        seen = {averager.peer_id.to_base58(): (0, False) for averager in averagers}
+        for averager in averagers:
+            averager.read_progress_soon(seen)
+        wait_for(lambda: progress_requests() > 0, timeout=30, interval=0.2, what="the averager's read of the records")
+        started = time.monotonic()
+        controls = [averager.step(wait=False, timeout=3 * matchmaking) for averager in averagers]
+        for control in controls:
+            control.result(timeout=6 * matchmaking)
+        took = time.monotonic() - started
+        for averager in averagers:
+            with averager.get_tensors() as tensors:
+                assert torch.allclose(tensors[0], torch.full((8,), 2.0)), tensors[0]  # the exact mean
+        assert took < matchmaking, f"the round took {took:.1f} s: it waited out matchmaking_time, with no target"
