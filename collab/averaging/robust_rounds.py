@@ -236,8 +236,9 @@ class CheckedRounds(AveragerHooks):
         """The group size and plan of a gradient round, from the run's progress records. A peer's first round
         comes as its first read of the records has only just begun, and without them there is no planned leader
         and no group target (12 peers' first rounds, hivemind's search alone, split 5 + 5 + 2 at start-up on 2
-        cores, and no group was the many to re-sync from): it waits for that read, at most FIRST_PLAN_WAIT."""
-        if not records:  # (the trainer's view, read_progress_soon, is enough for a plan)
+        cores, and no group was the many to re-sync from). The trainer hands over its own view first
+        (read_progress_soon); without that, the round waits for the read, at most FIRST_PLAN_WAIT."""
+        if not records:
             await self._first_progress_read(FIRST_PLAN_WAIT)
         records = self.__dict__.get("_progress_cache", {}).get("records", records)
         self._fit_group_to_swarm(matchmaking, records, step.deadline)

@@ -66,7 +66,7 @@ class AveragingMode(Protocol):
     def leave_at(self, epoch: Optional[int]) -> None: ...  # --max-epochs: no round starts for a later epoch
     def start_together(self, peers: int, timeout: float) -> None: ...  # --wait-peers: the first step waits for them
     def holding_for_the_others(self) -> bool: ...  # start_together: compute nothing more until they are counted
-    def read_progress_soon(self) -> None: ...  # read the run's records for the first round's plan, now
+    def read_progress_soon(self) -> None: ...  # the first round's plan: this peer's view of who trains, at once
     def count_only_members(self, allows) -> None: ...  # a private run: others' progress records are ignored
     def mode_report(self) -> ModeReport: ...
     def step(self, *args, **kwargs) -> Any: ...  # after a window of micro-batches (collab.train.window)

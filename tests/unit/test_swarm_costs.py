@@ -358,7 +358,9 @@ def test_with_wait_peers_the_first_step_waits_until_the_tracker_counts_the_other
 
     tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=1), read_at=float("-inf"), refresh=refresh,
                               local_progress=SimpleNamespace(samples_accumulated=0))
-    opt = SimpleNamespace(tracker=tracker, _start_with=None)
+    handed = []  # the trainer's view handed to the gradient averager (read_progress_soon), once all are counted
+    opt = SimpleNamespace(tracker=tracker, _start_with=None, read_progress_soon=lambda: handed.append(
+        tracker.global_progress.num_peers))
     opt._waiting_for_the_others = lambda: SwarmOptimizer._waiting_for_the_others(opt)
     assert not SwarmOptimizer._waiting_for_the_others(opt)  # no --wait-peers: nothing to wait for
     SwarmOptimizer.start_together(opt, 3, timeout=60.0)
@@ -370,6 +372,7 @@ def test_with_wait_peers_the_first_step_waits_until_the_tracker_counts_the_other
         tracker.read_at = float("-inf")  # (each step comes after the last read has aged)
         waits.append(SwarmOptimizer.holding_for_the_others(opt))
     assert waits == [True, True, True, False] and opt._start_with is None  # then never again
+    assert handed == [3]  # the first round's plan: from the view that counted everyone
     SwarmOptimizer.start_together(opt, 5, timeout=0.0)  # the wait is bounded: after it, training goes on
     tracker.global_progress.num_peers = 1
     assert not SwarmOptimizer._waiting_for_the_others(opt)
