@@ -469,7 +469,7 @@ class CheckedRounds(AveragerHooks):
             self._outer_pipe.send(("_read_progress_soon", [dict(seen)], {}))
 
     async def _read_progress_soon(self, seen: dict) -> None:
-        cache = self.__dict__.setdefault("_progress_cache", {"read_at": float("-inf"), "records": {}, "task": None})
+        cache = self._progress_state()
         if not cache["records"]:
             cache["records"] = {peer: SimpleNamespace(epoch=epoch, client_mode=client) for peer, (epoch, client)
                                 in seen.items() if type(epoch) is int and type(client) is bool}
@@ -480,11 +480,15 @@ class CheckedRounds(AveragerHooks):
     def _signed_progress(self) -> dict:
         """The run's progress records (hivemind's tracker, signed; collab.swarm.state drops untrusted ones) as last
         read; a read older than PROGRESS_REFRESH starts another in the background, so no round waits for one."""
-        cache = self.__dict__.setdefault("_progress_cache", {"read_at": float("-inf"), "records": {}, "task": None})
+        cache = self._progress_state()
         if (cache["task"] is None or cache["task"].done()) and time.monotonic() - cache["read_at"] > PROGRESS_REFRESH:
             cache["read_at"] = time.monotonic()
             cache["task"] = asyncio.ensure_future(self._read_signed_progress(cache))
         return cache["records"]
+
+    def _progress_state(self) -> dict:
+        """(the averager's process) The last read of the records, when it started, and the read under way."""
+        return self.__dict__.setdefault("_progress_cache", {"read_at": float("-inf"), "records": {}, "task": None})
 
     async def _read_signed_progress(self, cache: dict) -> None:
         try:

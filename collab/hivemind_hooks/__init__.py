@@ -163,6 +163,7 @@ READ = (
     "hivemind.averaging.control.StepControl.deadline",  # a pre-scheduled round's time left
     "hivemind.averaging.control.StepControl.stage",
     "hivemind.averaging.control.StepControl.data_for_gather",  # a gradient round's epoch (its group key)
+    "hivemind.averaging.control.StepControl.attach",  # a leaving peer's step ended before _step (end_step_unstarted)
     "hivemind.dht.protocol.DHTProtocol.call_ping",  # lost peers pinged back (rejoin)
     "hivemind.averaging.allreduce.AllReduceRunner.finalize",  # a running all-reduce ended on a signal or revocation
 )
