@@ -66,7 +66,15 @@ OVERRIDDEN = {
     "hivemind.compression.base.CompressionBase.extract": "self, serialized_tensor",
     "hivemind.compression.quantization.BlockwiseQuantization.extract": "self, serialized_tensor",
     "hivemind.compression.quantization.Quantization.extract": "self, serialized_tensor",
+    "hivemind.dht.dht.DHT.__init__":
+        "self, initial_peers=None, *, start, p2p=None, daemon=True, num_workers=4, record_validators=(), "
+        "shutdown_timeout=3, await_ready=True, **kwargs",
     "hivemind.dht.dht.DHT.run": "self",
+    # the public validator API (collab.records.verdicts wraps the run's validators)
+    "hivemind.dht.validation.RecordValidatorBase.merge_with": "self, other",
+    "hivemind.dht.validation.RecordValidatorBase.sign_value": "self, record",
+    "hivemind.dht.validation.RecordValidatorBase.strip_value": "self, record",
+    "hivemind.dht.validation.RecordValidatorBase.validate": "self, record",
     "hivemind.optim.grad_averager.GradientAverager.__init__":
         "self, parameters, *, dht, prefix, reuse_grad_buffers=False, accumulate_grads_on=None, client_mode=None, "
         "warn=True, averaged_grads=(), **kwargs",

@@ -87,8 +87,14 @@ async def _start(_dht, node) -> None:
         count_dht_requests(node.protocol, _counting.count)
 
 
-async def _report(_dht, _node, names: tuple = ()) -> Optional[dict]:
-    return _counting.report(names) if _counting is not None else None
+async def _report(dht, _node, names: tuple = ()) -> Optional[dict]:
+    if _counting is None:
+        return None
+    report = _counting.report(names)
+    verdicts = getattr(dht, "verdicts", None)  # collab.swarm.node.OwnGroupDHT's: records checked, and remembered
+    if verdicts is not None:
+        report["records"] = verdicts.counts()
+    return report
 
 
 def start_counting(dht) -> None:

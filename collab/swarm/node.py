@@ -29,6 +29,7 @@ from collab.hivemind_hooks.patches import sign_progress_with, store_walks_withou
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.records.identity import Identity, load_or_create_identity
 from collab.records.metrics import MetricsSchema
+from collab.records.verdicts import RememberedVerdicts
 from collab.run.sharing import ask_about_access
 from collab.swarm.dht_traffic import start_counting
 from collab.swarm.dial import why_not_joined
@@ -89,7 +90,12 @@ class OwnGroupDHT(hivemind.DHT):
     Ctrl-C sends SIGINT to the whole foreground group; p2pd would die at once and the peer could
     not say goodbye to the swarm. In a group of its own it stays up until this peer shuts it down.
     It is still our child: collab.process.lifecycle and collab.peers.launcher reap it by parentage and session.
+    `verdicts`: its record validator, kept at hand for the counts (collab.swarm.dht_traffic reads its process's copy).
     """
+
+    def __init__(self, *args, verdicts: Optional[RememberedVerdicts] = None, **kwargs):
+        self.verdicts = verdicts  # before hivemind's __init__, which forks the DHT's process when start=True
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         os.setpgid(0, 0)
@@ -114,7 +120,9 @@ class Swarm:
         sign_progress_with(self.signing_key)  # the key this peer's id derives from: readers can check records
         signature = RSASignatureValidator(self.signing_key)
         self.public_key: bytes = signature.local_public_key
-        validators = [SchemaValidator(MetricsSchema, prefix=peer.run_id), signature, *extra_validators]
+        # each record another node sends is checked once, not once per node and per read (collab.records.verdicts)
+        verdicts = RememberedVerdicts([SchemaValidator(MetricsSchema, prefix=peer.run_id), signature,
+                                       *extra_validators])
         p2p_options = dict(
             host_maddrs=peer.host_maddrs,
             announce_maddrs=peer.announce_maddrs or None,
@@ -127,7 +135,8 @@ class Swarm:
                         self.dht = OwnGroupDHT(
                             initial_peers=peer.initial_peers or None,
                             client_mode=peer.client_mode,
-                            record_validators=validators,
+                            record_validators=[verdicts],
+                            verdicts=verdicts,
                             # by the time the DHT is shut down the goodbyes are sent; do not wait 3 s for a busy loop
                             shutdown_timeout=1.0,
                             start=True,
