@@ -1,0 +1,33 @@
+"""The watcher's looks at the main process's tree: soon while it changes, rarely while it does not (each look reads
+every process's /proc entry, and a machine simulating many peers runs hundreds, each peer with a watcher)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from collab.process.reaper import LOOK_AT_MOST_SECONDS, LOOK_EVERY_SECONDS, _Watch, next_look
+
+
+def test_looks_slow_down_while_nothing_changes_and_come_soon_again_when_something_does():
+    every, schedule = LOOK_EVERY_SECONDS, []
+    for found_new in (False,) * 6 + (True, False):
+        every = next_look(every, found_new)
+        schedule.append(every)
+    assert schedule == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 0.5, 1.0], schedule
+    assert max(schedule) == LOOK_AT_MOST_SECONDS
+
+
+def test_a_look_counts_only_processes_not_noted_before():
+    watch = _Watch(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        watch.note_descendants()
+        assert child.pid in watch.noted and watch.news >= 1
+        news = watch.news
+        watch.note_descendants()  # the same tree again: nothing new, so the next look may wait longer
+        assert watch.news == news
+    finally:
+        child.kill()
+        child.wait(timeout=10)
