@@ -102,11 +102,26 @@ def start_counting(dht) -> None:
     dht.run_coroutine(_start)
 
 
+def ask_for_counts(dht, run_id: str = ""):
+    """Ask the DHT's process for the counts so far, with the run's known keys named; the answer (a future, None if
+    the DHT could not be asked) is read with `counts_answered`. Asked before a slow step (the averagers' shutdown),
+    it is answered meanwhile."""
+    try:
+        report = partial(_report, names=tuple(known_keys(run_id)) if run_id else ())
+        return dht.run_coroutine(report, return_future=True)
+    except Exception:  # a DHT shutting down: no figures this time
+        return None
+
+
+def counts_answered(asked, timeout: float = READ_TIMEOUT) -> Optional[dict]:
+    """What `ask_for_counts` asked for (None if counting never started, or the DHT did not answer in time)."""
+    try:
+        return asked.result(timeout=timeout) if asked is not None else None
+    except Exception:  # too busy to answer: no figures this time
+        return None
+
+
 def dht_requests(dht, run_id: str = "", timeout: float = READ_TIMEOUT) -> Optional[dict]:
     """The counts so far, with the run's known keys named (None if counting never started, or the DHT did not
     answer in time)."""
-    try:
-        report = partial(_report, names=tuple(known_keys(run_id)) if run_id else ())
-        return dht.run_coroutine(report, return_future=True).result(timeout=timeout)
-    except Exception:  # a DHT shutting down, or too busy to answer: no figures this time
-        return None
+    return counts_answered(ask_for_counts(dht, run_id), timeout)

@@ -20,7 +20,7 @@ from collab.records.identity import load_or_create_identity
 from collab.records.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
 from collab.run.gate import MemberGate
 from collab.run.sharer import SharedRun
-from collab.swarm.dht_traffic import dht_requests
+from collab.swarm.dht_traffic import ask_for_counts, counts_answered
 from collab.swarm.node import PeerConfig, Swarm
 from collab.tasks import Task, build_task
 from collab.train.catch_up import catch_up, settle, wait_for_peers
@@ -350,11 +350,15 @@ class TrainingLoop:
             if summary.final_replica == "downloaded" and self.options.summary_path is not None \
                     and config.averaging.overlap == "none":
                 sketch_replica(summary, opt.local_epoch, self.task.model)  # the replica it leaves with: the swarm's
+        # the DHT's figures, read once, at exit (each read is a request to the DHT's process): asked now, answered
+        # while the averagers shut down. Asked after, a DHT process starved of CPU (24 peers on 2 cores) made a
+        # leaving peer wait up to READ_TIMEOUT more, past the leave's grace
+        asked = ask_for_counts(opt.dht, self.swarm.peer.run_id)
         opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
         summary.final_epoch = opt.local_epoch
         summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")
         harvest(summary, opt, self.task.model, self.log)
-        summary.dht = dht_requests(opt.dht, self.swarm.peer.run_id) or {}  # read once, at exit: each read is a request to the DHT's process
+        summary.dht = counts_answered(asked) or {}
         # a peer stopped by a signal mid-update has no consistent state to save: the swarm has it; nor has
         # a peer whose last step was its own: that model is nobody else's
         saved_already = summary.checkpoint is not None and summary.checkpoint.endswith(f"-{summary.final_epoch:06d}")
