@@ -4,8 +4,9 @@ For each N, `collab simulate` runs N `collab join` peers of the linreg task (a 1
 16, target 64 per peer, so an epoch's work per peer stays the same as N grows) on 127.0.0.1, while this script
 samples the CPU time and memory (PSS) of every process of the swarm (p2pd, the DHT and averager processes included).
 One peer alone first: "linear" is N times its rate. Per N it prints the swarm's samples/s against linear, epochs
-per minute, rounds ok and failed, the mean group size, the spread of the peers' final epochs, and CPU cores and
-resident memory per peer.
+per minute, rounds ok and failed, the mean group size, the spread of the peers' final epochs, CPU cores and
+resident memory per peer, the share of the records each DHT node read that it answered from memory
+(collab.records.verdicts), and how many peers overran the leave's grace when the swarm was stopped (forced exits).
 
     python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000] [--rtt-ms 0,20,100]
 
@@ -142,6 +143,8 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> di
         "failed_why": ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:2])
         + (f" ({replayed} replayed)" if replayed else ""),
         "spread": max(spreads.values()) if spreads else None,
+        "remembered": _mean(p.get("records_remembered") for p in per_peer),
+        "forced_exits": sum("forced exit" in (p.get("exit") or "") for p in per_peer),  # overran the leave's grace
     }
 
 
@@ -175,7 +178,7 @@ def main() -> None:
     header = ("peers", "RTT ms", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
               "mean group", "epochs", "replica spread",
               "matchmaking s/round", "all-reduce s/round", "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer",
-              "CPU bound", "PSS MB/peer")
+              "CPU bound", "PSS MB/peer", "records from memory %", "forced exits")
     print(" | ".join(header))
     for r in rows:
         bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
@@ -185,7 +188,9 @@ def main() -> None:
                           f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
                           "-" if r["spread"] is None else f"{r['spread']:.1e}",
                           _fmt(r["matchmaking_s"], 2), _fmt(r["allreduce_s"], 2), _fmt(r["dht_requests"], 0),
-                          _fmt(r["dht_kb"], 0), f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}"]))
+                          _fmt(r["dht_kb"], 0), f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}",
+                          _fmt(100 * r["remembered"] if r["remembered"] is not None else None, 0),
+                          str(r["forced_exits"])]))
     print("goals (issue 36): >= 95% of rounds ok, every peer within one epoch, replica spread <= 1e-3, >= 0.9 of "
           "linear where the CPU is not shared")
 

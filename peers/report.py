@@ -48,6 +48,8 @@ class PeerReport:
     # what its DHT node sent the swarm, per minute: requests, and KB sent + received (collab.swarm.dht_traffic)
     dht_requests_per_minute: Optional[float] = None
     dht_kb_per_minute: Optional[float] = None
+    # of the records its DHT node read, the share answered from memory, not checked again (collab.records.verdicts)
+    records_remembered: Optional[float] = None
     rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.sync.round_failure
     rounds_replayed: int = 0  # failed rounds it then applied from a peer that made them (averaging.round_replay)
     # epoch -> a sketch of its replica as that epoch began (collab.train.summary.sketch_replica), the last epochs
@@ -242,9 +244,15 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         dht_requests_per_minute=sum(d["requests"] for d in dht) / dht_minutes if dht_minutes else None,
         dht_kb_per_minute=(sum(d["bytes_sent"] + d["bytes_received"] for d in dht) / 1e3 / dht_minutes
                            if dht_minutes else None),
+        records_remembered=_remembered_share([d["records"] for d in dht if d.get("records")]),
         # a later incarnation's sketch of an epoch replaces an earlier one's
         replica_sketches={epoch: values for s in summaries for epoch, values in s.get("replica_sketches", {}).items()},
     )
+
+
+def _remembered_share(counts: list) -> Optional[float]:
+    seen = sum(c["checked"] + c["remembered"] for c in counts)
+    return sum(c["remembered"] for c in counts) / seen if seen else None
 
 
 def build_report(swarm: LocalSwarm, duration: float, timeline: Optional[EpochTimeline] = None,
