@@ -9,8 +9,9 @@ Sampled in one of 12 linreg peers' DHT processes (py-spy, 2 cores), those checks
 The verdict of hivemind's validators (RSASignatureValidator, SchemaValidator) is a function of the record alone
 (key, subkey, value and expiration time: what the signature covers), so a record seen before is answered from
 memory. Adding a validator (hivemind's progress tracker adds its schema at start) forgets every verdict. What is
-remembered is bounded (REMEMBERED records, the oldest forgotten first), so a peer that floods the DHT with distinct
-records only makes this peer check them, as it did before.
+remembered is bounded (REMEMBERED records and REMEMBERED_BYTES of them, the oldest forgotten first: a record may be
+as large as a signed manifest, 256 KB), so a peer that floods the DHT with distinct records only makes this peer
+check them, as it did before.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Iterable
 
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 
-REMEMBERED = 4096  # records (~1 KB each with an RSA key and signature): ~4 MB per DHT process at most
+REMEMBERED = 4096  # records: a progress or metrics record is ~1-2 KB with its RSA key and signature
+REMEMBERED_BYTES = 16 * 2**20  # and at most this much of them (key, subkey and value) per DHT process
 
 
 class RememberedVerdicts(RecordValidatorBase):
@@ -29,10 +31,12 @@ class RememberedVerdicts(RecordValidatorBase):
     Given to hivemind.DHT as its only record validator; validators added later (DHT.add_validators) merge into it
     (`merge_with`), so every record still passes all of them, in hivemind's order."""
 
-    def __init__(self, validators: Iterable[RecordValidatorBase] = (), remember: int = REMEMBERED):
+    def __init__(self, validators: Iterable[RecordValidatorBase] = (), remember: int = REMEMBERED,
+                 remember_bytes: int = REMEMBERED_BYTES):
         self.inner = CompositeValidator(validators)
-        self.remember = remember
+        self.remember, self.remember_bytes = remember, remember_bytes
         self._verdicts: OrderedDict[DHTRecord, bool] = OrderedDict()
+        self._bytes = 0  # of the records remembered
         self.checked = 0  # records the validators ran on
         self.remembered = 0  # records answered from memory
 
@@ -45,8 +49,9 @@ class RememberedVerdicts(RecordValidatorBase):
         verdict = bool(self.inner.validate(record))
         self.checked += 1
         self._verdicts[record] = verdict
-        if len(self._verdicts) > self.remember:
-            self._verdicts.popitem(last=False)
+        self._bytes += _size(record)
+        while len(self._verdicts) > self.remember or self._bytes > self.remember_bytes:
+            self._bytes -= _size(self._verdicts.popitem(last=False)[0])
         return verdict
 
     def sign_value(self, record: DHTRecord) -> bytes:
@@ -59,7 +64,12 @@ class RememberedVerdicts(RecordValidatorBase):
         """Every validator added later joins the inner ones, and the verdicts made without it are forgotten."""
         self.inner.extend([other])
         self._verdicts.clear()
+        self._bytes = 0
         return True
 
     def counts(self) -> dict:
         return {"checked": self.checked, "remembered": self.remembered}
+
+
+def _size(record: DHTRecord) -> int:
+    return len(record.key) + len(record.subkey) + len(record.value)

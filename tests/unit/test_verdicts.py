@@ -37,9 +37,10 @@ class Counting(RecordValidatorBase):
         return self.verdict
 
 
-def make(remember: int = 100):
+def make(remember: int = 100, remember_bytes: int = 2**20):
     signature, counting = RSASignatureValidator(RSAPrivateKey()), Counting()
-    verdicts = RememberedVerdicts([SchemaValidator(MetricsSchema, prefix=RUN), signature, counting], remember)
+    verdicts = RememberedVerdicts([SchemaValidator(MetricsSchema, prefix=RUN), signature, counting], remember,
+                                  remember_bytes)
     return verdicts, signature, counting
 
 
@@ -81,3 +82,13 @@ def test_what_is_remembered_is_bounded_oldest_first():
     for record in (first, second, third, third, first):
         assert verdicts.validate(record)
     assert counting.calls == 4 and len(verdicts._verdicts) == 2  # first was forgotten when third came, then checked
+
+
+def test_what_is_remembered_is_bounded_in_bytes_too():
+    verdicts, signature, counting = make(remember_bytes=3000)  # two metrics records with key and subkey, not three
+    records = [signed_record(verdicts, signature, epoch=epoch) for epoch in range(4)]
+    assert 1000 < len(records[0].key) + len(records[0].subkey) + len(records[0].value) < 1500
+    for record in records:
+        assert verdicts.validate(record)
+    assert len(verdicts._verdicts) == 2 and verdicts._bytes <= 3000
+    assert verdicts.validate(records[0]) and counting.calls == 5  # forgotten, so checked again
