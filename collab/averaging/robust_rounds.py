@@ -240,7 +240,7 @@ class CheckedRounds(AveragerHooks):
         (read_progress_soon); without that, the round waits for the read, at most FIRST_PLAN_WAIT."""
         if not records:
             await self._first_progress_read(FIRST_PLAN_WAIT)
-        records = self.__dict__.get("_progress_cache", {}).get("records", records)
+        records = self._progress_state()["records"]  # the read waited for may have replaced them
         self._fit_group_to_swarm(matchmaking, records, step.deadline)
         self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
 

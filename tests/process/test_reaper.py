@@ -31,3 +31,5 @@ def test_a_look_counts_only_processes_not_noted_before():
     finally:
         child.kill()
         child.wait(timeout=10)
+        if watch.pidfd is not None:
+            os.close(watch.pidfd)

@@ -235,7 +235,7 @@ def test_a_first_gradient_round_is_planned_from_the_records_its_read_brings_back
     averager = SimpleNamespace(_budget=None, _last_group=frozenset())
     matchmaking = SimpleNamespace(target_group_size=None, min_matchmaking_time=3.0,
                                   potential_leaders=SimpleNamespace(min_matchmaking_time=3.0))
-    for name in ("_first_progress_read", "_fit_group_to_swarm", "_raise_group_target"):
+    for name in ("_first_progress_read", "_fit_group_to_swarm", "_raise_group_target", "_progress_state"):
         setattr(averager, name, getattr(CheckedRounds, name).__get__(averager))
     averager._match_within_epoch = lambda mm, step: 4
     averager._plan_round = lambda mm, step, epoch: setattr(averager, "planned", (mm.target_group_size, epoch))
