@@ -232,7 +232,10 @@ def bandwidth_check(found) -> Check:
     data = found.model_dump()
     detail = (f"download {_mbit(found.download_mbps)}, upload {_mbit(found.upload_mbps)} Mbit/s to "
               f"{found.peer[:12]}...")
-    if found.upload_mbps is not None and found.upload_mbps < SLOW_UPLOAD_MBPS:
+    if found.download_mbps is None or found.upload_mbps is None:
+        return Check(name="bandwidth", status="warn", detail=f"{detail}: {found.error or 'not measured'}", data=data,
+                     fix="run 'collab doctor' again later to measure both directions")
+    if found.upload_mbps < SLOW_UPLOAD_MBPS:
         return Check(name="bandwidth", status="warn", detail=detail, data=data,
                      fix=f"pass --bandwidth {max(found.upload_mbps, 0.1):.2g} so that your part of each average is "
                          "smaller and the swarm does not wait on your uplink")

@@ -27,6 +27,7 @@ MAX_ASKED = 5  # peers asked to dial back (as Petals does): enough for a majorit
 ASK_TIMEOUT = DIAL_TIMEOUT + 7.0  # a dial-back or clock question, stream opening included
 FIRST_TRANSFER = 512 * 1024  # the first bandwidth probe, to size the second for about TRANSFER_SECONDS
 TRANSFER_SECONDS = 2.0
+TRANSFER_ATTEMPTS = 2  # per direction
 MAX_SKEW = 3.0  # seconds: hivemind's DHT expirations and matchmaking deadlines assume clocks within this
 
 T = TypeVar("T")
@@ -300,11 +301,15 @@ def measure_bandwidth(dht, peer: str, timeout: float = 60.0) -> Bandwidth:
     async def work(p2p: P2P) -> Bandwidth:
         result = Bandwidth(peer=peer)
         for field, measure in (("download_mbps", _download), ("upload_mbps", _upload)):
-            try:
-                first = await measure(p2p, peer, FIRST_TRANSFER)
-                setattr(result, field, round(await measure(p2p, peer, next_size(first)), 2))
-            except Exception as e:
-                result.error = f"{type(e).__name__}: {str(e)[:120]}" if str(e) else type(e).__name__
+            for _ in range(TRANSFER_ATTEMPTS):  # one stream cut short is no measure of the link
+                try:
+                    first = await measure(p2p, peer, FIRST_TRANSFER)
+                    setattr(result, field, round(await measure(p2p, peer, next_size(first)), 2))
+                    break
+                except Exception as e:
+                    why = f"{type(e).__name__}: {str(e)[:120]}" if str(e) else type(e).__name__
+            else:
+                result.error = f"{field.split('_')[0]}: {why}"
         return result
 
     try:

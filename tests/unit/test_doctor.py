@@ -71,6 +71,8 @@ def test_a_slow_uplink_is_told_which_bandwidth_to_announce():
     assert bandwidth_check(Bandwidth(peer="QmPeer", download_mbps=95.0, upload_mbps=40.0)).status == "ok"
     failed = bandwidth_check(Bandwidth(peer="QmPeer", error="rate-limited"))
     assert failed.status == "warn" and "rate-limited" in failed.detail
+    half = bandwidth_check(Bandwidth(peer="QmPeer", upload_mbps=40.0, error="download: IncompleteReadError"))
+    assert half.status == "warn" and "download ?, upload 40" in half.detail and "IncompleteReadError" in half.detail
 
 
 def test_a_client_is_never_dialled_and_public_is_ok():
