@@ -94,6 +94,11 @@ class StopOnSignal:
         self._watchdog = None
         self._on_stop: list = []  # run once, at the first signal: e.g. abort averaging rounds in flight
         self._before_force_exit: list = []  # e.g. write the exit summary, so a forced exit is reported as such
+        # one ending only: a forced exit that began (its summary written) ends in exit 1, even if the graceful path
+        # finishes meanwhile; a graceful path that finished first is never overwritten by the watchdog
+        # (re-entrant: a second signal's handler may run on the main thread while it is inside cancel())
+        self._ending = threading.RLock()
+        self._cancelled = False
 
     _active: "StopOnSignal | None" = None
 
@@ -144,10 +149,17 @@ class StopOnSignal:
             _quietly(callback)
 
     def cancel(self) -> None:
+        """The graceful path is done. A forced exit under way is let finish (this waits for it: it exits 1)."""
+        with self._ending:
+            self._cancelled = True
         if self._watchdog is not None:
             self._watchdog.cancel()
 
     def _force_exit(self, reason: str) -> None:
+        self._ending.acquire()  # held until os._exit: cancel() then waits, never exits 0 after a "forced exit"
+        if self._cancelled:  # the graceful path finished while the timer fired: its summary stands
+            self._ending.release()
+            return
         for callback in self._before_force_exit:
             _quietly(callback, reason)
 
