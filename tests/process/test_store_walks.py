@@ -12,8 +12,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
 from collab.hivemind_hooks.patches import store_walks_without_values
-from collab.records.metrics import PROGRESS_SUFFIX
+from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX, STORE_BEAM, PeerMetricsRecord, publish
 from collab.swarm.dht_traffic import dht_requests, start_counting
+from tests.conftest import METRICS_RECORD
 
 RUN = "walks"
 KEY = RUN + PROGRESS_SUFFIX  # a key dht_requests names
@@ -26,8 +27,8 @@ async def _node_id(_dht, node):
     return node.node_id
 
 
-async def _holds(_dht, node, subkey: str) -> bool:
-    found = node.protocol.storage.get(DHTID.generate(source=KEY))
+async def _holds(_dht, node, subkey, key: str = KEY) -> bool:
+    found = node.protocol.storage.get(DHTID.generate(source=key))
     return found is not None and subkey in found.value.data
 
 
@@ -94,3 +95,24 @@ def test_a_store_walks_to_the_same_nodes_without_bringing_back_their_records(swa
     # and a reader that walks the key finds every record
     found = swarm[-1].get(KEY, latest=True, return_future=True).result(timeout=WAIT)
     assert found is not None and {"plain", "patched", *(f"peer{i}" for i in range(NODES))} <= set(found.value)
+
+
+def test_collabs_own_records_walk_a_narrower_beam_and_still_land_on_the_nearest_nodes(swarm):
+    """hivemind's store walk visits its whole beam (20 nodes: here all 6 others) to store on the nearest 5; collab's
+    records (metrics, progress) walk a beam of STORE_BEAM, land on the same 5 nodes, and are read back."""
+    key = RUN + METRICS_SUFFIX
+    writer = swarm[3]
+    start_counting(writer)
+    _in_process(writer, _patch)
+    before = dht_requests(writer, run_id=RUN, timeout=10)["by_key"].get(f"{key} (store walks)", {}).get("requests", 0)
+    publish(writer, RUN, b"writer", PeerMetricsRecord(**METRICS_RECORD), 60)
+    key_id = DHTID.generate(source=key)
+    holders, deadline = [], get_dht_time() + WAIT
+    while len(holders) < 5 and get_dht_time() < deadline:  # publish() does not wait for its store
+        holders = [dht for dht in swarm if _in_process(dht, partial(_holds, subkey=b"writer", key=key))]
+    walked = dht_requests(writer, run_id=RUN, timeout=10)["by_key"][f"{key} (store walks)"]["requests"] - before
+    assert walked <= STORE_BEAM < NODES - 1, f"the walk asked {walked} nodes, not at most {STORE_BEAM}"
+    nearest = sorted(swarm, key=lambda dht: key_id.xor_distance(_in_process(dht, _node_id)))[:5]
+    assert set(holders) == set(nearest)
+    found = swarm[0].get(key, latest=True, return_future=True).result(timeout=WAIT)
+    assert found is not None and list(found.value) == [b"writer"], found
