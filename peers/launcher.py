@@ -226,6 +226,7 @@ class LocalSwarm:
         for peer in self.peers:
             peer.make_identity()
         self.initial_peer: Optional[str] = None
+        self.start_args: list[str] = []
 
     def __enter__(self) -> "LocalSwarm":
         return self
@@ -241,6 +242,7 @@ class LocalSwarm:
         """
         count = len(self.peers) if count is None else count
         wait = str(count if wait_peers is None else wait_peers)
+        self.start_args = ["--wait-peers", wait]  # what a peer started again after a failed start is given too
         first = self.peers[0]
         first.start(["--wait-peers", wait], env=self._env(0), forks=self._fork_server())
         self._wait_for_join_line(first)

@@ -52,6 +52,7 @@ class Simulation:
         self.lab: Optional[NetworkLab] = None
         self.swarm: Optional[LocalSwarm] = None
         self.warnings: list[str] = []
+        self.started_again: set[int] = set()  # peers whose failed start was tried once more
 
     def _network(self) -> contextlib.AbstractContextManager:
         if self.spec.profile is None:
@@ -144,6 +145,7 @@ class Simulation:
         while time.monotonic() < deadline and not stop.is_set():
             if self.spec.max_epochs is not None and self.swarm.wait(timeout=0):
                 return
+            self._start_failed_starts_again()
             epoch = timeline.sample()
             lines = [_last_epoch_line(p.log_text()) for p in self.swarm.peers] if epoch > shown else []
             if any(lines):
@@ -153,8 +155,31 @@ class Simulation:
         if not stop.is_set() and time.monotonic() >= deadline:
             self.say(f"{self.spec.duration:.0f} s reached: stopping the peers")
 
+    def _start_failed_starts_again(self) -> None:
+        """A peer that exited with an error before training (on a busy machine: its dial of the initial peers or its
+        wait for the manifest timed out) is started once more. The others' --wait-peers counts it: without it they
+        wait out their timeout, and a 32-peer run on 2 cores spent all its 240 s so. Said, and kept in the report."""
+        for peer in self.swarm.peers:
+            code = peer.popen.poll() if peer.popen is not None else None
+            if code is None or code <= 0 or peer.index in self.started_again:  # running, done, or signalled (churn)
+                continue
+            log = peer.log_text()
+            if _last_epoch_line(log) is not None:  # it trained: a failure to report, not a start to retry
+                continue
+            self.started_again.add(peer.index)
+            why = _last_error(log)
+            self.warnings.append(f"peer {peer.index} exited while joining ({why}); it was started once more")
+            self.say(f"  peer {peer.index} exited while joining ({why}): starting it once more")
+            self.swarm.start_peer(peer.index, self.swarm.start_args)
+
     def _say_event(self, event) -> None:
         self.say(f"  churn at {event.at:.0f} s: {event.action} peer {event.peer}")
+
+
+def _last_error(log: str, most: int = 160) -> str:
+    """The peer's one-line error (`collab join: error: ...`), shortened; or its exit without one."""
+    lines = [line for line in log.splitlines() if ": error: " in line]
+    return lines[-1].split(": error: ", 1)[1][:most] if lines else "no error line in its log"
 
 
 def _last_epoch_line(log: str) -> Optional[str]:
