@@ -289,17 +289,25 @@ def twin_key(key_id: DHTID) -> DHTID:
     return DHTID(key_id ^ 1)
 
 
+# a store's beam: hivemind's (its bucket size, 20) visits every node of a swarm of up to 21 on each store, though the
+# value goes to the nearest num_replicas (5) of them. Readers' walks keep the full beam, so a record on the 5 nearest
+# nodes the walker found is still read
+STORE_BEAM = 5
+
+
 def store_walks_without_values(node) -> None:
     """hivemind's store first walks the DHT for the key's nearest nodes, and each node the walk asks answers with
     everything it holds under the key, which the walk throws away: under the progress key, every peer's signed
     record, each checked by the walker, so (N - 1) x N records per store. Its walk asks for the key's twin instead
-    (`twin_key`): the same nodes answer with the same neighbours, and no values. Reads (get) are unchanged. Once per
-    DHT node, in the DHT's process."""
+    (`twin_key`): the same nodes answer with the same neighbours, and no values; and it keeps a beam of STORE_BEAM
+    (unless the store names its own), hivemind's own stores included (its averagers' declarations). Reads (get) are
+    unchanged. Once per DHT node, in the DHT's process."""
     if getattr(node, "_collab_store_walks", False):
         return
     store_many, call_find = node.store_many, node._call_find_with_blacklist
 
     async def store_many_walking_to_the_twin(*args, **kwargs):
+        kwargs.setdefault("beam_size", STORE_BEAM)
         walking = _walking_to_store.set(True)  # the walk's tasks, made inside, inherit it
         try:
             return await store_many(*args, **kwargs)

@@ -32,7 +32,6 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from collab.hivemind_hooks.optimizer import TrackerHooks
 from collab.records.identity import signer_peer_id
-from collab.records.metrics import STORE_BEAM
 from collab.records.untrusted import Rejections, accept, drop_implausible_epochs
 
 logger = get_logger(__name__)
@@ -164,8 +163,7 @@ class HonestProgressTracker(TrackerHooks):
                 last_report_time = get_dht_time()
                 store_task = asyncio.create_task(asyncio.wait_for(self.dht.store(
                     key=self.training_progress_key, subkey=self._local_public_key, value=self.local_progress.dict(),
-                    expiration_time=last_report_time + self.metadata_expiration, return_future=True,
-                    beam_size=STORE_BEAM),
+                    expiration_time=last_report_time + self.metadata_expiration, return_future=True),
                     timeout=self.metadata_expiration))
         finally:
             if store_task is not None:

@@ -20,10 +20,6 @@ from collab import __version__
 
 METRICS_SUFFIX = "_metrics"
 PROGRESS_SUFFIX = "_progress"  # written by hivemind's ProgressTracker
-# a store's walk to the key's nearest nodes: hivemind's beam (its bucket size, 20) visits every node of a swarm of up
-# to 21, each store, though the value goes to the nearest num_replicas (5) of them. Readers' walks keep the full
-# beam, so a record on the 5 nearest the walker found is still read (collab.modes.tracker, this module)
-STORE_BEAM = 5
 _LARGE = 1e9
 LOSS_BOUNDS = (0.0, 1e6)  # PeerMetricsRecord.loss: what every reader accepts
 MAX_PEERS_IN_RECORD = 16  # PeerMetricsRecord.rejected: peers named, and reasons each
@@ -166,5 +162,4 @@ def publish(dht, run_id: str, public_key: bytes, record: PeerMetricsRecord, expi
         value=record.dict(),
         expiration_time=get_dht_time() + expiration,
         return_future=True,
-        beam_size=STORE_BEAM,
     )
