@@ -152,7 +152,8 @@ PATCHED = (
     "hivemind.averaging.partition.TensorPartContainer.register_failed_reducer",  # reducers that died mid-round
     "hivemind.averaging.partition.TensorPartContainer.register_processed_part",  # every returned part checked
     "hivemind.dht.protocol.DHTProtocol.get_stub",  # a peer's DHT requests counted (requests, bytes)
-    "hivemind.dht.node.DHTNode.store_many",  # a store's walk asks for the key's twin: the same nodes, no values
+    # a store's walk asks for the key's twin (the same nodes, no values), with a beam of 5, not 20, by default
+    "hivemind.dht.node.DHTNode.store_many",
     "hivemind.dht.node.DHTNode._call_find_with_blacklist",
     "hivemind.p2p.servicer.ServicerBase.get_stub",  # a state download's donors: members, plausible, dialled bounded
     "hivemind.averaging.allreduce.AllReduceRunner._ban_sender",  # called by collab's reducer loop (one_average)
