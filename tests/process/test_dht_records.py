@@ -1,6 +1,13 @@
-"""A store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values), on real DHT
-nodes (p2pd): the record lands on exactly the nodes hivemind's own walk picks, readers find it, and the walk brings
-back no records, where hivemind's brings back every record under the key from every node it asks."""
+"""Where records go and what walks and reads carry, on real DHT nodes (p2pd).
+
+A store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values): the record lands
+on exactly the nodes hivemind's own walk picks, readers find it, and the walk brings back no records, where
+hivemind's brings back every record under the key from every node it asks.
+
+Reads leave no copies (collab.swarm.node.NO_RECORD_COPIES): after every node has read a key, only the key's 5
+replicas hold its records, and a read brings them back from those 5 alone. A hivemind node with its defaults, beside
+them, keeps a copy of what it read and answers other nodes' finds with it: the copies that made every read of the
+progress key carry every record from every node."""
 
 from __future__ import annotations
 
@@ -14,10 +21,12 @@ from hivemind.utils import get_dht_time
 from collab.hivemind_hooks.patches import STORE_BEAM, store_walks_without_values
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX, PeerMetricsRecord, publish
 from collab.swarm.dht_traffic import dht_requests, start_counting
+from collab.swarm.node import OwnGroupDHT
 from tests.conftest import METRICS_RECORD
 
 RUN = "walks"
 KEY = RUN + PROGRESS_SUFFIX  # a key dht_requests names
+KEY_ID = DHTID.generate(source=KEY)
 NODES = 7
 WAIT = 30  # seconds: every call into a DHT's process is bounded
 RECORD = "x" * 800  # about a signed progress record
@@ -41,13 +50,32 @@ def _in_process(dht, coroutine):
     return dht.run_coroutine(coroutine, return_future=True).result(timeout=WAIT)
 
 
+def _start(nodes: list, count: int, make=hivemind.DHT, **options) -> None:
+    """`count` more nodes joined to the first of `nodes` (the caller shuts them all down, even if one fails)."""
+    for _ in range(count):
+        initial = nodes[0].get_visible_maddrs() if nodes else None
+        nodes.append(make(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **options))
+
+
 @pytest.fixture()
 def swarm():
     nodes = []
     try:
-        for _ in range(NODES):
-            initial = nodes[0].get_visible_maddrs() if nodes else None
-            nodes.append(hivemind.DHT(initial_peers=initial, start=True))
+        _start(nodes, NODES)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+@pytest.fixture()
+def collab_swarm():
+    """NODES of collab's nodes, then one with hivemind's defaults whose id is the farthest from the key: never one of
+    its replicas."""
+    nodes = []
+    try:
+        _start(nodes, NODES, OwnGroupDHT)
+        _start(nodes, 1, node_id=DHTID(KEY_ID ^ (DHTID.MAX - 1)))
         yield nodes
     finally:
         for node in nodes:
@@ -88,8 +116,7 @@ def test_a_store_walks_to_the_same_nodes_without_bringing_back_their_records(swa
     assert plain_per_find > 3 * len(RECORD) and twin_per_find < len(RECORD), (plain_per_find, twin_per_find)
 
     # both records landed on the key's 5 nearest nodes: the twin's nearest are the key's
-    key_id = DHTID.generate(source=KEY)
-    nearest = sorted(swarm, key=lambda dht: key_id.xor_distance(_in_process(dht, _node_id)))[:5]
+    nearest = sorted(swarm, key=lambda dht: KEY_ID.xor_distance(_in_process(dht, _node_id)))[:5]
     for subkey in ("plain", "patched"):
         holders = [dht for dht in swarm if _in_process(dht, partial(_holds, subkey=subkey))]
         assert set(holders) == set(nearest), subkey
@@ -118,3 +145,41 @@ def test_collabs_own_records_walk_a_narrower_beam_and_still_land_on_the_nearest_
     assert set(holders) == set(nearest)
     found = swarm[0].get(key, latest=True, return_future=True).result(timeout=WAIT)
     assert found is not None and list(found.value) == [b"writer"], found
+
+
+async def _holds_any(_dht, node) -> bool:
+    """Whether this node would answer a find for KEY with records: from its storage or from its cache."""
+    return node.protocol.storage.get(KEY_ID) is not None or node.protocol.cache.get(KEY_ID) is not None
+
+
+def _read(dht) -> set:
+    found = dht.get(KEY, latest=True, return_future=True).result(timeout=WAIT)
+    return set(found.value) if found is not None else set()
+
+
+def test_reads_leave_the_records_on_the_keys_replicas_alone(collab_swarm):
+    ours, plain = collab_swarm[:NODES], collab_swarm[NODES]
+    subkeys = {f"peer{i}" for i in range(NODES)}
+    for i, node in enumerate(ours):
+        assert node.store(KEY, RECORD, get_dht_time() + 60, subkey=f"peer{i}", return_future=True).result(timeout=WAIT)
+    replicas = sorted(collab_swarm, key=lambda dht: KEY_ID.xor_distance(_in_process(dht, _node_id)))[:5]
+    assert plain not in replicas
+    others = [node for node in ours if node not in replicas]
+
+    # every node reads the key, twice, and finds every record
+    for node in ours:
+        assert _read(node) >= subkeys and _read(node) >= subkeys
+    holders = [node for node in collab_swarm if _in_process(node, _holds_any)]
+    assert set(holders) == set(replicas), (f"{len(holders)} nodes hold the key's records after the reads, "
+                                           f"not its {len(replicas)} replicas")
+
+    # a read brings the records back from the replicas alone: one copy each, not one from every node it asks
+    reader = others[0]
+    start_counting(reader)
+    assert _read(reader) >= subkeys
+    read = dht_requests(reader, run_id=RUN, timeout=10)["by_key"][KEY]
+    assert read["bytes"] < 5 * NODES * len(RECORD) * 1.2, read
+
+    # hivemind's defaults keep a copy: the plain node, no replica, answers finds with the records once it has read
+    assert _read(plain) >= subkeys
+    assert _in_process(plain, _holds_any), "hivemind's node kept no copy: this test no longer shows what it prevents"
