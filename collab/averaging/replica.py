@@ -2,8 +2,9 @@
 
 Peers stay identical because every step applies the same averaged gradients. A step on this peer's
 own gradients (its gradient round failed while others were in the swarm) moves it one update away
-from everyone else, and only two things bring it back: a state-averaging round that gathered the
-whole swarm, or a download of another peer's state. Mid-run, hivemind downloads at the next step.
+from everyone else, and a download of another peer's state brings it back (a state-averaging round that
+gathered the whole swarm does too, when no peer could give its state: it makes the parameters the same, not the
+optimizer's statistics, collab.modes.replica_sync). Mid-run, hivemind downloads at the next step.
 At `--max-epochs` there is no next step: a peer starved of CPU can miss the last gradient round, then
 the last state-averaging round (its groupmates have finished theirs), and would write a final checkpoint
 one update away from the others'.

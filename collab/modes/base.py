@@ -252,10 +252,10 @@ class SwarmOptimizer(OptimizerHooks):
 
     def in_sync(self) -> bool:
         """Whether this replica holds the swarm's state (as far as this peer can tell): its last step used the
-        swarm's averaged gradients, or a later state-averaging round of the whole swarm or a download undid it."""
+        swarm's averaged gradients, or a download undid it (or, no donor found, a state round of the whole swarm)."""
         own = self.replica.own_step
         if self.replica.repaired_by(self.state_averager.gathered_since):
-            self._now_in_sync("a state-averaging round of the whole swarm followed it")
+            self._now_in_sync("no peer could give its state; a state-averaging round of the whole swarm followed")
         elif own is not None and self.local_epoch > own.epoch and self.tracker.global_progress.num_peers <= 1:
             # everyone else left and this peer trained on: its replica is the run's now, and a newcomer downloads it
             self._now_in_sync("the others left; this replica is the run's now")
@@ -324,7 +324,7 @@ class SwarmOptimizer(OptimizerHooks):
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
         if not self.replica.in_sync and self.in_sync():
-            return True  # the state-averaging round that just finished gathered the whole swarm: no download
+            return True  # (after a re-sync that found no donor) a state round of the whole swarm: no download
         epoch_before = self.local_epoch
         self._adopt_the_swarms_epoch()
         if (self.replica.in_sync and epoch_before < self.local_epoch >= self.tracker.global_epoch

@@ -43,8 +43,8 @@ class CollabOptimizer(SwarmOptimizer):
     none: when a whole group fails (a network blip), each of its peers still learns from its own batch, and the
     next state round averages those steps, as local SGD does. Either way the replica is one update away from
     the swarm: it is recorded as an own step (collab.modes.replica_sync), published as the epoch before (so a leaving
-    peer waits to be its state donor), and undone by a state-averaging round that gathered the whole swarm or
-    by downloading the swarm's state at the next step, or before leaving.
+    peer waits to be its state donor), and undone by downloading the swarm's state at the next step, or before
+    leaving (when no peer can give it, by a state-averaging round that gathered the whole swarm).
     """
 
     sums_micro_batches = True  # its averagers count a window's micro-batches (grad_averager.SummedMicroBatches)

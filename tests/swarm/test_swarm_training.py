@@ -57,11 +57,10 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     # the starved peer knew its last step was its own and fetched the swarm's state; the others were the swarm
     # (or, its round having found nobody left, it applied that round from a peer that made it: averaging.round_replay)
     assert summaries[2]["rounds_failed"] >= 1, f"{summaries[2]}\n{swarm_logs(tmp_path)}"
-    # (or, the others' last state round still matching when its stall ended - a fresh-clone CI run on a slow day - it
-    # joined that round of the whole swarm, which is a re-sync too; the checkpoints below agree either way)
-    repaired = "a state-averaging round of the whole swarm followed it" in (tmp_path / "peer2.log").read_text()
-    assert summaries[2]["final_replica"] == "downloaded" or summaries[2]["rounds_replayed"] >= 1 or (
-        summaries[2]["final_replica"] == "swarm" and repaired), f"{summaries[2]}\n{swarm_logs(tmp_path)}"
+    # (a state round of the whole swarm that it joined after its stall - a fresh-clone CI run on a slow day - is no
+    # re-sync while a donor is there: it averages the parameters, not LAMB's moments; collab.modes.replica_sync)
+    assert summaries[2]["final_replica"] == "downloaded" or summaries[2]["rounds_replayed"] >= 1, \
+        f"{summaries[2]}\n{swarm_logs(tmp_path)}"
     # the others end as the swarm, or by downloading it: in a fresh-clone run under load, peer 0 received 94.7% of
     # its results in its last round with peer 1, which had its own and left; peer 0 lost that reducer, stepped
     # alone and downloaded the state before leaving (the checkpoints below agree). Cause of the lost part unknown
@@ -94,6 +93,11 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     initial = build_task(load_config(config)).model
     moved = max((reference[n] - p).abs().max().item() for n, p in initial.named_parameters())
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
+
+
+def max_difference(model, other) -> float:
+    reference = dict(model.named_parameters())
+    return max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
 
 
 def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_path, run_id,
@@ -130,12 +134,12 @@ def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_
     assert summaries[2]["final_replica"] == "swarm", f"{summaries[2]}\n{swarm_logs(tmp_path)}"
     assert [s["final_epoch"] for s in summaries] == [max_epochs] * 3, summaries
     models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}-checkpoints")[-1])
-              for i in (0, 2)]
-    reference = dict(models[0].named_parameters())
-    worst = max((reference[n] - p).abs().max().item() for n, p in models[1].named_parameters())
+              for i in range(3)]
+    apart = {(i, j): max_difference(models[i], models[j]) for i, j in ((0, 1), (0, 2), (1, 2))}
     # the same average on the same replica: equal as replicas that made every round together (a step on its own
     # gradients would leave it ~lr = 1e-2 away)
-    assert worst < SAME_AVERAGES, f"the late peer left with a replica {worst:.2e} away from the swarm's"
+    assert max(apart.values()) < SAME_AVERAGES, \
+        f"replicas apart by {apart}\n{summaries}\n{swarm_logs(tmp_path, tail=12000)}"
 
 
 # x fewer bytes than fp32 on the micro model, measured (each peer, 4 rounds; 3 now): fp16 1.989, powersgd 6.53 (its factors in

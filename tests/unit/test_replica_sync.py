@@ -41,15 +41,24 @@ def test_a_healed_lineage_split_renumbers_the_own_step_and_its_hold():
     assert replica.own_step_to(5) and replica.held_epoch is None, "a released hold stays released"
 
 
-def test_only_a_state_round_that_gathered_the_whole_swarm_of_the_own_step_repairs_it():
+def test_a_state_round_of_the_whole_swarm_repairs_an_own_step_only_when_no_peer_could_give_its_state():
+    """A state round averages parameters, not the optimizer's moments: while a download may still bring both, it is
+    no repair (a CI run's slow peer, "repaired" so, ended 3.8e-2 from the swarm)."""
     replica = ReplicaSync()
     assert not replica.repaired_by(lambda epoch: 99), "in sync: nothing to repair"
     replica.stepped_alone(epoch=6, peers=3, at=0.0)
+    assert not replica.repaired_by(lambda epoch: 3), "a download is still to be tried"
+    replica.start_resync()
+    assert not replica.repaired_by(lambda epoch: 3), "a download is under way"
+    replica.stop_holding()  # it found no donor
     asked = []
 
     def gathered_since(epoch: int) -> int:
         asked.append(epoch)
         return 2
 
-    assert not replica.repaired_by(gathered_since) and asked == [6]
+    assert not replica.repaired_by(gathered_since) and asked == [6], "2 of the 3 peers of the own step's time"
     assert replica.repaired_by(lambda epoch: 3)
+    # a later own step is a new one: a download is tried for it first
+    replica.stepped_alone(epoch=9, peers=3, at=1.0)
+    assert not replica.repaired_by(lambda epoch: 3)
