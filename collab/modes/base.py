@@ -8,6 +8,7 @@ gradient rounds and what follows a failed one, diloco (on sync) its outer steps,
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -287,12 +288,13 @@ class SwarmOptimizer(OptimizerHooks):
     def settle_before_leaving(self, timeout: float) -> str:
         """At --max-epochs: finish the last step, then make sure the replica is the swarm's before it is saved.
         Returns "swarm" (it was), "downloaded" (it is now) or "own step" (no peer could give the state)."""
-        # our last state round may look for groupmates who finished theirs long ago (after an own step, it will):
-        # give it the matchmaking time, then go on without it and download instead
-        if self.state_averager.give_up_matchmaking(self.local_epoch, self.matchmaking_time, self.stop,
-                                                   limit=self.averaging_timeout):
-            logger.warning(f"Epoch {self.local_epoch}: the last state-averaging round found no group in time")
-        self.state_averager.step(wait_for_delayed_updates=True)  # the last step, and its state-averaging round
+        # our last state round, if it is still looking for a group, is left at once: it could only average replicas
+        # that are the swarm's already, or make one that is not the swarm's parameters without its optimizer's
+        # statistics (no re-sync: collab.modes.replica_sync; the check below downloads instead). Its groupmates
+        # are leaving too, or finished theirs long ago: the last peer of a run waited 10 s here for nobody
+        if self.state_averager.give_up_matchmaking(self.local_epoch, -math.inf, self.stop, limit=self.averaging_timeout):
+            logger.debug(f"Epoch {self.local_epoch}: left the last state-averaging round, still looking for a group")
+        self.state_averager.step(wait_for_delayed_updates=True)  # the last step (and a state round already matched)
         if self.in_sync():
             return "swarm"
         return "downloaded" if self.load_state_from_peers(deadline=time.monotonic() + timeout) else "own step"
