@@ -8,8 +8,9 @@ peer waits to be its donor. A re-sync (download) is tried once per own step, not
 
 Why a state round is only the last resort: hivemind's state rounds average the parameters, not the optimizer's
 statistics (LAMB's moments). After one, this replica's parameters are the swarm's, but its moments still hold the
-own step (and miss the swarm's), so its next step on the same averaged gradients differs: a 3-peer CI run whose slow
-peer was "repaired" so ended 3.8e-2 from the swarm two epochs later. A download brings both.
+own step (and miss the swarm's), so its next step on the same averaged gradients differs. In a 3-peer CI run a slow
+peer "repaired" so stepped apart from its groupmate, the next state round pulled that one along, and both ended
+3.8e-2 from the third peer, which had made every step on the swarm's averages. A download brings both.
 
 The states and their transitions, each a method here (the optimizer applies their effects on hivemind: its records
 and its state-sharing priority):
@@ -43,7 +44,6 @@ class ReplicaSync:
         self.own_step: Optional[OwnStep] = None  # the replica's last step was its own, not the swarm's
         self.held_epoch: Optional[int] = None  # the most its progress record may claim; None: its own epoch
         self._resync_tried: Optional[OwnStep] = None  # the own step a re-sync was last tried for
-        self._no_donor: Optional[OwnStep] = None  # the own step a re-sync found no donor for
 
     @property
     def in_sync(self) -> bool:
@@ -55,7 +55,8 @@ class ReplicaSync:
         is without a donor, though the optimizer's statistics stay each peer's own; see the module).
         `gathered_since(epoch)`: the most peers a round after `epoch` gathered
         (collab.averaging.replica.RecordingStateAverager)."""
-        return (self.own_step is not None and self._no_donor is self.own_step
+        # (an own step whose hold was released: only a re-sync that found no donor releases it, stop_holding)
+        return (self.own_step is not None and self.held_epoch is None
                 and gathered_since(self.own_step.epoch) >= self.own_step.peers)
 
     def stepped_alone(self, epoch: int, peers: int, at: float) -> None:
@@ -88,7 +89,6 @@ class ReplicaSync:
         """A re-sync found no donor: the record goes back to this replica's own epoch and samples (held, they
         count for nothing, and a swarm whose peers have each stepped alone once would never end an epoch again). The
         replica is still not the swarm's. Whether a hold was released."""
-        self._no_donor = self.own_step
         released, self.held_epoch = self.held_epoch is not None, None
         return released
 

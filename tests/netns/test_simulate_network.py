@@ -17,7 +17,7 @@ from collab.peers.profiles import load_profile
 from collab.peers.simulation import Simulation, SimulationSpec
 from collab.train.checkpoint import list_checkpoints
 from tests.conftest import fork_server, peer_env, run_cli, swarm_config, swarm_logs, wait_for, write_config
-from tests.swarm.test_swarm_training import PARAM_TOLERANCE
+from tests.swarm.test_swarm_training import PARAM_TOLERANCE, max_difference
 
 pytestmark = pytest.mark.skipif(namespaces_skip_reason() is not None,
                                 reason=f"no network namespaces: {namespaces_skip_reason()}")
@@ -116,9 +116,7 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
 
     # the NAT'd peer applied the same updates: every final checkpoint holds the same parameters
     models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"ckpt{i}")[-1]) for i in range(4)]
-    reference = dict(models[0].named_parameters())
-    worst = max(max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
-                for other in models[1:])
+    worst = max(max_difference(models[0], other) for other in models[1:])
     assert worst < PARAM_TOLERANCE, f"replicas differ by {worst:.2e}: one missed or diverged from the swarm's updates"
 
 

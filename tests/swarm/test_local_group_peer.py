@@ -13,8 +13,8 @@ from transformers import AlbertForPreTraining
 from collab.peers.launcher import LocalSwarm
 from collab.train.checkpoint import list_checkpoints
 from tests.conftest import fork_server, peer_env, read_summary, scaled, swarm_config, swarm_logs
+from tests.swarm.test_swarm_training import SAME_AVERAGES, max_difference
 
-SAME_AVERAGES = 1e-5  # replicas that applied the very same averages, and nothing else, from the same start
 
 
 def test_a_two_process_peer_averages_with_a_plain_one_and_counts_both_processes_samples(tmp_path, run_id,
@@ -47,6 +47,5 @@ def test_a_two_process_peer_averages_with_a_plain_one_and_counts_both_processes_
     good = sum(ranks) - dropped["loss not finite"]
     assert micro * max(ranks) < pair["samples_contributed"] <= micro * good, (pair["samples_contributed"], ranks)
     models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}")[-1]) for i in range(2)]
-    reference = dict(models[0].named_parameters())
-    worst = max((reference[n] - p).abs().max().item() for n, p in models[1].named_parameters())
+    worst = max_difference(models[0], models[1])
     assert worst < SAME_AVERAGES, f"without state averaging the replicas differ by {worst:.2e}: not the same averages"

@@ -27,6 +27,11 @@ PARAM_TOLERANCE = 1e-3
 SAME_AVERAGES = 1e-5  # replicas that applied the very same averages, and nothing else, from the same start
 
 
+def max_difference(model, other) -> float:
+    reference = dict(model.named_parameters())
+    return max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
+
+
 def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
     """3 peers average and learn, and every final checkpoint is the swarm's model, though two peers are faulty
     (tests/swarm/faulty_peer.py), as peers were in failing CI runs. Peer 2 is starved of CPU at the end of the last
@@ -85,19 +90,12 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
         assert AutoTokenizer.from_pretrained(checkpoints[-1]).mask_token == "[MASK]"
     epochs = {int(list_checkpoints(tmp_path / f"peer{i}-checkpoints")[-1].name.split("-")[1]) for i in range(3)}
     assert epochs == {max_epochs}, epochs
-    reference = dict(models[0].named_parameters())
     for other in models[1:]:
-        worst = max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
+        worst = max_difference(models[0], other)
         assert worst < PARAM_TOLERANCE, f"parameters differ by {worst:.2e} (> {PARAM_TOLERANCE})"
     # against the real initial weights: the task builds them, as every peer does, under the config's seed
-    initial = build_task(load_config(config)).model
-    moved = max((reference[n] - p).abs().max().item() for n, p in initial.named_parameters())
+    moved = max_difference(models[0], build_task(load_config(config)).model)
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
-
-
-def max_difference(model, other) -> float:
-    reference = dict(model.named_parameters())
-    return max((reference[n] - p).abs().max().item() for n, p in other.named_parameters())
 
 
 def test_a_peer_left_behind_in_the_last_round_does_not_wait_out_its_timeout(tmp_path, run_id,
@@ -202,9 +200,7 @@ def test_gradient_averaging_alone_keeps_replicas_equal_with_a_client_mode_peer(t
         assert moved > 0 and low <= s["allreduce_fp32_bytes"] / moved <= high, s
 
     models = [AlbertForPreTraining.from_pretrained(list_checkpoints(tmp_path / f"peer{i}")[-1]) for i in range(2)]
-    reference = dict(models[0].named_parameters())
-    worst = max((reference[n] - p).abs().max().item() for n, p in models[1].named_parameters())
+    worst = max_difference(models[0], models[1])
     assert worst < SAME_AVERAGES, f"without state averaging the replicas differ by {worst:.2e}: not the same averages"
-    initial = build_task(load_config(config)).model
-    moved = max((reference[n] - p).abs().max().item() for n, p in initial.named_parameters())
+    moved = max_difference(models[0], build_task(load_config(config)).model)
     assert moved > 10 * PARAM_TOLERANCE, "training did not change the parameters"
