@@ -111,3 +111,33 @@ def start_in_largest_gap(taken: list[float], fallback: float) -> float:
     gaps = [((points[(i + 1) % len(points)] - p) % 1.0 or 1.0, p) for i, p in enumerate(points)]
     width, left = max(gaps)
     return (left + width / 2) % 1.0
+
+
+def _ring_distance(a: float, b: float) -> float:
+    d = abs(a - b) % 1.0
+    return min(d, 1.0 - d)
+
+
+def spread_twins(mine: str, starts: dict[str, float]) -> float:
+    """Peer `mine`'s start after a second look at everyone's (`starts`: peer id -> start, its own included).
+
+    Peers that joined at once saw the same starts, so start_in_largest_gap gave them the same point. Once each has
+    published its own, every one of them sees the twins: those closer to it than a quarter of a fair share of the
+    ring (1 / peers). The twin with the smallest id keeps the point; the others, in id order, each take the largest
+    gap left by the rest and the twins before it. Every twin computes the same placement from the same view, so
+    they do not collide again. Not a number in [0, 1) (another peer's claim is untrusted): ignored."""
+    points = {peer: s for peer, s in starts.items() if isinstance(s, float) and 0.0 <= s < 1.0}
+    own = points.get(mine)
+    if own is None:
+        raise ValueError(f"peer {mine!r} has no start of its own among {len(points)}")
+    near = 0.25 / len(points)
+    twins = sorted(peer for peer, s in points.items() if _ring_distance(s, own) < near)
+    if twins[0] == mine:
+        return own
+    taken = [s for peer, s in points.items() if peer not in twins] + [points[twins[0]]]
+    for peer in twins[1:]:
+        start = start_in_largest_gap(taken, own)
+        if peer == mine:
+            return start
+        taken.append(start)
+    raise AssertionError("unreachable: `mine` is one of its own twins")

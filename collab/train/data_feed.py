@@ -3,33 +3,45 @@
 A peer of a run whose manifest lists token shards reads them through a ShardFeed (collab.data.feed). Its place
 (start on the ring of shards, position = windows read) comes, in order, from its checkpoint, from the place it last
 saved for this corpus and identity (a peer restarted without a checkpoint resumes too), or, for a new peer, from the
-largest gap between the starts the others publish in their records (collab.data.order.start_in_largest_gap), so
-concurrent peers read different text. A volunteer's feed fetches what it lacks from the swarm (collab.run.shard_fetch).
+largest gap between the starts the others published (collab.data.order.start_in_largest_gap), so concurrent peers
+read different text. A new peer publishes its start at once, under the run's claims key (its metrics record carries it
+only from its first epoch on), then looks again: peers that joined at the same moment saw the same gaps and took the
+same point, and now spread out (collab.data.order.spread_twins). A volunteer's feed fetches what it lacks from the
+swarm (collab.run.shard_fetch).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from hivemind.utils.timed_storage import get_dht_time
+
 from collab.data.cache import cache_dir, write_atomically
 from collab.data.feed import ShardFeed
-from collab.data.order import start_for_peer, start_in_largest_gap
+from collab.data.order import spread_twins, start_for_peer, start_in_largest_gap
+from collab.records.untrusted import signed_values
 from collab.run.shard_fetch import ShardFetcher
 from collab.run.sharer import SharedRun
 from collab.swarm.state import read_run_state
 
 PLACE_KEY = "data"  # in a checkpoint's training state
+CLAIMS_SUFFIX = "_data_starts"  # the run's key where each peer stores its start, signed, as soon as it has one
+CLAIM_LIFETIME = 300.0  # seconds: by then the peer's metrics record carries its start
+# the second look waits twice as long as this peer's own claim took to store (a twin that chose at the same moment has
+# stored its own by then), within these bounds (seconds)
+SECOND_LOOK_WAIT = (0.2, 3.0)
 
 
 @dataclass
 class DataPlace:
     start: float
     position: int
-    came_from: str  # "checkpoint", "saved", "largest gap" or "own hash"
+    came_from: str  # "checkpoint", "saved", "largest gap", "own hash" or "spread from a twin"
 
     def as_dict(self) -> dict:
         return {"start": self.start, "position": self.position}
@@ -70,10 +82,18 @@ class PeerData:
         place = DataPlace.parse((resume or {}).get(PLACE_KEY), "checkpoint") or self._read_saved()
         if place is None:
             own = start_for_peer(self.feed.seed, peer_id)
-            taken = [p.data_start for p in read_run_state(swarm.dht, run_id).peers
-                     if p.online and p.peer_id != peer_id and p.data_start is not None]
-            start = start_in_largest_gap(taken, own)
-            place = DataPlace(start, 0, "largest gap" if taken else "own hash")
+            taken = published_starts(swarm.dht, run_id, but=peer_id)
+            place = DataPlace(start_in_largest_gap(list(taken.values()), own), 0,
+                              "largest gap" if taken else "own hash")
+            waited = claim_start(swarm, place.start)
+            time.sleep(min(max(2 * waited, SECOND_LOOK_WAIT[0]), SECOND_LOOK_WAIT[1]))
+            seen = {**published_starts(swarm.dht, run_id, but=peer_id), peer_id: place.start}
+            start = spread_twins(peer_id, seen)
+            if start != place.start:
+                place = DataPlace(start, 0, "spread from a twin")
+                claim_start(swarm, start)
+        else:  # a joiner sees it before this peer's first record does
+            claim_start(swarm, place.start, wait=False)
         self.feed.start, self.feed.position, self.place = place.start, place.position, place
         if self.shards.cache is not None:
             self.fetcher = ShardFetcher(swarm.dht, run_id, peer_id, self.shards.data,
@@ -127,3 +147,28 @@ class PeerData:
         if self.fetcher is not None:
             self.fetcher.close()
         self.save()
+
+
+def claim_start(swarm, start: float, wait: bool = True) -> float:
+    """Store this peer's start on the ring of shards under the run's claims key, signed; the seconds it took."""
+    began = time.monotonic()
+    future = swarm.dht.store(key=swarm.peer.run_id + CLAIMS_SUFFIX, subkey=swarm.public_key, value=start,
+                             expiration_time=get_dht_time() + CLAIM_LIFETIME, return_future=True)
+    if wait:
+        try:
+            future.result(timeout=SECOND_LOOK_WAIT[1])
+        except Exception:  # not stored (yet): the metrics record will carry the start
+            pass
+    return time.monotonic() - began
+
+
+def published_starts(dht, run_id: str, but: str) -> dict[str, float]:
+    """Peer id -> start on the ring of shards, for every peer but `but`: from the online peers' metrics records and
+    the run's claims (newer: a claim wins). Each is signed by the peer it names; anything else is left out."""
+    starts = {p.peer_id: p.data_start for p in read_run_state(dht, run_id).peers
+              if p.online and p.data_start is not None}
+    for signer, value in signed_values(dht.get(run_id + CLAIMS_SUFFIX, latest=True)):
+        if signer is not None and isinstance(value, float) and 0.0 <= value < 1.0:
+            starts[signer] = value
+    starts.pop(but, None)
+    return starts

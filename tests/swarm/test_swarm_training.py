@@ -59,6 +59,11 @@ def test_three_peers_average_and_learn(tmp_path, run_id, no_leftover_processes):
         assert max(s["group_sizes"]) >= 2, s
         losses = [v for _, v in sorted((int(k), v) for k, v in s["loss_by_epoch"].items())]
         assert losses[-1] < losses[0], f"loss did not fall on peer {s['peer_id']}: {losses}"
+    # the three joined about at once and read different text: peers 1 and 2 both saw peer 0's start, took the same
+    # point opposite it, and spread out on a second look (collab.data.order.spread_twins; before, 2 of 3 shared it)
+    starts = sorted(s["data"]["start"] for s in summaries)
+    gaps = [b - a for a, b in zip(starts, starts[1:])] + [1 + starts[0] - starts[-1]]
+    assert min(gaps) >= 0.2, [s["data"] for s in summaries]
     # the starved peer knew its last step was its own and fetched the swarm's state; the others were the swarm
     # (or, its round having found nobody left, it applied that round from a peer that made it: averaging.round_replay)
     assert summaries[2]["rounds_failed"] >= 1, f"{summaries[2]}\n{swarm_logs(tmp_path)}"

@@ -187,6 +187,32 @@ def test_peers_that_join_one_by_one_take_the_largest_gap_and_then_read_disjoint_
     assert overlap < 0.15, (starts, overlap)
 
 
+def test_peers_that_joined_at_once_spread_out_on_a_second_look_without_colliding_again():
+    from collab.data.order import spread_twins, start_in_largest_gap
+
+    shard_tokens, peers = [4096] * 64, [f"peer-{i}" for i in range(8)]
+    # peer 0 is alone; the other seven join at the same moment, each seeing only peer 0: one point for all seven
+    first = start_for_peer(1, peers[0])
+    chosen = {peers[0]: first, **{p: start_in_largest_gap([first], start_for_peer(1, p)) for p in peers[1:]}}
+    assert len(set(chosen.values())) == 2
+    each = WindowOrder(shard_tokens, 128, seed=1, start=0.0).per_pass // 8
+    before = _overlap([WindowOrder(shard_tokens, 128, seed=1, start=s) for s in chosen.values()], each)
+    # each then sees all eight claims: the twin with the smallest id keeps the point, the others take gaps in turn
+    after = {p: spread_twins(p, chosen) for p in peers}
+    assert after[peers[0]] == first and after[min(peers[1:])] == chosen[min(peers[1:])]
+    overlap = _overlap([WindowOrder(shard_tokens, 128, seed=1, start=s) for s in after.values()], each)
+    print(f"\noverlap of 8 peers, 7 joining at once: {before:.3f} at the largest gap, {overlap:.3f} after the "
+          "second look")
+    assert before > 0.6 and overlap < 0.15, (after, overlap)
+    # a second look that finds no twin moves nobody (peers that joined one by one stay where they were)
+    for p in peers:
+        assert spread_twins(p, after) == after[p]
+    # another peer's claim is untrusted: junk is ignored, and a peer with no start of its own is a bug
+    assert spread_twins("a", {"a": 0.5, "b": float("nan"), "c": 7.0, "d": "x"}) == 0.5
+    with pytest.raises(ValueError, match="no start of its own"):
+        spread_twins("a", {"b": 0.5})
+
+
 def test_a_pool_of_tokenizing_processes_writes_the_same_shards(tmp_path, monkeypatch):
     """A large corpus is tokenized by a process per core (spawned, each with its own tokenizer); the shards are the
     ones a single process writes, byte for byte."""
