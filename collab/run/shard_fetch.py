@@ -32,6 +32,7 @@ from collab.run.sharing import ask_for_file, close_loop, own_p2p
 
 HOLDINGS_SUFFIX = "_shards"
 HOLDINGS_LIFETIME = 300.0  # seconds; a serving peer republishes well before
+CLAIMS_SUFFIX = "_data_starts"  # where each peer stores its start on the ring of shards (collab.train.data_feed)
 BAN_SECONDS = 600.0
 SLOWEST_UPLINK = 512 * 1024  # bytes/s (4 Mbit/s) a peer's upload may take before it is given up on for a shard
 REFUSED = "served a shard that does not match the manifest's sha256"

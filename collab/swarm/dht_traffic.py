@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from functools import partial
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 from hivemind.dht.routing import DHTID
 
@@ -17,7 +17,7 @@ from collab.adaptive.batch_plan import PLAN_SUFFIX
 from collab.hivemind_hooks.patches import count_dht_requests, twin_key
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX
 from collab.run.gate import MEMBERS_SUFFIX, REVOKED_SUFFIX
-from collab.run.shard_fetch import HOLDINGS_SUFFIX
+from collab.run.shard_fetch import CLAIMS_SUFFIX, HOLDINGS_SUFFIX
 from collab.run.sharing import MANIFEST_SUFFIX
 
 READ_TIMEOUT = 5.0
@@ -44,16 +44,18 @@ class DHTRequests:
             self.by_key[bytes(key)][0] += 1
             self.by_key[bytes(key)][1] += (sent + received) // len(keys)
 
-    def report(self, names: Iterable[str] = ()) -> dict:
-        """`names`: keys this peer knows (the run's progress, metrics, group keys...): the others are "other"."""
+    def report(self, names: Union[Iterable[str], Mapping[str, str]] = ()) -> dict:
+        """`names`: keys this peer knows (the run's progress, metrics, group keys...), or key -> the row it counts
+        in (each epoch's group keys in one): the others are "other"."""
         rows = {rpc: dict(requests=r[0], failed=r[1], bytes_sent=r[2], bytes_received=r[3])
                 for rpc, r in sorted(self.by_rpc.items())}
+        labels = names if isinstance(names, Mapping) else {name: name for name in names}
         named: dict[bytes, str] = {}
-        for name in names:
+        for name, label in labels.items():
             key_id = DHTID.generate(source=name)
-            named[key_id.to_bytes()] = name
+            named[key_id.to_bytes()] = label
             # a store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values)
-            named[twin_key(key_id).to_bytes()] = f"{name} (store walks)"
+            named[twin_key(key_id).to_bytes()] = f"{label} (store walks)"
         by_key: dict[str, dict] = {}
         for key, (requests, size) in self.by_key.items():
             row = by_key.setdefault(named.get(key, "other"), dict(requests=0, bytes=0))
@@ -66,15 +68,23 @@ class DHTRequests:
                 "by_rpc": rows, "by_key": dict(sorted(by_key.items(), key=lambda kv: -kv[1]["bytes"]))}
 
 
-def known_keys(run_id: str) -> list[str]:
+GROUP_BITS = ("", "0", "1", "00", "01", "10", "11")  # hivemind's group keys are PREFIX.0bBITS
+EPOCHS_NAMED = 1000  # each epoch's group keys are named for this many epochs back from a peer's last
+
+
+def known_keys(run_id: str, epochs: Iterable[int] = ()) -> dict[str, str]:
     """The DHT keys of a run that its peers read and write (collab's records; hivemind's progress, its averagers'
-    donor lists and first group keys), by name."""
+    donor lists and group keys; the gradient rounds' group keys of `epochs`, which each round is matched under:
+    collab.averaging.grad_averager.EpochGroups), each with the row of a report it counts in."""
     names = [run_id + suffix for suffix in (PROGRESS_SUFFIX, METRICS_SUFFIX, PLAN_SUFFIX, MANIFEST_SUFFIX,
-                                            HOLDINGS_SUFFIX, MEMBERS_SUFFIX, REVOKED_SUFFIX)]
+                                            HOLDINGS_SUFFIX, MEMBERS_SUFFIX, REVOKED_SUFFIX, CLAIMS_SUFFIX)]
     for averager in ("_grad_averager", "_state_averager"):
-        names += [f"{run_id}{averager}.all_averagers", f"{run_id}{averager}.0b"]
-        names += [f"{run_id}{averager}.0b{bits}" for bits in ("0", "1", "00", "01", "10", "11")]
-    return names
+        names += [f"{run_id}{averager}.all_averagers", *(f"{run_id}{averager}.0b{bits}" for bits in GROUP_BITS)]
+    labels = {name: name for name in names}
+    for epoch in epochs:
+        for bits in GROUP_BITS:
+            labels[f"{run_id}_grad_averager_epoch{epoch}.0b{bits}"] = f"{run_id}_grad_averager_epoch*.0b (rounds)"
+    return labels
 
 
 _counting: Optional[DHTRequests] = None  # in the DHT's process
@@ -102,12 +112,13 @@ def start_counting(dht) -> None:
     dht.run_coroutine(_start)
 
 
-def ask_for_counts(dht, run_id: str = ""):
-    """Ask the DHT's process for the counts so far, with the run's known keys named; the answer (a future, None if
-    the DHT could not be asked) is read with `counts_answered`. Asked before a slow step (the averagers' shutdown),
-    it is answered meanwhile."""
+def ask_for_counts(dht, run_id: str = "", last_epoch: Optional[int] = None):
+    """Ask the DHT's process for the counts so far, with the run's known keys named (and the rounds' group keys up to
+    `last_epoch`); the answer (a future, None if the DHT could not be asked) is read with `counts_answered`. Asked
+    before a slow step (the averagers' shutdown), it is answered meanwhile."""
+    epochs = range(max(0, last_epoch + 2 - EPOCHS_NAMED), last_epoch + 2) if last_epoch is not None else ()
     try:
-        report = partial(_report, names=tuple(known_keys(run_id)) if run_id else ())
+        report = partial(_report, names=known_keys(run_id, epochs) if run_id else ())
         return dht.run_coroutine(report, return_future=True)
     except Exception:  # a DHT shutting down: no figures this time
         return None

@@ -25,12 +25,11 @@ from collab.data.cache import cache_dir, write_atomically
 from collab.data.feed import ShardFeed
 from collab.data.order import spread_twins, start_for_peer, start_in_largest_gap
 from collab.records.untrusted import signed_values
-from collab.run.shard_fetch import ShardFetcher
+from collab.run.shard_fetch import CLAIMS_SUFFIX, ShardFetcher
 from collab.run.sharer import SharedRun
 from collab.swarm.state import read_run_state
 
 PLACE_KEY = "data"  # in a checkpoint's training state
-CLAIMS_SUFFIX = "_data_starts"  # the run's key where each peer stores its start, signed, as soon as it has one
 CLAIM_LIFETIME = 300.0  # seconds: by then the peer's metrics record carries its start
 # the second look waits twice as long as this peer's own claim took to store (a twin that chose at the same moment has
 # stored its own by then), within these bounds (seconds)

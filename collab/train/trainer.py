@@ -353,7 +353,7 @@ class TrainingLoop:
         # the DHT's figures, read once, at exit (each read is a request to the DHT's process): asked now, answered
         # while the averagers shut down. Asked after, a DHT process starved of CPU (24 peers on 2 cores) made a
         # leaving peer wait up to READ_TIMEOUT more, past the leave's grace
-        asked = ask_for_counts(opt.dht, self.swarm.peer.run_id)
+        asked = ask_for_counts(opt.dht, self.swarm.peer.run_id, last_epoch=opt.local_epoch)
         opt.shutdown()  # waits for a delayed optimizer step, says goodbye to the tracker
         summary.final_epoch = opt.local_epoch
         summary.final_replica = summary.final_replica or ("swarm" if opt.in_sync() else "own step")

@@ -315,16 +315,22 @@ def test_a_nodes_dht_requests_are_counted_by_rpc_and_by_key_with_their_bytes():
             await protocol.get_stub("peer").rpc_find(Message(40, ["run_progress"]), timeout=1)
         with pytest.raises(TimeoutError):
             await protocol.get_stub("peer").rpc_store(Message(500, ["run_metrics", "someone's key"]), timeout=1)
+        # each epoch's gradient rounds are matched under a key of their own (grad_averager.EpochGroups): one row
+        for epoch in (3, 4):
+            await protocol.get_stub("peer").rpc_find(Message(10, [f"run_grad_averager_epoch{epoch}.0b"]), timeout=1)
 
     asyncio.run(talk())
-    report = counts.report(names=known_keys("run"))
-    assert report["requests"] == 4 and report["bytes_sent"] == 3 * 40 + 500 and report["bytes_received"] == 900
-    assert report["by_rpc"]["find"] == {"requests": 3, "failed": 0, "bytes_sent": 120, "bytes_received": 900}
+    assert counts.report(names=known_keys("run"))["by_key"]["other"]["requests"] == 3  # no epochs named
+    report = counts.report(names=known_keys("run", epochs=range(5)))
+    assert report["requests"] == 6 and report["bytes_sent"] == 3 * 40 + 500 + 2 * 10
+    assert report["bytes_received"] == 5 * 300
+    assert report["by_rpc"]["find"] == {"requests": 5, "failed": 0, "bytes_sent": 140, "bytes_received": 1500}
     assert report["by_rpc"]["store"] == {"requests": 1, "failed": 1, "bytes_sent": 500, "bytes_received": 0}
     # by key, the heaviest first; a two-key request's bytes shared between its keys; unknown keys are "other"
     assert report["by_key"] == {"run_progress": {"requests": 3, "bytes": 1020},
+                                "run_grad_averager_epoch*.0b (rounds)": {"requests": 2, "bytes": 620},
                                 "run_metrics": {"requests": 1, "bytes": 250}, "other": {"requests": 1, "bytes": 250}}
-    assert list(report["by_key"]) == ["run_progress", "run_metrics", "other"]
+    assert list(report["by_key"]) == ["run_progress", "run_grad_averager_epoch*.0b (rounds)", "run_metrics", "other"]
 
 
 def test_a_rounds_matchmaking_and_all_reduce_seconds_reach_the_summary():
