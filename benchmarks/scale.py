@@ -134,7 +134,7 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> di
         "peers": peers, "rtt_ms": rtt_ms, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
         "epochs_per_min": report["epochs_per_minute"], "rounds_ok": ok, "rounds_failed": failed,
         "ok_share": ok / (ok + failed) if ok + failed else None,
-        "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": f"{min(epochs)}-{max(epochs)}",
+        "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": _epochs(epochs),
         "cores_per_peer": result["cpu"] / result["wall"] / peers, "rss_mb_per_peer": result["rss"] / peers / 2**20,
         "matchmaking_s": _mean(p["matchmaking_seconds"] for p in per_peer),
         "allreduce_s": _mean(p["allreduce_seconds"] for p in per_peer),
@@ -146,6 +146,14 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> di
         "remembered": _mean(p.get("records_remembered") for p in per_peer),
         "forced_exits": sum("forced exit" in (p.get("exit") or "") for p in per_peer),  # overran the leave's grace
     }
+
+
+def _epochs(epochs: list[int]) -> str:
+    """The peers' final epochs, and how many ended within one of the furthest (the goal: all of them)."""
+    text = f"{min(epochs)}-{max(epochs)}"
+    if max(epochs) - min(epochs) > 1:
+        text += f" ({sum(e >= max(epochs) - 1 for e in epochs)} of {len(epochs)} within 1)"
+    return text
 
 
 def _mean(values) -> Optional[float]:
