@@ -81,12 +81,15 @@ class PeerData:
         place = DataPlace.parse((resume or {}).get(PLACE_KEY), "checkpoint") or self._read_saved()
         if place is None:
             own = start_for_peer(self.feed.seed, peer_id)
-            taken = published_starts(swarm.dht, run_id, but=peer_id)
+            bad: dict[str, str] = {}  # (read twice, counted once)
+            taken = published_starts(swarm.dht, run_id, peer_id, bad.setdefault)
             place = DataPlace(start_in_largest_gap(list(taken.values()), own), 0,
                               "largest gap" if taken else "own hash")
             waited = claim_start(swarm, place.start)
             time.sleep(min(max(2 * waited, SECOND_LOOK_WAIT[0]), SECOND_LOOK_WAIT[1]))
-            seen = {**published_starts(swarm.dht, run_id, but=peer_id), peer_id: place.start}
+            seen = {**published_starts(swarm.dht, run_id, peer_id, bad.setdefault), peer_id: place.start}
+            for peer, why in bad.items():
+                self._refused(peer, why)
             start = spread_twins(peer_id, seen)
             if start != place.start:
                 place = DataPlace(start, 0, "spread from a twin")
@@ -161,13 +164,19 @@ def claim_start(swarm, start: float, wait: bool = True) -> float:
     return time.monotonic() - began
 
 
-def published_starts(dht, run_id: str, but: str) -> dict[str, float]:
+BAD_CLAIM = "claimed a data start that is not a signed number in [0, 1)"
+
+
+def published_starts(dht, run_id: str, but: str, refused: Callable[[str, str], None]) -> dict[str, float]:
     """Peer id -> start on the ring of shards, for every peer but `but`: from the online peers' metrics records and
-    the run's claims (newer: a claim wins). Each is signed by the peer it names; anything else is left out."""
+    the run's claims (a claim wins: it is there first, and after a move it is the newer). A claim must be signed by
+    the peer it names and be a number in [0, 1); `refused(peer or "unsigned", why)` is told of any other."""
     starts = {p.peer_id: p.data_start for p in read_run_state(dht, run_id).peers
               if p.online and p.data_start is not None}
     for signer, value in signed_values(dht.get(run_id + CLAIMS_SUFFIX, latest=True)):
         if signer is not None and isinstance(value, float) and 0.0 <= value < 1.0:
             starts[signer] = value
+        else:
+            refused(signer or "unsigned", BAD_CLAIM)
     starts.pop(but, None)
     return starts

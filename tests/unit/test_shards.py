@@ -226,3 +226,28 @@ def test_a_pool_of_tokenizing_processes_writes_the_same_shards(tmp_path, monkeyp
     assert prepare._workers(str(corpus)) == 2
     pooled = prepare.prepare_corpus(str(corpus), tokenizer, tmp_path / "pooled", shard_tokens=500, separator=1)
     assert pooled.shards == alone.shards
+
+
+def test_a_joiner_reads_the_others_signed_claims_and_counts_each_bad_one_against_its_signer():
+    from types import SimpleNamespace
+
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from collab.records.identity import peer_id_of
+    from collab.train.data_feed import BAD_CLAIM, published_starts
+
+    keys = [RSAPrivateKey() for _ in range(3)]
+    ids = [peer_id_of(k.get_public_key()) for k in keys]
+    subkeys = [b"[owner:" + k.get_public_key().to_bytes() + b"]" for k in keys]
+    claims = {subkeys[0]: 0.25, subkeys[1]: 7.0, subkeys[2]: 0.75, b"no owner": 0.5}
+
+    class DHT:  # what a read of the run's keys returns: no records yet, and the claims
+        def get(self, key, latest=False):
+            if not key.endswith("_data_starts"):
+                return None
+            return SimpleNamespace(value={s: SimpleNamespace(value=v) for s, v in claims.items()})
+
+    refused = []
+    starts = published_starts(DHT(), "run", but=ids[2], refused=lambda peer, why: refused.append((peer, why)))
+    assert starts == {ids[0]: 0.25}  # peer 2 is the reader itself; peer 1's claim is junk; one is unsigned
+    assert sorted(refused) == sorted([(ids[1], BAD_CLAIM), ("unsigned", BAD_CLAIM)])
