@@ -126,6 +126,15 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, Serve
             stop.wait(0.1)
         return cancelled
 
+    def finish_running_rounds(self, stop, limit: float) -> None:
+        """Wait (at most `limit` s) for a state round whose all-reduce is under way to end. A cancel that came as the
+        round's group formed does not stop it in the averager process: shut down then, it leaves its groupmates
+        waiting for its part until their averaging_timeout."""
+        give_up_at = time.monotonic() + limit
+        while not stop.is_set() and time.monotonic() < give_up_at and any(
+                control.stage == AveragingStage.RUNNING_ALLREDUCE for control in self.round_controls()):
+            stop.wait(0.05)
+
     def load_state_from_peers(self, **kwargs) -> bool:
         """True only if a state was downloaded and loaded: hivemind returns quietly when no peer could give one,
         or when it refused what it got (an epoch behind ours)."""
@@ -144,6 +153,15 @@ def _fresh_records(dht, run_id: str, ignore: frozenset) -> list:
 
 def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:
     return [p.epoch for p in _fresh_records(dht, run_id, ignore)]
+
+
+def others_present(dht, run_id: str, me: str) -> bool:
+    """Whether a fresh progress record of another peer is in the run (a peer that left said goodbye: its record is
+    gone). True when the DHT does not answer: the caller then acts as if someone were there."""
+    try:
+        return bool(_fresh_records(dht, run_id, frozenset({me})))
+    except Exception:
+        return True
 
 
 def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) -> list[Behind]:

@@ -21,7 +21,7 @@ from hivemind.utils.logging import get_logger
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace
-from collab.averaging.replica import RecordingStateAverager, cancel_round
+from collab.averaging.replica import RecordingStateAverager, cancel_round, others_present
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.hivemind_hooks.optimizer import OptimizerHooks
@@ -288,13 +288,18 @@ class SwarmOptimizer(OptimizerHooks):
     def settle_before_leaving(self, timeout: float) -> str:
         """At --max-epochs: finish the last step, then make sure the replica is the swarm's before it is saved.
         Returns "swarm" (it was), "downloaded" (it is now) or "own step" (no peer could give the state)."""
-        # our last state round, if it is still looking for a group, is left at once: it could only average replicas
-        # that are the swarm's already, or make one that is not the swarm's parameters without its optimizer's
-        # statistics (no re-sync: collab.modes.replica_sync; the check below downloads instead). Its groupmates
-        # are leaving too, or finished theirs long ago: the last peer of a run waited 10 s here for nobody
-        if self.state_averager.give_up_matchmaking(self.local_epoch, -math.inf, self.stop, limit=self.averaging_timeout):
+        # our last state round, if it is still looking for a group, is left: it could only average replicas that
+        # are the swarm's already, or make one that is not the swarm's parameters without its optimizer's statistics
+        # (no re-sync: collab.modes.replica_sync; the check below downloads instead). At once when no other peer is
+        # there (the last peer of a run waited 10 s here for nobody); while others train on, after matchmaking_time
+        # as before: cancelled at once, it met their state round as it formed (2 peers, 1 leaving at --max-epochs:
+        # 1 of 4 times), and the one that stayed waited out averaging_timeout for its part
+        alone = not others_present(self.dht, self.run_id, self.dht.peer_id.to_base58())
+        patience = -math.inf if alone else self.matchmaking_time
+        if self.state_averager.give_up_matchmaking(self.local_epoch, patience, self.stop, limit=self.averaging_timeout):
             logger.debug(f"Epoch {self.local_epoch}: left the last state-averaging round, still looking for a group")
         self.state_averager.step(wait_for_delayed_updates=True)  # the last step (and a state round already matched)
+        self.state_averager.finish_running_rounds(self.stop, limit=self.averaging_timeout)
         if self.in_sync():
             return "swarm"
         return "downloaded" if self.load_state_from_peers(deadline=time.monotonic() + timeout) else "own step"

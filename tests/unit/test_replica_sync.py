@@ -62,3 +62,37 @@ def test_a_state_round_of_the_whole_swarm_repairs_an_own_step_only_when_no_peer_
     # a later own step is a new one: a download is tried for it first
     replica.stepped_alone(epoch=9, peers=3, at=1.0)
     assert not replica.repaired_by(lambda epoch: 3)
+
+
+def test_a_leaving_peer_lets_a_state_round_under_way_finish_and_asks_whether_anyone_is_left():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hivemind.averaging.control import AveragingStage
+
+    from collab.averaging.replica import RecordingStateAverager, others_present
+
+    running = SimpleNamespace(stage=AveragingStage.RUNNING_ALLREDUCE)
+    averager = SimpleNamespace(round_controls=lambda: [SimpleNamespace(stage=AveragingStage.FINISHED), running])
+    finish = lambda limit: RecordingStateAverager.finish_running_rounds(averager, threading.Event(), limit)  # noqa: E731
+    threading.Timer(0.3, lambda: setattr(running, "stage", AveragingStage.FINISHED)).start()
+    began = time.monotonic()
+    finish(5.0)
+    assert 0.25 < time.monotonic() - began < 2.0, "it must wait for the all-reduce under way, and no longer"
+    running.stage = AveragingStage.RUNNING_ALLREDUCE  # one that never ends: waited for `limit` at most
+    began = time.monotonic()
+    finish(0.3)
+    assert 0.25 < time.monotonic() - began < 2.0
+
+    class DHT:
+        def __init__(self, fails):
+            self.fails = fails
+
+        def get(self, key, latest=False):
+            if self.fails:
+                raise TimeoutError("no answer")
+            return None  # every other peer said goodbye: no record left
+
+    assert not others_present(DHT(fails=False), "run", "me")
+    assert others_present(DHT(fails=True), "run", "me"), "a DHT that does not answer must not make a peer cancel"
