@@ -9,6 +9,7 @@ mixins (collab.averaging: checked rounds, members only, checked downloads) overr
 
 from __future__ import annotations
 
+from concurrent.futures import InvalidStateError
 from typing import AsyncIterator, Optional
 
 from hivemind.averaging.averager import DecentralizedAverager
@@ -91,4 +92,7 @@ def end_step_unstarted(step, future_for_init: MPFuture, error: BaseException) ->
     step.attach(trigger, cancel)
     future_for_init.set_result((trigger, cancel))
     step.stage = AveragingStage.FINISHED
-    step.set_exception(error)
+    try:
+        step.set_exception(error)
+    except InvalidStateError:
+        pass  # the trainer cancelled the step meanwhile (a signal's abort_rounds): it ended already

@@ -15,6 +15,8 @@ import signal
 import sys
 import tempfile
 import threading
+import time
+from typing import Optional
 
 import psutil
 
@@ -99,6 +101,7 @@ class StopOnSignal:
         # (re-entrant: a second signal's handler may run on the main thread while it is inside cancel())
         self._ending = threading.RLock()
         self._cancelled = False
+        self._forced_at: Optional[float] = None  # time.monotonic() when the watchdog fires
 
     _active: "StopOnSignal | None" = None
 
@@ -106,6 +109,16 @@ class StopOnSignal:
     def on_stop(cls, callback) -> None:
         if cls._active is not None:
             cls._active._on_stop.append(callback)
+
+    @classmethod
+    def budget(cls, wanted: float, keep: float) -> float:
+        """How long a leave may wait for something (at most `wanted` s): after a signal, only what the grace has
+        left beyond `keep` s for the steps after it. A wait past the grace is a forced exit: exit 1, and the exit
+        summary's last figures lost."""
+        active = cls._active
+        if active is None or active._forced_at is None:
+            return wanted
+        return min(wanted, max(0.0, active._forced_at - time.monotonic() - keep))
 
     @classmethod
     def before_force_exit(cls, callback) -> None:
@@ -136,6 +149,7 @@ class StopOnSignal:
         if self._watchdog is None:
             print(f"\n{signal.Signals(signum).name} received: leaving the swarm (again to force)...",
                   file=sys.stderr, flush=True)
+            self._forced_at = time.monotonic() + self.grace
             self._watchdog = threading.Timer(self.grace, self._force_exit, args=("graceful shutdown overran",))
             self._watchdog.daemon = True
             self._watchdog.start()
