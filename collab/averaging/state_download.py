@@ -186,9 +186,11 @@ def download_with_retries(load: Callable[[], bool], alone: Callable[[], bool], s
     """Whether `load` (one download: True when a state was loaded, False when no donor had one, an exception when
     the donors did not answer) loaded a state. Without a `deadline` it stops at the first answer or after
     UNANSWERED_DOWNLOADS unanswered tries; with one, it asks until then (a peer leaving at its last epoch waits for
-    a donor to appear). It stops at once when `stop` is set or the peer is `alone`."""
+    a donor to appear). It stops at once when `stop` is set or the peer is `alone` (asked before each try)."""
     unanswered = 0
     while not stop.is_set():
+        if alone():  # before a try too: a donor that left is still listed, and one try at it waits out its timeout
+            return False
         failure = None
         try:
             if load():
@@ -196,7 +198,7 @@ def download_with_retries(load: Callable[[], bool], alone: Callable[[], bool], s
         except BaseException as e:  # a donor that left mid-download, a timeout: try the next one
             unanswered += 1
             failure = f"{type(e).__name__}: {e}"
-        give_up = alone() or (deadline is not None and time.monotonic() > deadline) or \
+        give_up = (deadline is not None and time.monotonic() > deadline) or \
             (deadline is None and (failure is None or unanswered >= UNANSWERED_DOWNLOADS))
         if failure is not None and not stop.is_set():
             logger.warning(f"Failed to load state from peers ({failure}); "

@@ -119,6 +119,7 @@ OVERRIDDEN = {
         "start",
     "hivemind.optim.progress_tracker.ProgressTracker._parse_swarm_progress_data": "self, metadata",
     "hivemind.optim.progress_tracker.ProgressTracker._progress_reporter": "self",
+    "hivemind.optim.progress_tracker.ProgressTracker.shutdown": "self, timeout=None",
     "hivemind.optim.progress_tracker.ProgressTracker.ready_to_update_epoch": "self",
     "hivemind.optim.progress_tracker.ProgressTracker.report_local_progress":
         "self, local_epoch, samples_accumulated, update_global_samples=True",

@@ -344,7 +344,7 @@ class SwarmOptimizer(OptimizerHooks):
         with self.tracker.pause_updates():
             loaded = download_with_retries(
                 lambda: self._download_a_stepped_state(**kwargs),
-                alone=lambda: self.tracker.global_progress.num_peers <= 1, stop=self.stop, deadline=deadline)
+                alone=self._alone_now, stop=self.stop, deadline=deadline)
             if self.stop.is_set() or not loaded:
                 logger.warning(f"Epoch {self.local_epoch}: no peer gave its state; going on with this replica")
                 if not self.stop.is_set():
@@ -411,6 +411,12 @@ class SwarmOptimizer(OptimizerHooks):
         self.state_averager.shutdown()
         if self.use_gradient_averaging:
             self.grad_averager.shutdown()
+
+    def _alone_now(self) -> bool:
+        """Whether no other peer is left to give a state: read afresh, not from the tracker's view (paused during a
+        download, and seconds old). The donor list still names a peer that said goodbye: a peer whose only groupmate
+        had left at --max-epochs tried it for load_state_timeout (30 s) before going on alone."""
+        return not others_present(self.dht, self.run_id, self.dht.peer_id.to_base58())
 
     def _finish_before_leaving(self) -> None:
         """Leaving at --max-epochs: the last step and its state round (a mode adds what it owes the peers who stay)."""

@@ -18,13 +18,14 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.donor_patience import donor_patience
 from collab.averaging.planned_leader import loses_an_even_split
-from collab.averaging.replica import cancel_round, peers_behind, swarm_finished_without
+from collab.averaging.replica import cancel_round, others_present, peers_behind, swarm_finished_without
 from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer
 from collab.records.untrusted import progress_records
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
+EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a round begun with others is given up
 logger = get_logger(__name__)
 
 
@@ -47,6 +48,7 @@ class CollabOptimizer(SwarmOptimizer):
     leaving (when no peer can give it, by a state-averaging round that gathered the whole swarm).
     """
 
+    _with_others, _empty_looks = False, 0  # the round being waited for: begun with others there; empty looks since
     sums_micro_batches = True  # its averagers count a window's micro-batches (grad_averager.SummedMicroBatches)
 
     def begin_gradient_round(self, grad_scaler) -> bool:
@@ -116,6 +118,7 @@ class CollabOptimizer(SwarmOptimizer):
         round has nobody left to find (_nobody_left_to_join)."""
         started = time.monotonic()
         deadline, next_check = started + self.averaging_timeout, started + self.matchmaking_time + NOBODY_LEFT_CHECK
+        self._with_others, self._empty_looks = self.tracker.global_progress.num_peers > 1, 0
         while True:
             try:
                 return control.result(timeout=0.25)
@@ -137,14 +140,27 @@ class CollabOptimizer(SwarmOptimizer):
         # its own and re-syncs at its next step, rather than search for averaging_timeout first)
         if control.stage != AveragingStage.LOOKING_FOR_GROUP:
             return
+        me = self.dht.peer_id.to_base58()
         try:
-            swarm = swarm_finished_without(self.dht, self.run_id, epoch, self.dht.peer_id.to_base58())
+            swarm = swarm_finished_without(self.dht, self.run_id, epoch, me)
         except Exception:  # a DHT that does not answer: wait on, as without this check
             return
-        if swarm is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+        # a round begun with others, whose records are all gone since: they said goodbye (or went silent for
+        # PRESENT_FRESH_SECONDS), and nobody is left to join it. Twice in a row: one read that came back empty is
+        # no proof. (The peer that stayed when its only groupmate left at --max-epochs waited out its whole
+        # averaging_timeout here: 2 of 12 trials)
+        gone = swarm is None and self._with_others and not others_present(self.dht, self.run_id, me)
+        self._empty_looks = self._empty_looks + 1 if gone else 0
+        if control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            return
+        if swarm is not None:
             cancel_round(control)
             raise NobodyLeftToJoin(f"every other peer made epoch {epoch}'s step without this one (the swarm is at "
                                    f"epoch {swarm}); nobody is left to average with")
+        if self._empty_looks >= EMPTY_LOOKS:
+            cancel_round(control)
+            raise NobodyLeftToJoin("every other peer left the run (their progress records are gone); nobody is left "
+                                   "to average with")
 
     def finish_gradient_round(self, maybe_step_control) -> None:
         averaged, missed = False, False

@@ -112,9 +112,13 @@ def test_a_catch_up_gives_up_after_unanswered_downloads_and_one_with_a_deadline_
     started = time.monotonic()
     assert not state_download.download_with_retries(load, alone=never, stop=stop, deadline=started + 0.3)
     assert len(calls) > 5 and 0.3 <= time.monotonic() - started < 2.0
-    # alone in the swarm, or asked to leave: no retry
+    # alone in the swarm (every other record gone: a donor still listed left), or asked to leave: no try at all
     calls, load = _tries([TimeoutError()])
-    assert not state_download.download_with_retries(load, alone=lambda: True, stop=stop) and len(calls) == 1
+    assert not state_download.download_with_retries(load, alone=lambda: True, stop=stop) and calls == []
+    # left alone while it tried: no retry
+    left = iter([False, True])
+    calls, load = _tries([TimeoutError()])
+    assert not state_download.download_with_retries(load, alone=lambda: next(left), stop=stop) and len(calls) == 1
     stop.set()
     calls, load = _tries([TimeoutError()])
     assert not state_download.download_with_retries(load, alone=never, stop=stop) and calls == []
