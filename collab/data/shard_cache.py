@@ -36,13 +36,21 @@ class ShardCache:
         if not path.is_file():
             return False
         try:
+            checked = path.stat()
             whole = len(Shard(path)) == self.infos[name].tokens
         except FileNotFoundError:
             return False  # dropped meanwhile by another thread's check of the same damaged file
         except ValueError:
             whole = False
         if not whole:
-            path.unlink(missing_ok=True)
+            # only the file checked: the prefetching thread may have put a whole one in its place meanwhile (a CI
+            # run dropped that one, and fetched the shard a third time)
+            try:
+                now = path.stat()
+                if (now.st_ino, now.st_size, now.st_mtime_ns) == (checked.st_ino, checked.st_size, checked.st_mtime_ns):
+                    path.unlink()
+            except FileNotFoundError:
+                pass
         return whole
 
     def held(self) -> list[str]:

@@ -95,6 +95,29 @@ def test_a_feed_that_nobody_serves_gives_up_in_one_line(tmp_path):
         feed.close()
 
 
+def test_a_check_of_a_damaged_file_drops_only_that_file_not_the_whole_one_put_in_its_place(tmp_path, monkeypatch):
+    # training read a damaged copy while the prefetching thread put a whole one in its place; the check then dropped
+    # whatever was at the path - the whole one - and the shard was fetched a third time (a CI run)
+    import collab.data.shard_cache as shard_cache
+
+    infos = _source(tmp_path / "organizer", count=1)
+    name, good = infos[0].name, (tmp_path / "organizer" / infos[0].name).read_bytes()
+    cache = ShardCache(tmp_path / "cache", infos)
+    (tmp_path / "cache" / name).write_bytes(good[:-100])
+    real = shard_cache.Shard
+
+    def read_then_replaced(path):
+        try:
+            return real(path)  # the damaged copy, read (and refused)
+        finally:
+            cache.put(name, good)  # meanwhile, the other thread's fetch lands
+
+    monkeypatch.setattr(shard_cache, "Shard", read_then_replaced)
+    assert not cache.holds(name)  # what it read was damaged
+    monkeypatch.setattr(shard_cache, "Shard", real)
+    assert cache.holds(name), "the whole shard put meanwhile was dropped"
+
+
 def test_a_damaged_file_that_vanishes_while_it_is_checked_is_fetched_again_not_waited_on(tmp_path, monkeypatch):
     # training and the prefetching thread both check a damaged file, and each drops it: one found it, then could not
     # open it (in CI the thread died of that, and training waited for a shard nobody would fetch any more)
