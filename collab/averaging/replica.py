@@ -174,11 +174,15 @@ def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) 
                    for p in _fresh_records(dht, run_id, ignore) if p.epoch < epoch), key=lambda b: -b.epochs)
 
 
-def swarm_finished_without(dht, run_id: str, epoch: int, me: str) -> Optional[int]:
-    """The swarm's epoch when every other peer has already made `epoch`'s step (each reports a later epoch), so a
-    round for `epoch` has nobody left to find; None when some peer is still at `epoch` or behind it (it may yet
-    join), or when this peer is alone."""
-    others = _fresh_epochs(dht, run_id, frozenset({me}))
+def others_epochs(dht, run_id: str, me: str) -> list[int]:
+    """The epoch of every other peer with a fresh progress record; raises when the DHT does not answer."""
+    return _fresh_epochs(dht, run_id, frozenset({me}))
+
+
+def swarm_finished_without(others: list[int], epoch: int) -> Optional[int]:
+    """The swarm's epoch when every other peer (their `others_epochs`) has already made `epoch`'s step (each reports
+    a later epoch), so a round for `epoch` has nobody left to find; None when some peer is still at `epoch` or behind
+    it (it may yet join), or when this peer is alone."""
     return max(others) if others and min(others) > epoch else None
 
 

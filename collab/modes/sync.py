@@ -18,7 +18,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.donor_patience import donor_patience
 from collab.averaging.planned_leader import loses_an_even_split
-from collab.averaging.replica import cancel_round, others_present, peers_behind, swarm_finished_without
+from collab.averaging.replica import cancel_round, others_epochs, peers_behind, swarm_finished_without
 from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer
@@ -142,14 +142,15 @@ class CollabOptimizer(SwarmOptimizer):
             return
         me = self.dht.peer_id.to_base58()
         try:
-            swarm = swarm_finished_without(self.dht, self.run_id, epoch, me)
+            others = others_epochs(self.dht, self.run_id, me)
         except Exception:  # a DHT that does not answer: wait on, as without this check
             return
+        swarm = swarm_finished_without(others, epoch)
         # a round begun with others, whose records are all gone since: they said goodbye (or went silent for
         # PRESENT_FRESH_SECONDS), and nobody is left to join it. Twice in a row: one read that came back empty is
         # no proof. (The peer that stayed when its only groupmate left at --max-epochs waited out its whole
         # averaging_timeout here: 2 of 12 trials)
-        gone = swarm is None and self._with_others and not others_present(self.dht, self.run_id, me)
+        gone = self._with_others and not others
         self._empty_looks = self._empty_looks + 1 if gone else 0
         if control.stage != AveragingStage.LOOKING_FOR_GROUP:
             return
