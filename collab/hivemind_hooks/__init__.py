@@ -180,6 +180,7 @@ READ = (
 
 # attributes hivemind sets on its objects (self.NAME = ...) that collab reads or writes, by the class that sets them
 INSTANCE_ATTRIBUTES = {
+    "hivemind.dht.dht.DHT": ("_outer_pipe",),  # a leave asks whether it has room before a send (dht_takes_requests)
     "hivemind.averaging.averager.DecentralizedAverager": (
         "_outer_pipe", "_running_groups", "_averaging_alpha", "_state_updated", "_p2p", "_matchmaking",
         "_averaged_tensors", "_parent_pid"),

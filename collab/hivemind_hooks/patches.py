@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import select
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -241,6 +242,19 @@ def p2pd_address(dht):
     """The DHT's p2pd listen address, read in the DHT's process: a second client of the same daemon (a thread's own
     event loop serving the run's files) connects to it."""
     return dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
+
+
+def dht_takes_requests(dht, within: float = 0.0) -> bool:
+    """Whether the DHT's process would take a request now (or within `within` s): its pipe has room for one. A DHT
+    process that stopped reading it (its loop blocked or ended) leaves it full, and hivemind's next send to it, from
+    any of its methods, blocks for good: a stack dump of a leave that overran its grace had its main thread there
+    (asking for the exit figures) and the progress tracker's thread too (a read). A request of collab's is a few
+    hundred bytes; a pipe that selects writable has a free 4-KiB page."""
+    try:
+        _, writable, _ = select.select([], [dht._outer_pipe.fileno()], [], max(0.0, within))
+    except (OSError, ValueError):  # closed: the DHT was shut down
+        return False
+    return bool(writable)
 
 
 def close_p2p_client(p2p) -> None:

@@ -31,6 +31,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from collab.hivemind_hooks.optimizer import TrackerHooks
+from collab.hivemind_hooks.patches import dht_takes_requests
 from collab.process.lifecycle import StopOnSignal
 from collab.records.identity import signer_peer_id
 from collab.records.untrusted import Rejections, accept, drop_implausible_epochs
@@ -176,7 +177,14 @@ class HonestProgressTracker(TrackerHooks):
         """hivemind's, and then the goodbye waited for: hivemind sends it (the progress record cleared) without
         waiting, and the DHT was shut down under it often enough (2 peers, one leaving at --max-epochs: 3 of 10
         times) that the peer that stayed saw the other's record for PRESENT_FRESH_SECONDS, took it for a donor and
-        waited out load_state_timeout (30 s) on it. The same store again, awaited: it is idempotent."""
+        waited out load_state_timeout (30 s) on it. The same store again, awaited: it is idempotent.
+        A DHT process that stopped reading its pipe gets no goodbye (hivemind's send would block the leave for
+        good): the reporter is stopped as hivemind stops it, and the record expires by itself."""
+        if not dht_takes_requests(self.dht):
+            for event in (self.shutdown_triggered, self.should_report_progress, self.global_state_updated):
+                event.set()
+            self.shutdown_complete.wait(timeout)
+            return
         super().shutdown(timeout)
         try:
             self.dht.store(self.training_progress_key, subkey=self._local_public_key, value=None,

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Optional, Union
 from hivemind.dht.routing import DHTID
 
 from collab.adaptive.batch_plan import PLAN_SUFFIX
-from collab.hivemind_hooks.patches import count_dht_requests, twin_key
+from collab.hivemind_hooks.patches import count_dht_requests, dht_takes_requests, twin_key
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX
 from collab.run.gate import MEMBERS_SUFFIX, REVOKED_SUFFIX
 from collab.run.shard_fetch import CLAIMS_SUFFIX, HOLDINGS_SUFFIX
@@ -117,6 +117,8 @@ def ask_for_counts(dht, run_id: str = "", last_epoch: Optional[int] = None):
     `last_epoch`); the answer (a future, None if the DHT could not be asked) is read with `counts_answered`. Asked
     before a slow step (the averagers' shutdown), it is answered meanwhile."""
     epochs = range(max(0, last_epoch + 2 - EPOCHS_NAMED), last_epoch + 2) if last_epoch is not None else ()
+    if not dht_takes_requests(dht):  # a DHT process that stopped reading its pipe: the ask would block for good
+        return None
     try:
         report = partial(_report, names=known_keys(run_id, epochs) if run_id else ())
         return dht.run_coroutine(report, return_future=True)

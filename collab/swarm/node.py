@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import hivemind
+import psutil
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P
@@ -25,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
-from collab.hivemind_hooks.patches import sign_progress_with, store_walks_without_values
+from collab.hivemind_hooks.patches import dht_takes_requests, sign_progress_with, store_walks_without_values
 from collab.process.lifecycle import quiet_orphaned_requests
+from collab.process.reaper import end_processes
 from collab.records.identity import Identity, load_or_create_identity
 from collab.records.metrics import MetricsSchema
 from collab.records.verdicts import RememberedVerdicts
@@ -201,7 +203,32 @@ class Swarm:
         # DHT process killed "the hard way" may still look alive a moment later, and its pipe is closed by then
         if not getattr(self, "_shut", False) and self.dht.is_alive():
             self._shut = True
-            self.dht.shutdown()
+            shut_down_dht(self.dht)
+
+
+DHT_PIPE_WAIT = 1.0  # seconds a leave waits for the DHT's process to make room in its pipe for the "_shutdown"
+
+
+def shut_down_dht(dht) -> None:
+    """hivemind's shutdown, unless the DHT's process stopped reading its pipe (collab.hivemind_hooks.patches,
+    dht_takes_requests): hivemind would send it "_shutdown" and block for good. Then the process is ended, as
+    hivemind ends one that does not shut down in time, and its p2pd with it (hivemind's shutdown would have ended
+    that daemon; here it also ends by itself once the pipe it logs to is closed, but once its parent is gone it is
+    nobody's child for the peer's exit to reap if it does not)."""
+    if dht_takes_requests(dht, within=DHT_PIPE_WAIT):
+        dht.shutdown()
+        return
+    logging.getLogger(__name__).warning("The DHT's process stopped taking requests: ending it and its p2pd")
+    try:
+        daemons = psutil.Process(dht.pid).children(recursive=True)
+    except psutil.Error:
+        daemons = []
+    dht.terminate()
+    dht.join(DHT_PIPE_WAIT)
+    if dht.is_alive():  # a loop blocked in a C call runs no signal handler: SIGTERM waits for it
+        dht.kill()
+        dht.join(DHT_PIPE_WAIT)
+    end_processes(daemons, timeout=DHT_PIPE_WAIT)
 
 
 def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:

@@ -165,6 +165,8 @@ def test_a_round_begun_with_others_is_given_up_once_all_of_them_left(monkeypatch
 def test_a_leaving_peer_waits_for_its_goodbye_to_be_stored():
     # hivemind sends the goodbye (its progress record cleared) and goes on: the DHT was shut down under it 3 times
     # in 10, and the peer that stayed took the one that left for a state donor for 30 s
+    import multiprocessing
+    import os
     import threading
     import time
     from concurrent.futures import Future
@@ -174,6 +176,10 @@ def test_a_leaving_peer_waits_for_its_goodbye_to_be_stored():
     stores = []
 
     class DHT:
+        def __init__(self):
+            # a pipe to a DHT process that reads it, as far as select can tell (nothing reads it here)
+            self._reader, self._outer_pipe = multiprocessing.Pipe(duplex=False)
+
         def store(self, key, subkey, value, expiration_time, return_future=False):
             stored = Future()
             stores.append((key, value, stored))
@@ -192,3 +198,17 @@ def test_a_leaving_peer_waits_for_its_goodbye_to_be_stored():
     assert stores and all(key == "run_progress" and value is None for key, value, _ in stores), stores
     assert stores[-1][2].done(), "it left before its goodbye was stored"
     assert 0.25 < time.monotonic() - began < 2.5
+
+    # a DHT process that stopped reading its pipe: hivemind's store would block the leave for good; none is sent
+    stores.clear()
+    tracker.dht = DHT()
+    fd = tracker.dht._outer_pipe.fileno()
+    os.set_blocking(fd, False)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except BlockingIOError:
+        pass
+    began = time.monotonic()
+    tracker.shutdown(1.0)
+    assert not stores and time.monotonic() - began < 0.5

@@ -1,0 +1,76 @@
+"""A leave never blocks on a DHT process that stopped reading its pipe.
+
+Every hivemind DHT call sends a request down one pipe to the DHT's process, whose loop reads it. A loop that stops
+reading (blocked, or ended) lets that pipe fill, and the next send blocks for good: a leave that overran its grace
+had its main thread there, asking for the exit figures, and its DHT shutdown would have sent "_shutdown" the same way.
+Here a real DHT's loop is blocked and its pipe filled; the exit figures are skipped and the DHT's process and its
+p2pd are ended, each within a few seconds."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import hivemind
+import psutil
+
+from collab.swarm.dht_traffic import ask_for_counts
+from collab.swarm.node import shut_down_dht
+
+BLOCKED_FOR = 60.0  # seconds the DHT's loop is held: longer than anything here may take
+
+
+async def _hold_the_loop(_dht, _node) -> None:
+    time.sleep(BLOCKED_FOR)  # (on purpose: a synchronous wait inside the DHT's event loop, which then reads nothing)
+
+
+def _fill(pipe) -> int:
+    """Write to the pipe until it is full; the bytes written."""
+    fd, written = pipe.fileno(), 0
+    os.set_blocking(fd, False)
+    try:
+        while True:
+            written += os.write(fd, b"\0" * 4096)
+    except BlockingIOError:
+        return written
+    finally:
+        os.set_blocking(fd, True)
+
+
+def _returns_within(seconds: float, call) -> tuple[bool, object]:
+    """Whether `call()` returned within `seconds` (in a daemon thread: a blocked send stays blocked), and what."""
+    answer = []
+    thread = threading.Thread(target=lambda: answer.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), (answer[0] if answer else None)
+
+
+def test_a_dht_that_stopped_reading_its_pipe_neither_answers_nor_blocks_the_leave(no_leftover_processes):
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+    daemons = psutil.Process(dht.pid).children(recursive=True)
+    assert any("p2pd" in p.name() for p in daemons), [p.name() for p in daemons]
+    try:
+        dht.run_coroutine(_hold_the_loop, return_future=True)
+        time.sleep(1.0)  # the loop has read that request and is inside it
+        assert _fill(dht._outer_pipe) > 0
+
+        returned, asked = _returns_within(3.0, lambda: ask_for_counts(dht, "run", last_epoch=3))
+        assert returned, "asking a DHT process that reads nothing for its figures blocked"
+        assert asked is None
+
+        began = time.monotonic()
+        returned, _ = _returns_within(10.0, lambda: shut_down_dht(dht))
+        assert returned, "the DHT's shutdown blocked on its full pipe"
+        assert time.monotonic() - began < 5.0
+        assert not dht.is_alive()
+        assert not [p for p in daemons if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], \
+            "the DHT's p2pd outlived it"
+    finally:
+        if dht.is_alive():
+            dht.kill()
+            dht.join(5)
+        for daemon in daemons:
+            if daemon.is_running():
+                daemon.kill()
