@@ -148,10 +148,22 @@ def next_look(every: float, found_new: bool) -> float:
     return LOOK_EVERY_SECONDS if found_new else min(2 * every, LOOK_AT_MOST_SECONDS)
 
 
+HIVEMIND_SOCKETS = "/tmp/hivemind-"  # hivemind's P2P puts p2pd's socket and each client's there (_UNIX_SOCKET_PREFIX)
+
+
 def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
-    """SIGTERM, then SIGKILL whatever still runs after `timeout` seconds (psutil.Process objects)."""
+    """SIGTERM, then SIGKILL whatever still runs after `timeout` seconds (psutil.Process objects); then remove the
+    socket files hivemind's processes among them listened on (p2pd's, and each p2pd client's): hivemind removes them
+    only on a graceful shutdown, and each process ended here left its file in /tmp."""
     import psutil
 
+    sockets = {}
+    for proc in processes:
+        try:
+            sockets[proc.pid] = [c.laddr for c in proc.net_connections(kind="unix")
+                                 if isinstance(c.laddr, str) and c.laddr.startswith(HIVEMIND_SOCKETS)]
+        except psutil.Error:
+            pass
     for proc in processes:
         try:
             proc.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
@@ -164,7 +176,13 @@ def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=timeout)
+    _, still = psutil.wait_procs(alive, timeout=timeout)
+    running = {proc.pid for proc in still}
+    for path in (path for pid, paths in sockets.items() if pid not in running for path in paths):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""A leave never blocks on a DHT process that stopped reading its pipe.
+"""A leave never blocks on a DHT process that stopped reading its pipe, and leaves no socket file behind.
 
 Every hivemind DHT call sends a request down one pipe to the DHT's process, whose loop reads it. A loop that stops
 reading (blocked, or ended) lets that pipe fill, and the next send blocks for good: a leave that overran its grace
@@ -14,6 +14,7 @@ import time
 
 import hivemind
 import psutil
+import torch
 
 from collab.swarm.dht_traffic import ask_for_counts
 from collab.swarm.node import shut_down_dht
@@ -74,3 +75,52 @@ def test_a_dht_that_stopped_reading_its_pipe_neither_answers_nor_blocks_the_leav
         for daemon in daemons:
             if daemon.is_running():
                 daemon.kill()
+
+
+def test_an_averagers_leave_removes_its_p2pd_client_socket(no_leftover_processes):
+    """Each averager process talks to the DHT's p2pd through a client socket of its own (a file in /tmp); hivemind's
+    averager shutdown left it behind, one file per averager per leave."""
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+    averager = None
+    try:
+        averager = _averager(dht)
+        sockets = [c.laddr for c in psutil.Process(averager.pid).net_connections(kind="unix")
+                   if "hivemind-p2pclient-" in str(c.laddr)]
+        assert sockets and all(os.path.exists(path) for path in sockets), sockets
+        averager.shutdown()
+        assert not averager.is_alive()
+        assert not [path for path in sockets if os.path.exists(path)], "the averager's p2pd client socket stayed"
+    finally:
+        if averager is not None and averager.is_alive():
+            averager.shutdown()
+        dht.shutdown()
+
+
+def test_processes_ended_by_signal_leave_no_hivemind_socket_behind(no_leftover_processes):
+    """A forced exit, or the watcher after a kill -9, ends the peer's hivemind processes by signal: hivemind's shutdown,
+    which removes a p2pd client's socket file, never runs in them (p2pd removes its own)."""
+    from collab.process.reaper import HIVEMIND_SOCKETS, end_processes
+
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+    process = None
+    try:
+        process = psutil.Process(_averager(dht).pid)
+        sockets = [c.laddr for c in process.net_connections(kind="unix") if str(c.laddr).startswith(HIVEMIND_SOCKETS)]
+        assert sockets and all(os.path.exists(path) for path in sockets), sockets
+        end_processes([process], timeout=3.0)
+        assert not process.is_running()  # (reaped by psutil: multiprocessing's is_alive cannot tell any more)
+        assert not [path for path in sockets if os.path.exists(path)], "the socket file stayed in /tmp"
+    finally:
+        if process is not None and process.is_running():
+            process.kill()
+        dht.shutdown()
+
+
+def _averager(dht):
+    from collab.averaging.aggregation import Aggregation
+    from collab.averaging.compression import wire_codec
+    from collab.averaging.grad_averager import CollabGradientAverager
+
+    return CollabGradientAverager(torch.nn.Linear(8, 4).parameters(), rule=Aggregation(method="mean"), dht=dht,
+                                  prefix="leave_test_grad_averager", compression=wire_codec("none"),
+                                  target_group_size=2, min_matchmaking_time=1.0, start=True)
