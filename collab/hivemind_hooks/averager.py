@@ -61,7 +61,7 @@ class AveragerHooks(AggregatePartHooks, DecentralizedAverager):
             await self.shut_down_in_process(timeout)
         finally:
             # hivemind's shutdown leaves this process's client of p2pd open: its socket file stayed in /tmp after
-            # every averager's leave (1,868 in a day of this machine's test runs)
+            # every averager's leave (1,868 on this machine from four hours of test runs)
             if getattr(self, "_p2p", None) is not None:
                 close_p2p_client(self._p2p)
 
