@@ -14,6 +14,7 @@ import time
 
 import hivemind
 import psutil
+import pytest
 import torch
 
 from collab.swarm.dht_traffic import ask_for_counts
@@ -48,8 +49,15 @@ def _returns_within(seconds: float, call) -> tuple[bool, object]:
     return not thread.is_alive(), (answer[0] if answer else None)
 
 
-def test_a_dht_that_stopped_reading_its_pipe_neither_answers_nor_blocks_the_leave(no_leftover_processes):
-    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+@pytest.fixture()
+def dht(no_leftover_processes):
+    """A real DHT (its process and p2pd), shut down after the test unless the test ended it."""
+    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+    yield node
+    node.shutdown()
+
+
+def test_a_dht_that_stopped_reading_its_pipe_neither_answers_nor_blocks_the_leave(dht):
     daemons = psutil.Process(dht.pid).children(recursive=True)
     assert any("p2pd" in p.name() for p in daemons), [p.name() for p in daemons]
     try:
@@ -77,13 +85,11 @@ def test_a_dht_that_stopped_reading_its_pipe_neither_answers_nor_blocks_the_leav
                 daemon.kill()
 
 
-def test_an_averagers_leave_removes_its_p2pd_client_socket(no_leftover_processes):
+def test_an_averagers_leave_removes_its_p2pd_client_socket(dht):
     """Each averager process talks to the DHT's p2pd through a client socket of its own (a file in /tmp); hivemind's
     averager shutdown left it behind, one file per averager per leave."""
-    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
-    averager = None
+    averager = _averager(dht)
     try:
-        averager = _averager(dht)
         sockets = [c.laddr for c in psutil.Process(averager.pid).net_connections(kind="unix")
                    if "hivemind-p2pclient-" in str(c.laddr)]
         assert sockets and all(os.path.exists(path) for path in sockets), sockets
@@ -91,29 +97,25 @@ def test_an_averagers_leave_removes_its_p2pd_client_socket(no_leftover_processes
         assert not averager.is_alive()
         assert not [path for path in sockets if os.path.exists(path)], "the averager's p2pd client socket stayed"
     finally:
-        if averager is not None and averager.is_alive():
+        if averager.is_alive():
             averager.shutdown()
-        dht.shutdown()
 
 
-def test_processes_ended_by_signal_leave_no_hivemind_socket_behind(no_leftover_processes):
+def test_processes_ended_by_signal_leave_no_hivemind_socket_behind(dht):
     """A forced exit, or the watcher after a kill -9, ends the peer's hivemind processes by signal: hivemind's shutdown,
     which removes a p2pd client's socket file, never runs in them (p2pd removes its own)."""
     from collab.process.reaper import HIVEMIND_SOCKETS, end_processes
 
-    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
-    process = None
+    process = psutil.Process(_averager(dht).pid)
     try:
-        process = psutil.Process(_averager(dht).pid)
         sockets = [c.laddr for c in process.net_connections(kind="unix") if str(c.laddr).startswith(HIVEMIND_SOCKETS)]
         assert sockets and all(os.path.exists(path) for path in sockets), sockets
         end_processes([process], timeout=3.0)
         assert not process.is_running()  # (reaped by psutil: multiprocessing's is_alive cannot tell any more)
         assert not [path for path in sockets if os.path.exists(path)], "the socket file stayed in /tmp"
     finally:
-        if process is not None and process.is_running():
+        if process.is_running():
             process.kill()
-        dht.shutdown()
 
 
 def _averager(dht):
