@@ -6,7 +6,9 @@ under its own key: nobody can speak for another. A peer that needs a shard asks 
 manifest names one, then the holders, those that hold the fewest shards first (in random order among equals): a
 peer that holds them all, the organizer's, is asked last, so its uplink serves only what no volunteer holds yet. A
 copy whose sha256 is not the manifest's is refused, counted against the peer that sent it, and that peer is not
-asked for shards again for BAN_SECONDS (its record is untrusted input too: indices out of range are dropped).
+asked for shards again for BAN_SECONDS (its record is untrusted input too: indices out of range are dropped). A
+holder whose ask failed otherwise (no answer in time, a reset stream) is asked once more; a shard nobody sent
+fails with each holder's reason.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ HOLDINGS_SUFFIX = "_shards"
 HOLDINGS_LIFETIME = 300.0  # seconds; a serving peer republishes well before
 CLAIMS_SUFFIX = "_data_starts"  # where each peer stores its start on the ring of shards (collab.train.data_feed)
 BAN_SECONDS = 600.0
+RETRY_PAUSE = 2.0  # seconds before the holders that failed (a reset stream, a busy daemon) are asked once more
 SLOWEST_UPLINK = 512 * 1024  # bytes/s (4 Mbit/s) a peer's upload may take before it is given up on for a shard
 REFUSED = "served a shard that does not match the manifest's sha256"
 
@@ -121,6 +124,7 @@ class ShardFetcher:
         self.served: dict[str, int] = {}  # who sent how many verified bytes (the URL counts as "url")
         self.got: list[tuple[str, str]] = []  # (shard, who sent it), in order
         self.refused: dict[str, int] = {}
+        self.failed: dict[str, str] = {}  # peer -> why its last ask failed (not a bad copy: no answer in time, ...)
         self._banned_until: dict[str, float] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._p2p = None
@@ -142,15 +146,25 @@ class ShardFetcher:
         if not peers:
             raise UserError(f"no peer of the run holds shard {name} yet")
         with self._lock:
-            for peer in peers:
-                try:
-                    data = self._ask(peer, name, limit, ask_timeout(entry.tokens))
-                except Exception:
-                    continue  # gone, behind NAT, too slow, or it does not hold it: the next one
-                if data and self._verified(peer, data, entry.sha256):
-                    self.got.append((name, peer))
-                    return data
-        raise UserError(f"none of {len(peers)} peers sent a good copy of shard {name}")
+            for attempt in range(2):
+                if attempt:
+                    time.sleep(RETRY_PAUSE)
+                    now = time.monotonic()
+                    peers = [p for p in peers if p in self.failed and self._banned_until.get(p, 0.0) < now]
+                for peer in peers:
+                    self.failed.pop(peer, None)
+                    try:
+                        data = self._ask(peer, name, limit, ask_timeout(entry.tokens))
+                    except Exception as e:  # gone, behind NAT, too slow, a reset stream: the next one
+                        self.failed[peer] = f"{type(e).__name__}: {e}"[:200]
+                        continue
+                    if data and self._verified(peer, data, entry.sha256):
+                        self.got.append((name, peer))
+                        return data
+                    if not data:
+                        self.failed[peer] = "it does not hold it"
+        why = "; ".join(f"{peer[:12]}...: {self.failed[peer]}" for peer in peers if peer in self.failed)
+        raise UserError(f"none of the peers asked sent a good copy of shard {name}" + (f" ({why})" if why else ""))
 
     def _verified(self, source: str, data: bytes, sha256: str) -> bool:
         if hashlib.sha256(data).hexdigest() == sha256:

@@ -144,3 +144,52 @@ def test_a_damaged_file_that_vanishes_while_it_is_checked_is_fetched_again_not_w
         assert vanished == {info.name for info in infos} and feed.fetched == 2
     finally:
         feed.close()
+
+
+class _Holders:
+    """A DHT that lists nobody: the fetcher asks its known peers."""
+
+    def get(self, key, latest=True):
+        return None
+
+
+def _fetcher_over(tmp_path, answers: dict):
+    """A ShardFetcher of the swarm whose asks (peer -> a list of answers, each bytes or an exception) are scripted:
+    what is tested is what it does with them."""
+    import hashlib
+    from collab.run.manifest import DataManifest
+    from collab.run.shard_fetch import ShardFetcher
+
+    infos = _source(tmp_path / "organizer", count=1)
+    blob = (tmp_path / "organizer" / infos[0].name).read_bytes()
+    data = DataManifest(shard_tokens=infos[0].tokens, total_tokens=infos[0].tokens, shards=[
+        {"name": infos[0].name, "tokens": infos[0].tokens, "sha256": hashlib.sha256(blob).hexdigest()}])
+
+    class Scripted(ShardFetcher):
+        def _ask(self, peer, name, limit, timeout):
+            answer = answers[peer].pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return blob if answer == "good" else answer
+
+    return Scripted(_Holders(), "run", "me", data, known=list(answers)), infos[0].name, blob
+
+
+def test_a_holder_whose_ask_failed_is_asked_once_more_and_a_failure_says_why(tmp_path, monkeypatch):
+    # in CI the only holder's one ask failed (a busy machine) and the shard was given up on at once, with no reason
+    import collab.run.shard_fetch as shard_fetch
+
+    monkeypatch.setattr(shard_fetch, "RETRY_PAUSE", 0.01)
+    fetcher, name, blob = _fetcher_over(tmp_path, {"peerA": [TimeoutError("no answer in 30 s"), "good"]})
+    assert fetcher(name) == blob and fetcher.served == {"peerA": len(blob)} and fetcher.failed == {}
+
+    fetcher, name, _ = _fetcher_over(tmp_path, {"peerA": [ConnectionResetError("stream reset")] * 2,
+                                                "peerB": [b"", b""]})
+    with pytest.raises(UserError, match=r"shard .* \(peerA\.\.\.: ConnectionResetError: stream reset; "
+                                        r"peerB\.\.\.: it does not hold it\)"):
+        fetcher(name)
+    # a bad copy is not asked for again: refused once, banned
+    fetcher, name, blob = _fetcher_over(tmp_path, {"peerA": [b"x" * len(blob), "good"]})
+    with pytest.raises(UserError):
+        fetcher(name)
+    assert fetcher.refused == {"peerA": 1} and fetcher.served == {}
