@@ -117,7 +117,12 @@ class CollabOptimizer(SwarmOptimizer):
         averaging_timeout (up to minutes) inside an all-reduce before it can say goodbye; nor a peer whose last
         round has nobody left to find (_nobody_left_to_join)."""
         started = time.monotonic()
-        deadline, next_check = started + self.averaging_timeout, started + self.matchmaking_time + NOBODY_LEFT_CHECK
+        # the first look at once: a peer whose round starts after the others made this epoch's step (it was
+        # downloading the swarm's state as they stepped) looked for nobody for 7 s, stepped alone, and missed their
+        # next round too. With overlap=full the others publish the next epoch as their round for this one begins
+        # in the background: only after matchmaking_time is their matching surely over
+        first_look = self.matchmaking_time + NOBODY_LEFT_CHECK if self.delay_grad_averaging else 0.0
+        deadline, next_check = started + self.averaging_timeout, started + first_look
         self._with_others, self._empty_looks = self.tracker.global_progress.num_peers > 1, 0
         while True:
             try:

@@ -138,12 +138,14 @@ def test_a_round_begun_with_others_is_given_up_once_all_of_them_left(monkeypatch
                 raise TimeoutError("no answer")
             return None  # no progress record but our own: everyone else said goodbye
 
-    def waiting(peers_at_start, dht):
+    def waiting(peers_at_start, dht, matchmaking_time=0.05, delayed=False):
         opt = object.__new__(CollabOptimizer)
         opt.dht, opt.run_id, opt.stop = dht, "run", threading.Event()
         opt._parent_pid = None  # (hivemind's __del__ would shut down the averagers this one never started)
-        opt.state_averager, opt.delay_grad_averaging = SimpleNamespace(local_epoch=7), False
-        opt.matchmaking_time, opt.averaging_timeout = 0.05, 1.5
+        # (overlap=full: the round is for the epoch before local_epoch)
+        opt.state_averager = SimpleNamespace(local_epoch=8 if delayed else 7)
+        opt.delay_grad_averaging = delayed
+        opt.matchmaking_time, opt.averaging_timeout = matchmaking_time, 1.5
         opt.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=peers_at_start))
         control = Round()
         began = time.monotonic()
@@ -160,6 +162,14 @@ def test_a_round_begun_with_others_is_given_up_once_all_of_them_left(monkeypatch
     for peers, dht in ((1, DHT()), (2, DHT(fails=True))):
         error, took, control = waiting(peers, dht)
         assert isinstance(error, FutureTimeout) and took >= 1.5 and not control.cancelled, (peers, error)
+    # every other peer made this epoch's step already (this one was downloading their state as they stepped): given
+    # up at the first look, not after matchmaking_time; with overlap=full their records say the next epoch while
+    # their round for this one is still matching, so not before it
+    monkeypatch.setattr(sync, "others_epochs", lambda dht, run_id, me: [8, 9])
+    for delayed, within in ((False, (0.0, 0.5)), (True, (1.0, 1.5))):
+        error, took, control = waiting(2, DHT(), matchmaking_time=1.0, delayed=delayed)
+        assert isinstance(error, NobodyLeftToJoin) and "the swarm is at epoch 9" in str(error), error
+        assert within[0] <= took < within[1] and control.cancelled, (delayed, took)
 
 
 def test_a_leaving_peer_waits_for_its_goodbye_to_be_stored():
