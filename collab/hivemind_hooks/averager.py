@@ -28,7 +28,13 @@ class AveragerHooks(AggregatePartHooks, DecentralizedAverager):
 
     # one averaging step in the averager's process: a refused round ends it; banned leaders are never followed
     async def _step(self, *, step, future_for_init):
-        return await self.averaging_step(step=step, future_for_init=future_for_init)
+        try:
+            return await self.averaging_step(step=step, future_for_init=future_for_init)
+        except InvalidStateError:
+            # the trainer cancelled the round as it ended (a round given up, a leave): hivemind's set_result then
+            # raises in a task nobody awaits, a traceback in the peer's log ("Task exception was never retrieved")
+            if not step.cancelled():
+                raise
 
     async def averaging_step(self, *, step, future_for_init):
         return await super()._step(step=step, future_for_init=future_for_init)
