@@ -179,6 +179,24 @@ def others_epochs(dht, run_id: str, me: str) -> list[int]:
     return _fresh_epochs(dht, run_id, frozenset({me}))
 
 
+def wait_for_a_donor_at(dht, run_id: str, me: str, epoch: int, stop, limit: float, pause: float = 0.5) -> bool:
+    """Wait (`limit` s at most) until another peer's fresh progress says `epoch` or later: a peer that made the
+    swarm's step to `epoch`, whose state a re-sync at `epoch` can take. False when none did in time, when no other
+    peer is there, or when the DHT does not answer (the caller then asks the donors as it would have)."""
+    give_up_at = time.monotonic() + limit
+    while True:
+        try:
+            others = others_epochs(dht, run_id, me)
+        except Exception:
+            return False
+        if not others:
+            return False
+        if max(others) >= epoch:
+            return True
+        if time.monotonic() + pause > give_up_at or stop.wait(pause):
+            return False
+
+
 def swarm_finished_without(others: list[int], epoch: int) -> Optional[int]:
     """The swarm's epoch when every other peer (their `others_epochs`) has already made `epoch`'s step (each reports
     a later epoch), so a round for `epoch` has nobody left to find; None when some peer is still at `epoch` or behind

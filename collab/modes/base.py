@@ -21,7 +21,7 @@ from hivemind.utils.logging import get_logger
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace
-from collab.averaging.replica import RecordingStateAverager, cancel_round, others_present
+from collab.averaging.replica import RecordingStateAverager, cancel_round, others_present, wait_for_a_donor_at
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.hivemind_hooks.optimizer import OptimizerHooks
@@ -338,6 +338,12 @@ class SwarmOptimizer(OptimizerHooks):
                 and self.state_averager.gathered_since(epoch_before) >= self.tracker.global_progress.num_peers):
             return True  # that round also healed a lineage split, with the whole swarm's parameters: no download
 
+        if not self.replica.in_sync and deadline is None:
+            # a re-sync right after an own step: the swarm may not have made this epoch's step yet (its round still
+            # running). Asked now, every donor is an epoch behind and refused; the hold was then released, and the two
+            # peers of a 2-of-12 split round downloaded each other's state and stayed 1e-2 off the swarm to the end
+            wait_for_a_donor_at(self.dht, self.run_id, self.dht.peer_id.to_base58(), self.local_epoch, self.stop,
+                                limit=self.averaging_timeout)
         for peer in self.rejections.take_caught():  # a peer caught cheating in a round is no donor either
             if self.state_averager.is_alive():
                 self.state_averager._outer_pipe.send(("_skip_donor", [peer], {}))

@@ -222,3 +222,33 @@ def test_a_leaving_peer_waits_for_its_goodbye_to_be_stored():
     began = time.monotonic()
     tracker.shutdown(1.0)
     assert not stores and time.monotonic() - began < 0.5
+
+
+def test_a_resync_after_an_own_step_waits_for_a_peer_that_made_the_swarms_step(monkeypatch):
+    # the two peers of a 2-of-12 split round re-synced at once: every donor was still an epoch behind (the ten were
+    # in their round), so each released its hold, and they downloaded each other's state: 1e-2 off the swarm to the
+    # end (CI). The re-sync now waits until a peer's progress says the epoch (the swarm's step), within a limit
+    import threading
+    import time
+
+    import collab.averaging.replica as replica
+
+    seen = iter([[4, 4, 4], [4, 4, 4], [4, 5, 4]])
+    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me: next(seen))
+    stop = threading.Event()
+    assert replica.wait_for_a_donor_at(None, "run", "me", 5, stop, limit=5.0, pause=0.01)
+    # nobody makes the step: given up after the limit; alone or a DHT that does not answer: at once
+    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me: [4, 4])
+    began = time.monotonic()
+    assert not replica.wait_for_a_donor_at(None, "run", "me", 5, stop, limit=0.3, pause=0.05)
+    assert 0.2 <= time.monotonic() - began < 1.0
+    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me: [])
+    assert not replica.wait_for_a_donor_at(None, "run", "me", 5, stop, limit=30.0)
+
+    def no_answer(dht, run_id, me):
+        raise TimeoutError("the DHT")
+
+    monkeypatch.setattr(replica, "others_epochs", no_answer)
+    began = time.monotonic()
+    assert not replica.wait_for_a_donor_at(None, "run", "me", 5, stop, limit=30.0)
+    assert time.monotonic() - began < 1.0
