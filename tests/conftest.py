@@ -237,6 +237,15 @@ def run_id() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def hivemind_locks_a_killed_holder_releases():
+    """This test process's hivemind locks as a peer's (collab.hivemind_hooks.locks): a test that kills a DHT or an
+    averager process while it held hivemind's MPFuture lock otherwise hung every later DHT of the worker (CI)."""
+    from collab.hivemind_hooks.patches import death_safe_locks
+
+    death_safe_locks()
+
+
 @pytest.fixture()
 def no_leftover_processes():
     """Fails the test if any process started during it (p2pd included) outlives it."""

@@ -162,6 +162,10 @@ PATCHED = (
     "hivemind.p2p.p2p_daemon.P2P._terminate",  # that client closed, the daemon left to the DHT
     "hivemind.utils.mpfuture.MPFuture._active_futures",  # rounds cancelled on a signal
     "hivemind.utils.mpfuture.MPFuture.reset_backend",  # the fork server's forks
+    # process-shared locks a killed holder no longer leaves held (collab.hivemind_hooks.locks)
+    "hivemind.utils.mpfuture.MPFuture._update_lock",
+    "hivemind.utils.mpfuture.MPFuture._initialization_lock",
+    "hivemind.utils.mpfuture.SharedBytes._lock",
     "hivemind.utils.asyncio._AsyncContextWrapper.EXECUTOR_LOCK",
     "hivemind.optim.state_averager.TrainingStateAverager._update_scheduler",  # a lineage split's epoch adopted
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import select
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
 from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+from collab.hivemind_hooks.locks import DeathSafeLock
 
 _log = logging.getLogger(__name__)
 
@@ -347,7 +348,22 @@ def fresh_process_state() -> None:
     """What a new interpreter would have: hivemind's process-shared module-level state (the MPFuture backend, the
     executor lock), unshared from the fork server that forked this process."""
     MPFuture.reset_backend()
-    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+    death_safe_locks(anew=True)
+
+
+# --- before this process forks its first hivemind process (the DHT's, an averager's) ---
+
+def death_safe_locks(anew: bool = False) -> None:
+    """hivemind's process-shared locks (an MPFuture update's, the MPFuture backend's, SharedBytes', the executor's)
+    as locks a holder's death releases (collab.hivemind_hooks.locks): one process killed while it held one blocked
+    every other for good. Once per process, before the processes that share them are forked; `anew` replaces them
+    even so (a fork server's child, whose copies are its server's)."""
+    if isinstance(MPFuture._update_lock, DeathSafeLock) and not anew:
+        return
+    MPFuture._initialization_lock = DeathSafeLock()
+    MPFuture._update_lock = DeathSafeLock()
+    SharedBytes._lock = DeathSafeLock()
+    _AsyncContextWrapper.EXECUTOR_LOCK = DeathSafeLock()
 
 
 @contextmanager

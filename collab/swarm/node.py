@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
-from collab.hivemind_hooks.patches import dht_takes_requests, sign_progress_with, store_walks_without_values
+from collab.hivemind_hooks.patches import (death_safe_locks, dht_takes_requests, sign_progress_with,
+                                           store_walks_without_values)
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.process.reaper import end_processes
 from collab.records.identity import Identity, load_or_create_identity
@@ -124,6 +125,7 @@ class Swarm:
                  authorizer=None):
         """`authorizer`: in a private run, this peer's invite as hivemind's DHT access token (collab.run.gate)."""
         quiet_orphaned_requests()
+        death_safe_locks()  # before the DHT's process, the first this peer forks, inherits them
 
         self.peer = peer
         self.identity = identity if identity is not None else load_or_create_identity(peer.identity)
