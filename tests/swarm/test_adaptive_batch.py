@@ -31,7 +31,7 @@ def test_three_peers_measure_b_noise_follow_one_plan_toward_it_and_adascale_scal
         "training.target_batch_size": "auto", "training.base_batch_size": base, "training.lr_scaling": "adascale",
         "training.auto_target": {"min": 7680, "max": 122880, "start": 15360, "every_epochs": 2},
         "averaging.aggregation": "mean", "averaging.compression": "none", "averaging.average_state_every": 1000})
-    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "10"],
+    with LocalSwarm(3, run_id, tmp_path, ["--config", str(config), "--max-epochs", "12"],
                     env=peer_env(), forks=fork_server(),
                     per_peer_args={i: ["--wait-peers", "3"] for i in range(3)}) as swarm:
         swarm.start()

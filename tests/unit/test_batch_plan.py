@@ -114,3 +114,16 @@ def test_goodput_and_the_eta_come_from_the_records_most_peers_agree_on():
     assert "goodput 292.6 samples/s" in line and "efficiency 0.57" in line and "100.0/1100" in line, line
     assert adaptive_progress([], None, 1024, 512.0) == dict(lr_gain=None, progress_steps=None, total_steps=None,
                                                            base_batch_size=None)
+
+
+def test_a_plan_s_lead_is_counted_at_the_fastest_pace_the_run_has_shown():
+    from collab.train.plan_keeper import fastest_pace
+
+    assert fastest_pace([(0.0, 0), (2.0, 0)]) is None  # no epoch yet: no plan
+    # slow first rounds, then 2 epochs in 2 s, then a slow one: the lead holds at 1 s an epoch, not at the minute's
+    # 1.5 s or the last interval's 2 s (a 4-s lead of 4 epochs, not 3 that then pass in 3 s)
+    seen = [(0.0, 0), (2.0, 1), (4.0, 3), (6.0, 4)]
+    assert fastest_pace(seen) == 1.0
+    config = training(**AUTO, lr_scaling="adascale", base_batch_size=256)
+    planned = next_plan(first_plan("run", config), 4, 20000.0, config, fastest_pace(seen))
+    assert planned is not None and planned.from_epoch == 4 + 4
