@@ -44,10 +44,12 @@ from collab.records.rejections import RejectionLog  # noqa: E402
 MATCHMAKING_TIME, REQUEST_TIMEOUT = 3.0, 2.4
 
 
-def ghost_round(next_chunk: float, step_timeout: float, peers: int = 2) -> list:
+def ghost_round(next_chunk: float, step_timeout: float, peers: int = 2, client: bool = True) -> list:
     """What the leader's and the client's rounds gave: the averaged first value (the exact mean is 1.5) or the
     exception the round ended with, and the seconds it took. peers=3: three reachable peers, the third missing its
-    leader's start (the exact mean of the first two is 1.5, of all three 2.0), each with a part to reduce."""
+    leader's start (the exact mean of the first two is 1.5, of all three 2.0), each with a part to reduce.
+    client=False: two reachable peers, each with a part to reduce (the leader waits for the other's average of
+    its part, not only for its input)."""
     def begin_missed_once(original):
         calls = []
 
@@ -59,7 +61,7 @@ def ghost_round(next_chunk: float, step_timeout: float, peers: int = 2) -> list:
         return begin
 
     return pair_round((peers - 1, Matchmaking, "follower_assemble_group", begin_missed_once), next_chunk,
-                      step_timeout, peers)
+                      step_timeout, peers, client)
 
 
 def late_start_round(late_start: float, step_timeout: float) -> list:
@@ -92,19 +94,20 @@ def failed_start_round(next_chunk: float, step_timeout: float) -> list:
     return pair_round((2, CollabGradientAverager, "run_allreduce", fails_once), next_chunk, step_timeout, peers=3)
 
 
-def pair_round(patch, next_chunk: float, step_timeout: float, peers: int = 2) -> list:
+def pair_round(patch, next_chunk: float, step_timeout: float, peers: int = 2, client: bool = True) -> list:
     """One gradient round of a leader (averager 0) and a client-mode peer (1), with `patch` (see
     start_averager_pair): each one's averaged first value (the exact mean is 1.5) or the exception its round
     ended with, and the seconds it took. peers=3: three reachable peers, 2^20 values each (every one reduces a
-    part)."""
-    # hivemind hands out whole parts of 2^17 values: 2^20 values leave each of three peers a part to reduce
-    prefix, size = f"ghost-{time.time_ns()}_grad_averager", 64 if peers == 2 else 2 ** 20
+    part). client=False: no peer in client mode."""
+    client = client and peers == 2
+    # hivemind hands out whole parts of 2^17 values: 2^20 values leave each peer a part to reduce
+    prefix, size = f"ghost-{time.time_ns()}_grad_averager", 64 if client else 2 ** 20
     params = [torch.nn.Parameter(torch.zeros(size)) for _ in range(peers)]
     with ExitStack() as stack:
         averagers = start_averager_pair(stack, lambda dht, i: CollabGradientAverager(
             [params[i]], dht=dht, prefix=prefix, start=True, rule=Aggregation(method="mean"),
             findings=RejectionLog().queue, target_group_size=peers, min_matchmaking_time=MATCHMAKING_TIME,
-            request_timeout=REQUEST_TIMEOUT, next_chunk_timeout=next_chunk, client_mode=peers == 2 and i == 1),
+            request_timeout=REQUEST_TIMEOUT, next_chunk_timeout=next_chunk, client_mode=client and i == 1),
             patch=patch, count=peers)
         started, controls = time.monotonic(), []
         for i, averager in enumerate(averagers):

@@ -48,7 +48,8 @@ from collab.averaging.one_average import OneAverage
 from collab.averaging.planned_leader import ASK_AGAIN, PLAN_SHARE, peers_training, planned_leader
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.traffic import CountingRunner, TrafficLog
-from collab.hivemind_hooks.averager import AveragerHooks, end_step_unstarted
+from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
+from collab.hivemind_hooks.averager import end_step_unstarted
 from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
                                            never_ask_leaders, pace_group_reads, patient_followers, time_matchmaking)
 from collab.records.rejections import HARD_EVIDENCE
@@ -132,10 +133,17 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
             self.on_finding(peer_id, "banned: left out of a group")
             self._keep_own_parts(self.ordered_peer_ids.index(peer_id))
             return
-        await super().exchange_with_peer(peer_id)
+        try:
+            await super().exchange_with_peer(peer_id)
+        except AllreduceException as e:
+            if str(e).endswith(f"sent {BAD_GROUP}") and peer_id in self.sender_peer_ids:
+                # it is not in this group (collab.averaging.known_groups): its parts will not come either, so
+                # this peer's reducer need not wait next_chunk_timeout for them
+                await self.ban_sender(peer_id)
+            raise
 
 
-class CheckedRounds(AveragerHooks):
+class CheckedRounds(KnownGroupsOnly):
     """A DecentralizedAverager mixin. Set `rule`, `kind` ("gradients" or "state") and `findings` (a queue, or
     None) before hivemind's constructor starts the averager process."""
 
@@ -389,11 +397,13 @@ class CheckedRounds(AveragerHooks):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _matched_in(self, seconds: float, found: Optional[int]) -> None:
+    def _matched_in(self, seconds: float, group: Optional[GroupInfo]) -> None:
         self._matching_seconds = seconds
+        self.group_found(group)
         matchmaking = getattr(self, "_matchmaking", None)
         if self._budget is not None and matchmaking is not None:
-            self._budget.after_round(found, matchmaking.target_group_size)
+            self._budget.after_round(len(group.peer_ids) if group is not None else None,
+                                     matchmaking.target_group_size)
 
     def _refusal(self, runner: _CheckedRunner, updates, bound: float, averaged_norm: Optional[float]
                  ) -> Optional[str]:

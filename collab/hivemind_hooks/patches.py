@@ -17,6 +17,7 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import allreduce
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
@@ -158,9 +159,9 @@ def patient_followers(matchmaking, factor: float, ended: Callable[[object, float
     matchmaking.was_accepted_to_group, matchmaking._request_join_group = accepted, request
 
 
-def time_matchmaking(matchmaking, record: Callable[[float, Optional[int]], None]) -> None:
+def time_matchmaking(matchmaking, record: Callable[[float, Optional[GroupInfo]], None]) -> None:
     """Each search for a group (hivemind's Matchmaking.look_for_group, whatever it finds) is timed:
-    `record(seconds, group size or None)` after it ends, so a round's matchmaking is measured apart from its
+    `record(seconds, the group or None)` after it ends, so a round's matchmaking is measured apart from its
     all-reduce, and what it found is known. Once per Matchmaking."""
     if getattr(matchmaking, "_collab_timed", False):
         return
@@ -172,7 +173,7 @@ def time_matchmaking(matchmaking, record: Callable[[float, Optional[int]], None]
             group = await look_for_group(*args, **kwargs)
             return group
         finally:
-            record(time.monotonic() - started, len(group.peer_ids) if group is not None else None)
+            record(time.monotonic() - started, group)
 
     matchmaking.look_for_group, matchmaking._collab_timed = timed, True
 

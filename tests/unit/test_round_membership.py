@@ -28,3 +28,60 @@ def test_a_reducer_that_heard_from_no_groupmate_is_told_apart_from_one_with_noth
     assert not nobody_else_sent(_runner([A, ME, B], (1, 0, 0), {ME}), ME)
     # a client-mode peer reduces nothing
     assert not nobody_else_sent(_runner([A, CLIENT], (1, 0), {CLIENT}), CLIENT)
+
+
+def _unknown_group_asked(matchmaking, found=(), registered_after=None, asked=b"group-1") -> tuple[bool, float]:
+    """collab.averaging.known_groups: whether a part for group `asked` (not running) is let through, and after how
+    many seconds. `registered_after`: the group registers then."""
+    import asyncio
+    import time
+
+    from collab.averaging.known_groups import KnownGroupsOnly
+
+    averager = SimpleNamespace(_running_groups={}, _matchmaking=matchmaking, allreduce_kwargs={"reducer_timeout": 0.8})
+    for name in ("_found_groups", "group_found", "_group_may_come", "_group_came", "_longest_wait"):
+        setattr(averager, name, getattr(KnownGroupsOnly, name).__get__(averager))
+    for group_id in found:
+        averager.group_found(SimpleNamespace(group_id=group_id))
+
+    async def ask():
+        if registered_after is not None:
+            asyncio.get_running_loop().call_later(registered_after, averager._running_groups.__setitem__, asked, 1)
+        started = time.monotonic()
+        return await averager._group_came(asked), time.monotonic() - started
+    return asyncio.run(ask())
+
+
+def test_a_part_for_a_group_that_cannot_come_is_refused_within_the_grace_and_one_on_its_way_waits(monkeypatch):
+    import asyncio
+
+    from collab.averaging import known_groups
+
+    # (shorter than collab's, for a short test: each group below that may come registers after the grace)
+    monkeypatch.setattr(known_groups, "UNKNOWN_GROUP_GRACE", 0.2)
+    monkeypatch.setattr(known_groups, "LOOK_EVERY", 0.02)
+    grace = known_groups.UNKNOWN_GROUP_GRACE
+
+    def matchmaking(leader=None, assembled=None):
+        future = asyncio.Future(loop=asyncio.new_event_loop())
+        if assembled is not None:
+            future.set_result(SimpleNamespace(group_id=assembled))
+        return SimpleNamespace(current_leader=leader, assembled_group=future)
+
+    # looking for another group, following nobody: the ghost's groupmate hears BAD_GROUP_ID after the grace
+    came, seconds = _unknown_group_asked(matchmaking())
+    assert not came and grace <= seconds < grace + 0.15, seconds
+    # a group this peer found (waiting for the trainer's trigger) registers later: let through, not refused
+    came, seconds = _unknown_group_asked(matchmaking(), found=[b"group-1"], registered_after=0.4)
+    assert came and 0.4 <= seconds < 0.55, seconds
+    # ... PowerSGD's phases run under the group's id and a suffix
+    assert _unknown_group_asked(matchmaking(), found=[b"group-1"], registered_after=0.4, asked=b"group-1P")[0]
+    # accepted by a leader whose start is on its way
+    assert _unknown_group_asked(matchmaking(leader="a"), registered_after=0.4)[0]
+    # the follower's BEGIN_ALLREDUCE came, the search not yet returned
+    assert _unknown_group_asked(matchmaking(assembled=b"group-1"), registered_after=0.4)[0]
+    # another group assembled: this one will not come
+    assert not _unknown_group_asked(matchmaking(assembled=b"group-2"))[0]
+    # on its way, but for longer than the sender listens (reducer_timeout): refused then
+    came, seconds = _unknown_group_asked(matchmaking(leader="a"))
+    assert not came and 0.8 <= seconds < 0.95, seconds
