@@ -38,9 +38,9 @@ def _unknown_group_asked(matchmaking, found=(), registered_after=None, asked=b"g
 
     from collab.averaging.known_groups import KnownGroupsOnly
 
-    averager = SimpleNamespace(_running_groups={}, _matchmaking=matchmaking, allreduce_kwargs={"reducer_timeout": 0.8})
-    for name in ("_found_groups", "group_found", "_group_may_come", "_group_came", "_longest_wait"):
-        setattr(averager, name, getattr(KnownGroupsOnly, name).__get__(averager))
+    averager = object.__new__(KnownGroupsOnly)  # (no averager process: only the state the check reads)
+    averager._running_groups, averager._matchmaking = {}, matchmaking
+    averager.allreduce_kwargs = {"reducer_timeout": 0.8}
     for group_id in found:
         averager.group_found(SimpleNamespace(group_id=group_id))
 
