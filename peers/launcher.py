@@ -25,6 +25,7 @@ import psutil
 from hivemind.p2p import P2P, PeerID
 
 from collab.peers.forkserver import ForkServer
+from collab.process.reaper import hivemind_sockets, is_running, remove_sockets_of
 
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
@@ -163,15 +164,31 @@ class PeerProcess:
         """SIGKILL the whole session: what a crash or a pulled plug does to a volunteer's machine."""
         if self.popen is None:
             return
+        processes = self.session_processes()
+        # a machine that crashed boots with an empty /tmp; this one goes on: the files of p2pd's sockets that the
+        # killed processes listened on are removed here (a churn run left 5 a kill)
+        sockets = hivemind_sockets(processes)
         self.signal_session(signal.SIGCONT)  # a frozen process cannot be reaped until it runs
         self.signal_session(signal.SIGKILL)
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        remove_sockets_of(sockets, still_running=_running_after(processes, timeout=10))
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def _running_after(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of `processes` still running after up to `timeout` s (a zombie has ended: its parent, not this
+    process, reaps it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [proc for proc in processes if is_running(proc)]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.05)
 
 
 def free_ports(count: int) -> list[int]:

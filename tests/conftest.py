@@ -248,10 +248,12 @@ def hivemind_locks_a_killed_holder_releases():
 
 @pytest.fixture()
 def no_leftover_processes():
-    """Fails the test if any process started during it (p2pd included) outlives it."""
+    """Fails the test if any process started during it (p2pd included) outlives it, or left the file of a hivemind
+    socket nobody listens on in /tmp (a CI run left 23; a volunteer's machine would gather them run after run)."""
     from collab.peers.forkserver import shared_server_pids
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    sockets_before = set(_hivemind_socket_files())
     yield
     before |= shared_server_pids()  # the session's fork server (fork_server()) may have started in this test
     deadline = time.monotonic() + 15
@@ -259,13 +261,32 @@ def no_leftover_processes():
         # torch_shm_manager serves this pytest process's own shared tensors for the whole session
         left = [p for p in psutil.Process().children(recursive=True)
                 if p.pid not in before and _alive(p) and p.name() != "torch_shm_manager"]
-        if not left:
+        # (a process leaving gracefully closes its socket a moment before it removes the file: asked again)
+        stale = set(_hivemind_socket_files()) - sockets_before - _listened_on()
+        if not left and not stale:
             return
         time.sleep(0.5)
     names = [f"{p.pid}:{p.name()}" for p in left if _alive(p)]
     for p in left:
         p.kill()
-    pytest.fail(f"processes outlived the test: {names}")
+    for path in stale:
+        Path(path).unlink(missing_ok=True)
+    pytest.fail(f"processes outlived the test: {names}" if names else
+                f"{len(stale)} hivemind socket file(s) left in /tmp with no process listening: {sorted(stale)}")
+
+
+def _hivemind_socket_files() -> list[str]:
+    from collab.process.reaper import HIVEMIND_SOCKETS
+
+    folder, prefix = os.path.split(HIVEMIND_SOCKETS)
+    return [os.path.join(folder, name) for name in os.listdir(folder) if name.startswith(prefix)]
+
+
+def _listened_on() -> set[str]:
+    """Paths of the unix sockets bound in this network namespace (a peer in a test's namespace has ended by the time
+    this is asked: no_leftover_processes waits for that first)."""
+    with open("/proc/net/unix") as table:
+        return {fields[-1] for fields in (line.split() for line in table.readlines()[1:]) if len(fields) >= 8}
 
 
 def _alive(p: psutil.Process) -> bool:

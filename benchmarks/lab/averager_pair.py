@@ -7,6 +7,10 @@ from contextlib import ExitStack
 from typing import Any, Callable, Optional
 
 import hivemind
+import psutil
+
+from collab.process.reaper import hivemind_sockets, remove_sockets_of
+from collab.swarm.node import dht_sockets, shut_down_dht
 
 
 def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], Any],
@@ -20,7 +24,7 @@ def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], An
     for i in range(count):
         dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                            initial_peers=first.get_visible_maddrs() if first else [])
-        stack.callback(dht.shutdown)
+        stack.callback(shut_down_dht, dht, dht_sockets(dht))  # (a peer's leave: no socket file left in /tmp)
         first = first or dht
         patched = patch is not None and patch[0] == i
         if patched:
@@ -32,6 +36,14 @@ def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], An
         finally:
             if patched:
                 setattr(cls, name, original)
-        stack.callback(averager.shutdown)
+        stack.callback(_shut_down, averager, hivemind_sockets([psutil.Process(averager.pid)]))
         averagers.append(averager)
     return averagers
+
+
+def _shut_down(averager, sockets: dict) -> None:
+    """hivemind's own averager leaves its client of p2pd open, and its socket file in /tmp (collab's averagers close
+    it: collab.hivemind_hooks.averager): removed here, as collab's would be."""
+    averager.shutdown()
+    averager.join(5)
+    remove_sockets_of(sockets)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import select
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from hivemind.averaging import allreduce
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.dht.routing import DHTID
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
 from hivemind.utils.crypto import RSAPrivateKey
@@ -365,6 +367,35 @@ def death_safe_locks(anew: bool = False) -> None:
     MPFuture._update_lock = DeathSafeLock()
     SharedBytes._lock = DeathSafeLock()
     _AsyncContextWrapper.EXECUTOR_LOCK = DeathSafeLock()
+
+
+def failed_p2pd_starts_leave_no_file() -> None:
+    """hivemind's P2P.create starts p2pd, which binds its socket file in /tmp. A p2pd that then fails (it reached no
+    initial peer: a stale join line) exits without removing it, and hivemind removes the file only of a daemon still
+    running: each failed join left one per attempt (3). Here a failed create removes the file (the P2P object is
+    create's own `self`, found in the failure's traceback). Once per process, before it forks the DHT's."""
+    if getattr(P2P, "_collab_tidy_starts", False):
+        return
+    create = P2P.create.__func__
+
+    async def tidy_create(cls, *args, **kwargs):
+        try:
+            return await create(cls, *args, **kwargs)
+        except BaseException as e:
+            trace = e.__traceback__
+            while trace is not None:
+                p2p = trace.tb_frame.f_locals.get("self")
+                # (its p2pd is left to hivemind: it exits by itself after saying why, and a signal from here raced
+                # asyncio's reaping of it, which then logged "Unknown child process" on the volunteer's terminal)
+                if isinstance(p2p, P2P) and trace.tb_frame.f_code is create.__code__:
+                    try:
+                        os.remove(p2p._daemon_listen_maddr["unix"])
+                    except (OSError, AttributeError, KeyError, TypeError):
+                        pass  # never bound, or already removed
+                trace = trace.tb_next
+            raise
+
+    P2P.create, P2P._collab_tidy_starts = classmethod(tidy_create), True
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from typing import Optional
 
 import psutil
 
-from collab.process.reaper import end_processes, watcher_pid
+from collab.process.reaper import end_processes, remove_own_sockets, watcher_pid
 
 GRACE_SECONDS = 7.0
 
@@ -183,6 +183,7 @@ class StopOnSignal:
             faulthandler.dump_traceback(file=f, all_threads=True)
         print(f"{reason}; stopping hivemind processes (stacks in {path})", file=sys.stderr, flush=True)
         reap_children(timeout=1.0)
+        remove_own_sockets()
         os._exit(1)
 
 

@@ -153,17 +153,10 @@ HIVEMIND_SOCKETS = "/tmp/hivemind-"  # hivemind's P2P puts p2pd's socket and eac
 
 def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
     """SIGTERM, then SIGKILL whatever still runs after `timeout` seconds (psutil.Process objects); then remove the
-    socket files hivemind's processes among them listened on (p2pd's, and each p2pd client's): hivemind removes them
-    only on a graceful shutdown, and each process ended here left its file in /tmp."""
+    socket files hivemind's processes among them listened on (remove_sockets_of)."""
     import psutil
 
-    sockets = {}
-    for proc in processes:
-        try:
-            sockets[proc.pid] = [c.laddr for c in proc.net_connections(kind="unix")
-                                 if isinstance(c.laddr, str) and c.laddr.startswith(HIVEMIND_SOCKETS)]
-        except psutil.Error:
-            pass
+    sockets = hivemind_sockets(processes)
     for proc in processes:
         try:
             proc.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
@@ -177,7 +170,49 @@ def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
         except psutil.Error:
             pass
     _, still = psutil.wait_procs(alive, timeout=timeout)
-    running = {proc.pid for proc in still}
+    remove_sockets_of(sockets, still_running=still)
+
+
+def hivemind_sockets(processes: list) -> dict[int, list[str]]:
+    """The socket files in /tmp that hivemind's processes among `processes` listen on (p2pd's, and each p2pd
+    client's), by process id: read before those processes are ended, since an ended process no longer shows them."""
+    import psutil
+
+    sockets = {}
+    for proc in processes:
+        try:
+            sockets[proc.pid] = [c.laddr for c in proc.net_connections(kind="unix")
+                                 if isinstance(c.laddr, str) and c.laddr.startswith(HIVEMIND_SOCKETS)]
+        except psutil.Error:
+            pass
+    return sockets
+
+
+def is_running(proc) -> bool:
+    """Whether a process (psutil's, or a started multiprocessing.Process) still runs: a zombie has ended (its parent
+    has yet to reap it, or in a container whose first process reaps nothing, never will)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+    except AttributeError:  # a multiprocessing.Process has no status: it was alive when the caller asked
+        return True
+
+
+def remove_own_sockets() -> None:
+    """Remove the socket files of hivemind's p2pd clients in this process, which is about to end with os._exit (no
+    client's __del__ runs then): hivemind's cached replica, or a service thread's client still closing."""
+    import psutil
+
+    remove_sockets_of(hivemind_sockets([psutil.Process()]))
+
+
+def remove_sockets_of(sockets: dict[int, list[str]], still_running: list = ()) -> None:
+    """Remove the socket files of processes that were ended (hivemind_sockets' answer; not those still running):
+    hivemind removes them only on a graceful shutdown, and every process ended from outside left its file in /tmp."""
+    running = {proc.pid for proc in still_running if is_running(proc)}
     for path in (path for pid, paths in sockets.items() if pid not in running for path in paths):
         try:
             os.unlink(path)

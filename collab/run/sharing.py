@@ -110,6 +110,7 @@ class StreamService:
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             self._ready.set()
+            close_loop(self._loop, getattr(self, "_p2p", None))  # a client that began listening: its file in /tmp
             return
         self._ready.set()
         try:

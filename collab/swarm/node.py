@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
-from collab.hivemind_hooks.patches import (death_safe_locks, dht_takes_requests, sign_progress_with,
-                                           store_walks_without_values)
+from collab.hivemind_hooks.patches import (death_safe_locks, dht_takes_requests, failed_p2pd_starts_leave_no_file,
+                                           sign_progress_with, store_walks_without_values)
 from collab.process.lifecycle import quiet_orphaned_requests
-from collab.process.reaper import end_processes
+from collab.process.reaper import end_processes, hivemind_sockets, is_running, remove_sockets_of
 from collab.records.identity import Identity, load_or_create_identity
 from collab.records.metrics import MetricsSchema
 from collab.records.verdicts import RememberedVerdicts
@@ -126,6 +126,7 @@ class Swarm:
         """`authorizer`: in a private run, this peer's invite as hivemind's DHT access token (collab.run.gate)."""
         quiet_orphaned_requests()
         death_safe_locks()  # before the DHT's process, the first this peer forks, inherits them
+        failed_p2pd_starts_leave_no_file()
 
         self.peer = peer
         self.identity = identity if identity is not None else load_or_create_identity(peer.identity)
@@ -170,6 +171,7 @@ class Swarm:
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
         self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
+        self._sockets = dht_sockets(self.dht)  # removed at shutdown if its processes end any other way than hivemind's
         self.dht.run_coroutine(_store_walks_without_values)  # a store's walk carries no records back
         start_counting(self.dht)  # its requests to the swarm, per RPC (collab.swarm.dht_traffic)
 
@@ -203,34 +205,55 @@ class Swarm:
     def shutdown(self) -> None:
         # idempotent: the trainer shuts down the swarm it was given, and so does `collab join` on its way out; a
         # DHT process killed "the hard way" may still look alive a moment later, and its pipe is closed by then
-        if not getattr(self, "_shut", False) and self.dht.is_alive():
-            self._shut = True
-            shut_down_dht(self.dht)
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
+        shut_down_dht(self.dht, self._sockets)
 
 
 DHT_PIPE_WAIT = 1.0  # seconds a leave waits for the DHT's process to make room in its pipe for the "_shutdown"
 
 
-def shut_down_dht(dht) -> None:
+def dht_sockets(dht) -> dict[int, list[str]]:
+    """The socket files of the DHT's process and its p2pd (collab.process.reaper.hivemind_sockets)."""
+    try:
+        process = psutil.Process(dht.pid)
+        return hivemind_sockets([process, *process.children(recursive=True)])
+    except psutil.Error:
+        return {}
+
+
+def shut_down_dht(dht, sockets: Optional[dict[int, list[str]]] = None) -> None:
     """hivemind's shutdown, unless the DHT's process stopped reading its pipe (collab.hivemind_hooks.patches,
     dht_takes_requests): hivemind would send it "_shutdown" and block for good. Then the process is ended, as
     hivemind ends one that does not shut down in time, and its p2pd with it (hivemind's shutdown would have ended
     that daemon; here it also ends by itself once the pipe it logs to is closed, but once its parent is gone it is
     nobody's child for the peer's exit to reap if it does not)."""
-    if dht_takes_requests(dht, within=DHT_PIPE_WAIT):
-        dht.shutdown()
-        return
-    logging.getLogger(__name__).warning("The DHT's process stopped taking requests: ending it and its p2pd")
     try:
         daemons = psutil.Process(dht.pid).children(recursive=True)
     except psutil.Error:
         daemons = []
-    dht.terminate()
-    dht.join(DHT_PIPE_WAIT)
-    if dht.is_alive():  # a loop blocked in a C call runs no signal handler: SIGTERM waits for it
-        dht.kill()
+    # hivemind removes its socket files only where its own shutdown finishes: a DHT process it ends for being late
+    # (shutdown_timeout), or one ended here, leaves its p2pd client's file in /tmp, and p2pd's (`sockets`: as
+    # dht_sockets read them when the DHT started; read now if not given)
+    sockets = dht_sockets(dht) if sockets is None else sockets
+    if not dht.is_alive():  # it died (of a pipe that an averager broke as it was killed, in hivemind): p2pd with it
+        remove_sockets_of(sockets)
+        return
+    if dht_takes_requests(dht, within=DHT_PIPE_WAIT):
+        dht.shutdown()
+        dht.join(DHT_PIPE_WAIT)  # (hivemind ends one that overran its shutdown_timeout with a SIGTERM, unwaited)
+        if not dht.is_alive():  # its p2pd, left running by that, would end by itself later and leave its file
+            end_processes([p for p in daemons if is_running(p)], timeout=DHT_PIPE_WAIT)
+    else:
+        logging.getLogger(__name__).warning("The DHT's process stopped taking requests: ending it and its p2pd")
+        dht.terminate()
         dht.join(DHT_PIPE_WAIT)
-    end_processes(daemons, timeout=DHT_PIPE_WAIT)
+        if dht.is_alive():  # a loop blocked in a C call runs no signal handler: SIGTERM waits for it
+            dht.kill()
+            dht.join(DHT_PIPE_WAIT)
+        end_processes(daemons, timeout=DHT_PIPE_WAIT)
+    remove_sockets_of(sockets, still_running=[p for p in daemons if is_running(p)] + ([dht] if dht.is_alive() else []))
 
 
 def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:

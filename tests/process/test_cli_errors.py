@@ -72,7 +72,7 @@ SOME_PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
     (["join", "--run-id", "r", "--data-cache-gb", "5"], "--data-cache-gb bounds the shards a volunteer fetches; the "
                                                         "organizer's peer reads its run folder: drop it"),
 ])
-def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected):
+def test_bad_flags_exit_2_with_one_line(tmp_path, args, expected, no_leftover_processes):
     import socket
 
     bad = write_config(tmp_path, {"training.target_batch_size": 4}, "bad.yaml")

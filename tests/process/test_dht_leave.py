@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from collab.swarm.dht_traffic import ask_for_counts
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import dht_sockets, shut_down_dht
 
 BLOCKED_FOR = 60.0  # seconds the DHT's loop is held: longer than anything here may take
 
@@ -53,13 +53,24 @@ def _returns_within(seconds: float, call) -> tuple[bool, object]:
 def dht(no_leftover_processes):
     """A real DHT (its process and p2pd), shut down after the test unless the test ended it."""
     node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+    sockets = dht_sockets(node)
     yield node
-    node.shutdown()
+    # as a peer's Swarm leaves: killing an averager alone (below) kills hivemind's DHT process too (EOFError on its
+    # pipe), and its p2pd ends by itself; the files they listened on are removed all the same
+    shut_down_dht(node, sockets)
+
+
+def _socket_files(processes) -> list[str]:
+    from collab.process.reaper import hivemind_sockets
+
+    return [path for paths in hivemind_sockets(processes).values() for path in paths]
 
 
 def test_a_dht_that_stopped_reading_its_pipe_neither_answers_nor_blocks_the_leave(dht):
     daemons = psutil.Process(dht.pid).children(recursive=True)
     assert any("p2pd" in p.name() for p in daemons), [p.name() for p in daemons]
+    sockets = _socket_files([psutil.Process(dht.pid), *daemons])
+    assert len(sockets) == 2 and all(os.path.exists(path) for path in sockets), sockets  # p2pd's, its client's
     try:
         dht.run_coroutine(_hold_the_loop, return_future=True)
         time.sleep(1.0)  # the loop has read that request and is inside it
@@ -76,6 +87,8 @@ def test_a_dht_that_stopped_reading_its_pipe_neither_answers_nor_blocks_the_leav
         assert not dht.is_alive()
         assert not [p for p in daemons if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], \
             "the DHT's p2pd outlived it"
+        # ended from outside, neither removed its file: the leave did
+        assert not [path for path in sockets if os.path.exists(path)], "a socket file stayed in /tmp"
     finally:
         if dht.is_alive():
             dht.kill()
@@ -99,6 +112,22 @@ def test_an_averagers_leave_removes_its_p2pd_client_socket(dht):
     finally:
         if averager.is_alive():
             averager.shutdown()
+
+
+def test_an_averager_ended_the_hard_way_for_overrunning_its_shutdown_leaves_no_socket_file(dht):
+    """hivemind ends an averager that does not shut down within shutdown_timeout with SIGTERM: hivemind's own removal
+    of its client's file never runs then."""
+    averager = _averager(dht)
+    try:
+        sockets = _socket_files([psutil.Process(averager.pid)])
+        assert sockets and all(os.path.exists(path) for path in sockets), sockets
+        averager.shutdown_timeout = 0.001  # no averager leaves that fast: hivemind takes the hard way
+        averager.shutdown()
+        assert not averager.is_alive()
+        assert not [path for path in sockets if os.path.exists(path)], "the averager's p2pd client socket stayed"
+    finally:
+        if averager.is_alive():
+            averager.kill()
 
 
 def test_processes_ended_by_signal_leave_no_hivemind_socket_behind(dht):
