@@ -30,6 +30,9 @@ class Behind:
     epochs: int  # how many epochs behind
     samples: int  # accumulated toward its current epoch
     samples_per_second: float
+    peer: str = ""
+    record_age: float = 0.0  # seconds since it stored that record
+    client_mode: bool = False
 
 
 class EpochPace:

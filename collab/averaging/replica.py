@@ -146,13 +146,14 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, Serve
 PRESENT_FRESH_SECONDS = 75.0  # a progress record this recent is a peer still there (see peers_behind)
 
 
-def _fresh_records(dht, run_id: str, ignore: frozenset) -> list:
+def _fresh_records(dht, run_id: str, ignore: frozenset) -> dict:
     now = time.time()
-    return [p for peer, p in progress_records(dht, run_id).items() if now - p.time < PRESENT_FRESH_SECONDS and peer not in ignore]
+    return {peer: p for peer, p in progress_records(dht, run_id).items()
+            if now - p.time < PRESENT_FRESH_SECONDS and peer not in ignore}
 
 
 def _fresh_epochs(dht, run_id: str, ignore: frozenset) -> list[int]:
-    return [p.epoch for p in _fresh_records(dht, run_id, ignore)]
+    return [p.epoch for p in _fresh_records(dht, run_id, ignore).values()]
 
 
 def others_present(dht, run_id: str, me: str) -> bool:
@@ -170,8 +171,11 @@ def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) 
     split (it made its groupmates' steps under a lower number) reports two or more behind until a state round
     shows it, and both need a donor. A peer waiting inside a gradient round reports nothing new (hivemind
     re-stores the same record every 30 s), so a record is fresh for a whole averaging round."""
-    return sorted((Behind(epochs=epoch - p.epoch, samples=p.samples_accumulated, samples_per_second=p.samples_per_second)
-                   for p in _fresh_records(dht, run_id, ignore) if p.epoch < epoch), key=lambda b: -b.epochs)
+    now = time.time()
+    return sorted((Behind(epochs=epoch - p.epoch, samples=p.samples_accumulated, samples_per_second=p.samples_per_second,
+                          peer=peer, record_age=now - p.time, client_mode=p.client_mode)
+                   for peer, p in _fresh_records(dht, run_id, ignore).items() if p.epoch < epoch),
+                  key=lambda b: -b.epochs)
 
 
 def others_epochs(dht, run_id: str, me: str) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from concurrent.futures import CancelledError, TimeoutError as FutureTimeout
 
 import torch
@@ -23,6 +24,7 @@ from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer
 from collab.records.untrusted import progress_records
+from collab.averaging.liveness import GoneWatch, Quiet, ping
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a round begun with others is given up
@@ -303,12 +305,20 @@ class CollabOptimizer(SwarmOptimizer):
         # nor for itself: after an own step this peer's record says the epoch before (a peer that could not
         # re-sync would wait for its own record to go stale, and its groupmate for it)
         ignore = caught | {self.dht.peer_id.to_base58()}
+        # nor for a peer that crashed: its record stays until it expires (a minute), but its DHT answers no ping
+        crashed, said_crashed = GoneWatch(partial(ping, self.dht)), set()
         started, patience, said = time.monotonic(), 0.0, False
         while not self.stop.is_set():
             try:
                 behind = peers_behind(self.dht, self.run_id, self.local_epoch, ignore=ignore)
             except Exception:  # a DHT that fails to answer here must not turn a clean leave into a traceback
                 return
+            gone = crashed.update(Quiet(b.peer, b.record_age, b.client_mode) for b in behind)
+            if gone - said_crashed:
+                logger.warning(f"Epoch {self.local_epoch}: {len(gone - said_crashed)} peer(s) behind answer no ping "
+                               f"(crashed?): not staying on for them")
+                said_crashed |= gone
+            behind = [b for b in behind if b.peer not in gone]
             waited = time.monotonic() - started
             epochs = [self.local_epoch - b.epochs for b in behind]
             if not behind:

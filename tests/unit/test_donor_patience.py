@@ -47,3 +47,28 @@ def test_a_peer_that_must_compute_its_epoch_alone_gets_the_time_its_own_rate_nee
     # a rate of zero, negative or not a number says nothing: the swarm's pace alone
     for rate in (0.0, -5.0, float("nan")):
         assert donor_patience([Behind(1, 0, rate)], 1024, 8.0, **TIMEOUTS) == pytest.approx(16.0 + WAITS)
+
+
+def test_a_peer_behind_is_taken_as_gone_only_when_its_record_is_quiet_and_two_pings_apart_find_nobody():
+    from collab.averaging.liveness import PING_EVERY, QUIET_SECONDS, GoneWatch, Quiet
+
+    pinged, answers = [], {"dead": False, "alive": True, "client": False}
+
+    def ask(peers):
+        pinged.append(sorted(peers))
+        return {p: answers[p] for p in peers}
+
+    watch = GoneWatch(ask)
+    quiet = QUIET_SECONDS + 1
+    records = [Quiet("dead", quiet, False), Quiet("alive", quiet, False), Quiet("client", quiet, True),
+               Quiet("computing", 0.5, False)]
+    assert watch.update(records, now=0.0) == set()  # one ping that found nobody is not a crash
+    assert pinged == [["alive", "dead"]]  # not a client (nobody can dial it), not a peer storing records now
+    assert watch.update(records, now=PING_EVERY / 2) == set() and len(pinged) == 1  # not asked again so soon
+    assert watch.update(records, now=PING_EVERY) == {"dead"}
+    # a peer that stored a record between two missed pings starts counting again
+    answers["alive"] = False
+    watch.update(records, now=2 * PING_EVERY)
+    watch.update([Quiet("alive", 0.1, False)], now=2.5 * PING_EVERY)
+    assert watch.update(records, now=3 * PING_EVERY) == {"dead"}
+    assert watch.update(records, now=4 * PING_EVERY) == {"dead", "alive"}
