@@ -25,7 +25,7 @@ import psutil
 from hivemind.p2p import P2P, PeerID
 
 from collab.peers.forkserver import ForkServer
-from collab.process.reaper import hivemind_sockets, is_running, remove_sockets_of
+from collab.process.reaper import hivemind_sockets, remove_sockets_of, running_after
 
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
@@ -174,21 +174,10 @@ class PeerProcess:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        remove_sockets_of(sockets, still_running=_running_after(processes, timeout=10))
+        remove_sockets_of(sockets, still_running=running_after(processes, timeout=10))
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-
-def _running_after(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Those of `processes` still running after up to `timeout` s (a zombie has ended: its parent, not this
-    process, reaps it)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        running = [proc for proc in processes if is_running(proc)]
-        if not running or time.monotonic() >= deadline:
-            return running
-        time.sleep(0.05)
 
 
 def free_ports(count: int) -> list[int]:

@@ -6,9 +6,6 @@ import psutil
 
 from collab.process.reaper import hivemind_sockets, remove_sockets_of
 
-HARD_WAY_WAIT = 1.0  # seconds for a process hivemind sent SIGTERM (which it does not wait for) to end
-
-
 class LeavesNoSocketFile:
     """A DecentralizedAverager mixin, on the trainer's side: hivemind ends an averager process that does not shut down
     within its shutdown_timeout "the hard way" (SIGTERM), and nothing then removed the file of its client of p2pd
@@ -21,6 +18,6 @@ class LeavesNoSocketFile:
         except psutil.Error:
             sockets = {}
         super().shutdown()
-        if running:
-            self.join(HARD_WAY_WAIT)
-            remove_sockets_of(sockets, still_running=[self] if self.is_alive() else [])
+        # not waited for: a process that SIGTERM is ending has no use for its file, and a leave has 7 s in all (an
+        # 8-peer swarm's leave overran them once it waited here)
+        remove_sockets_of(sockets)

@@ -31,6 +31,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from typing import Optional
 
 # psutil is imported inside the functions that use it, which run in the watcher process and when reaping: collab.cli
@@ -163,14 +164,27 @@ def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
             proc.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    alive = running_after(processes, timeout)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
-    _, still = psutil.wait_procs(alive, timeout=timeout)
-    remove_sockets_of(sockets, still_running=still)
+    remove_sockets_of(sockets, still_running=running_after(alive, timeout))
+
+
+def running_after(processes: list, timeout: float) -> list:
+    """Those of `processes` still running after up to `timeout` s; this process's children among them are reaped. A
+    zombie has ended: psutil's wait alone waited out the whole timeout for one this process cannot reap (a p2pd whose
+    DHT process died before it, in a container whose first process reaps nothing)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        _, alive = psutil.wait_procs(processes, timeout=0.05)
+        processes = [proc for proc in alive if is_running(proc)]
+        if not processes or time.monotonic() >= deadline:
+            return processes
 
 
 def hivemind_sockets(processes: list) -> dict[int, list[str]]:
