@@ -36,14 +36,18 @@ def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], An
         finally:
             if patched:
                 setattr(cls, name, original)
-        stack.callback(_shut_down, averager, hivemind_sockets([psutil.Process(averager.pid)]))
+        stack.callback(shut_down_averager, averager)
         averagers.append(averager)
     return averagers
 
 
-def _shut_down(averager, sockets: dict) -> None:
-    """hivemind's own averager leaves its client of p2pd open, and its socket file in /tmp (collab's averagers close
-    it: collab.hivemind_hooks.averager): removed here, as collab's would be."""
+def shut_down_averager(averager) -> None:
+    """Shut down a started averager, hivemind's own class included: that one leaves its client of p2pd open, and its
+    socket file in /tmp (collab's close it: collab.hivemind_hooks.averager), which is removed here."""
+    try:
+        sockets = hivemind_sockets([psutil.Process(averager.pid)]) if averager.is_alive() else {}
+    except psutil.Error:
+        sockets = {}
     averager.shutdown()
     averager.join(5)
     remove_sockets_of(sockets)

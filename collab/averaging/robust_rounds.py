@@ -47,9 +47,9 @@ from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.one_average import OneAverage
 from collab.averaging.planned_leader import ASK_AGAIN, PLAN_SHARE, peers_training, planned_leader
 from collab.averaging.reply_streams import WholeReplies
+from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
 from collab.averaging.tidy_leave import LeavesNoSocketFile
 from collab.averaging.traffic import CountingRunner, TrafficLog
-from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
 from collab.hivemind_hooks.averager import end_step_unstarted
 from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
                                            never_ask_leaders, pace_group_reads, patient_followers, time_matchmaking)

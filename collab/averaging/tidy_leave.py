@@ -6,6 +6,7 @@ import psutil
 
 from collab.process.reaper import hivemind_sockets, remove_sockets_of
 
+
 class LeavesNoSocketFile:
     """A DecentralizedAverager mixin, on the trainer's side: hivemind ends an averager process that does not shut down
     within its shutdown_timeout "the hard way" (SIGTERM), and nothing then removed the file of its client of p2pd

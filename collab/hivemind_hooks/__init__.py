@@ -161,8 +161,7 @@ PATCHED = (
     "hivemind.averaging.allreduce.AllReduceRunner._ban_sender",  # called by collab's reducer loop (one_average)
     "hivemind.dht.dht.DHT._get_p2p_daemon_listen_maddr",  # a second client of the DHT's p2pd (run files)
     "hivemind.p2p.p2p_daemon.P2P._terminate",  # that client closed, the daemon left to the DHT
-    # a p2pd that failed to start: what it left ended, its socket file removed
-    "hivemind.p2p.p2p_daemon.P2P.create",
+    "hivemind.p2p.p2p_daemon.P2P.create",  # a p2pd that failed to start: its socket file removed
     "hivemind.utils.mpfuture.MPFuture._active_futures",  # rounds cancelled on a signal
     "hivemind.utils.mpfuture.MPFuture.reset_backend",  # the fork server's forks
     # process-shared locks a killed holder no longer leaves held (collab.hivemind_hooks.locks)
@@ -187,8 +186,8 @@ READ = (
 
 # attributes hivemind sets on its objects (self.NAME = ...) that collab reads or writes, by the class that sets them
 INSTANCE_ATTRIBUTES = {
-    "hivemind.dht.dht.DHT": ("_outer_pipe",),
-    "hivemind.p2p.p2p_daemon.P2P": ("_daemon_listen_maddr",),  # a failed start's socket file  # a leave asks whether it has room before a send (dht_takes_requests)
+    "hivemind.dht.dht.DHT": ("_outer_pipe",),  # a leave asks whether it has room before a send (dht_takes_requests)
+    "hivemind.p2p.p2p_daemon.P2P": ("_daemon_listen_maddr",),  # a failed start's socket file, removed
     "hivemind.averaging.averager.DecentralizedAverager": (
         "_outer_pipe", "_running_groups", "_averaging_alpha", "_state_updated", "_p2p", "_matchmaking",
         "_averaged_tensors", "_parent_pid"),

@@ -18,13 +18,13 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.donor_patience import donor_patience
+from collab.averaging.liveness import GoneWatch, Quiet, ping
 from collab.averaging.planned_leader import loses_an_even_split
 from collab.averaging.replica import cancel_round, others_epochs, peers_behind, swarm_finished_without
 from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer
 from collab.records.untrusted import progress_records
-from collab.averaging.liveness import GoneWatch, Quiet, ping
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
 EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a round begun with others is given up

@@ -228,7 +228,8 @@ def shut_down_dht(dht, sockets: Optional[dict[int, list[str]]] = None) -> None:
     dht_takes_requests): hivemind would send it "_shutdown" and block for good. Then the process is ended, as
     hivemind ends one that does not shut down in time, and its p2pd with it (hivemind's shutdown would have ended
     that daemon; here it also ends by itself once the pipe it logs to is closed, but once its parent is gone it is
-    nobody's child for the peer's exit to reap if it does not)."""
+    nobody's child for the peer's exit to reap if it does not). Whichever way it ends, even dead already, the
+    socket files in `sockets` (dht_sockets' answer) are removed."""
     try:
         daemons = psutil.Process(dht.pid).children(recursive=True)
     except psutil.Error:

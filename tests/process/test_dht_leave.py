@@ -9,6 +9,7 @@ p2pd are ended, each within a few seconds."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -121,13 +122,18 @@ def test_an_averager_ended_the_hard_way_for_overrunning_its_shutdown_leaves_no_s
     try:
         sockets = _socket_files([psutil.Process(averager.pid)])
         assert sockets and all(os.path.exists(path) for path in sockets), sockets
-        averager.shutdown_timeout = 0.001  # no averager leaves that fast: hivemind takes the hard way
+        # stopped (a process starved of CPU, or stuck), it cannot leave within shutdown_timeout nor close its own
+        # client: hivemind takes the hard way
+        os.kill(averager.pid, signal.SIGSTOP)
+        averager.shutdown_timeout = 0.5
         averager.shutdown()
         assert not [path for path in sockets if os.path.exists(path)], "the averager's p2pd client socket stayed"
-        averager.join(5)  # (SIGTERM'd: the leave does not wait for it)
+        os.kill(averager.pid, signal.SIGCONT)  # the SIGTERM hivemind sent then ends it
+        averager.join(5)  # (the leave does not wait for it)
         assert not averager.is_alive()
     finally:
         if averager.is_alive():
+            os.kill(averager.pid, signal.SIGCONT)
             averager.kill()
 
 

@@ -5,13 +5,12 @@ state is copied at that moment, from the step's trigger, as a downloading peer's
 from __future__ import annotations
 
 import hivemind
-import psutil
 import pytest
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from benchmarks.lab.averager_pair import shut_down_averager
 from collab.averaging.served_state import ServesItsSteps
-from collab.process.reaper import hivemind_sockets, remove_sockets_of
 
 
 class _Served(ServesItsSteps, TrainingStateAverager):
@@ -47,12 +46,7 @@ def _served_during_a_step(kind, dht) -> tuple:
         after, tensors, _ = averager.get_current_state()
         return (mid_epoch, mid_value, float(mid_tensor.flatten()[0])), (after["epoch"], float(tensors[0].flatten()[0]))
     finally:
-        # hivemind's own averager leaves its client of p2pd open, and that socket's file in /tmp (collab's averagers
-        # close it: collab.hivemind_hooks.averager): removed here, as collab's would have
-        sockets = hivemind_sockets([psutil.Process(averager.pid)])
-        averager.shutdown()
-        averager.join(5)
-        remove_sockets_of(sockets)
+        shut_down_averager(averager)  # (hivemind's own averager would leave its socket file in /tmp)
 
 
 def test_a_state_served_while_a_step_is_under_way_is_the_epoch_before_and_stays_so(dht):
