@@ -162,6 +162,7 @@ PATCHED = (
     "hivemind.dht.dht.DHT._get_p2p_daemon_listen_maddr",  # a second client of the DHT's p2pd (run files)
     "hivemind.p2p.p2p_daemon.P2P._terminate",  # that client closed, the daemon left to the DHT
     "hivemind.p2p.p2p_daemon.P2P.create",  # a p2pd that failed to start: its socket file removed
+    "hivemind.dht.node.DHTNode.create",  # a DHT node that failed to start: the p2pd it started shut down
     "hivemind.utils.mpfuture.MPFuture._active_futures",  # rounds cancelled on a signal
     "hivemind.utils.mpfuture.MPFuture.reset_backend",  # the fork server's forks
     # process-shared locks a killed holder no longer leaves held (collab.hivemind_hooks.locks)
@@ -188,6 +189,7 @@ READ = (
 INSTANCE_ATTRIBUTES = {
     "hivemind.dht.dht.DHT": ("_outer_pipe",),  # a leave asks whether it has room before a send (dht_takes_requests)
     "hivemind.p2p.p2p_daemon.P2P": ("_daemon_listen_maddr",),  # a failed start's socket file, removed
+    "hivemind.dht.node.DHTNode": ("_should_shutdown_p2p",),  # whether a failed start's p2pd is its own
     "hivemind.averaging.averager.DecentralizedAverager": (
         "_outer_pipe", "_running_groups", "_averaging_alpha", "_state_updated", "_p2p", "_matchmaking",
         "_averaged_tensors", "_parent_pid"),

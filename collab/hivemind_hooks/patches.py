@@ -10,7 +10,7 @@ import os
 import select
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import Callable, Iterator, Optional
 
@@ -19,6 +19,7 @@ from hivemind import DHT
 from hivemind.averaging import allreduce
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -372,30 +373,47 @@ def death_safe_locks(anew: bool = False) -> None:
 def failed_p2pd_starts_leave_no_file() -> None:
     """hivemind's P2P.create starts p2pd, which binds its socket file in /tmp. A p2pd that then fails (it reached no
     initial peer: a stale join line) exits without removing it, and hivemind removes the file only of a daemon still
-    running: each failed join left one per attempt (3). Here a failed create removes the file (the P2P object is
-    create's own `self`, found in the failure's traceback). Once per process, before it forks the DHT's."""
+    running: each failed join left one per attempt (3). And a DHTNode.create that fails after its p2pd started (a
+    private run's peers answer no ping from a stranger: "bootstrap failed") leaves that p2pd to outlive the DHT's
+    process and its file behind. Here a failed P2P.create removes the file, and a failed DHTNode.create shuts down
+    the p2pd it started (each object is its create's own `self`, found in the failure's traceback). Once per
+    process, before it forks the DHT's."""
     if getattr(P2P, "_collab_tidy_starts", False):
         return
-    create = P2P.create.__func__
+    p2p_create, node_create = P2P.create.__func__, DHTNode.create.__func__
 
-    async def tidy_create(cls, *args, **kwargs):
+    def made_by(error: BaseException, create) -> Iterator:
+        trace = error.__traceback__
+        while trace is not None:
+            if trace.tb_frame.f_code is create.__code__ and "self" in trace.tb_frame.f_locals:
+                yield trace.tb_frame.f_locals["self"]
+            trace = trace.tb_next
+
+    async def tidy_p2p_create(cls, *args, **kwargs):
         try:
-            return await create(cls, *args, **kwargs)
+            return await p2p_create(cls, *args, **kwargs)
         except BaseException as e:
-            trace = e.__traceback__
-            while trace is not None:
-                p2p = trace.tb_frame.f_locals.get("self")
-                # (its p2pd is left to hivemind: it exits by itself after saying why, and a signal from here raced
-                # asyncio's reaping of it, which then logged "Unknown child process" on the volunteer's terminal)
-                if isinstance(p2p, P2P) and trace.tb_frame.f_code is create.__code__:
-                    try:
-                        os.remove(p2p._daemon_listen_maddr["unix"])
-                    except (OSError, AttributeError, KeyError, TypeError):
-                        pass  # never bound, or already removed
-                trace = trace.tb_next
+            # (its p2pd is left to hivemind: it exits by itself after saying why, and a signal from here raced
+            # asyncio's reaping of it, which then logged "Unknown child process" on the volunteer's terminal)
+            for p2p in made_by(e, p2p_create):
+                try:
+                    os.remove(p2p._daemon_listen_maddr["unix"])
+                except (OSError, AttributeError, KeyError, TypeError):
+                    pass  # never bound, or already removed
             raise
 
-    P2P.create, P2P._collab_tidy_starts = classmethod(tidy_create), True
+    async def tidy_node_create(cls, *args, **kwargs):
+        try:
+            return await node_create(cls, *args, **kwargs)
+        except BaseException as e:
+            for node in made_by(e, node_create):
+                if getattr(node, "_should_shutdown_p2p", False) and getattr(node, "p2p", None) is not None:
+                    with suppress(Exception):
+                        await node.p2p.shutdown()  # (ends a running p2pd and removes its file)
+            raise
+
+    P2P.create, DHTNode.create = classmethod(tidy_p2p_create), classmethod(tidy_node_create)
+    P2P._collab_tidy_starts = True
 
 
 @contextmanager

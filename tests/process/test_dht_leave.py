@@ -162,3 +162,30 @@ def _averager(dht):
     return CollabGradientAverager(torch.nn.Linear(8, 4).parameters(), rule=Aggregation(method="mean"), dht=dht,
                                   prefix="leave_test_grad_averager", compression=wire_codec("none"),
                                   target_group_size=2, min_matchmaking_time=1.0, start=True)
+
+
+def test_a_dht_node_that_fails_to_bootstrap_leaves_no_p2pd_or_socket_file(no_leftover_processes):
+    """A stranger to a private run starts p2pd, then finds that no initial peer answers its DHT pings ("bootstrap
+    failed"): hivemind left that p2pd to outlive the DHT's process and its file in /tmp (a CI run's private-run test).
+    Staged with an initial peer that runs p2pd but no DHT."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from collab.hivemind_hooks.patches import failed_p2pd_starts_leave_no_file
+    from collab.process.reaper import HIVEMIND_SOCKETS
+
+    failed_p2pd_starts_leave_no_file()  # as collab.swarm.node.Swarm does before its DHT
+    loop = asyncio.new_event_loop()
+    bare = loop.run_until_complete(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    try:
+        maddrs = loop.run_until_complete(bare.get_visible_maddrs())
+        folder, prefix = os.path.split(HIVEMIND_SOCKETS)
+        before = {name for name in os.listdir(folder) if name.startswith(prefix)}
+        with pytest.raises(Exception, match="bootstrap failed"):
+            hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        left = {name for name in os.listdir(folder) if name.startswith(prefix)} - before
+        assert not left, left
+    finally:
+        loop.run_until_complete(bare.shutdown())
+        loop.close()
