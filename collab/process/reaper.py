@@ -183,8 +183,21 @@ def running_after(processes: list, timeout: float) -> list:
     while True:
         _, alive = psutil.wait_procs(processes, timeout=0.05)
         processes = [proc for proc in alive if is_running(proc)]
+        for proc in set(alive) - set(processes):
+            _reap(proc)
         if not processes or time.monotonic() >= deadline:
             return processes
+
+
+def _reap(proc) -> None:
+    """Reap a zombie if it is this process's child (it died between wait_procs' poll and the status check); one this
+    process cannot reap has ended all the same."""
+    import psutil
+
+    try:
+        proc.wait(timeout=0)
+    except psutil.Error:  # not our child (TimeoutExpired), or gone already
+        pass
 
 
 def hivemind_sockets(processes: list) -> dict[int, list[str]]:
