@@ -17,20 +17,20 @@ since gathered the whole swarm (`gathered_since`).
 from __future__ import annotations
 
 import time
-from concurrent.futures import InvalidStateError
 from typing import Optional
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import Behind
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
+from collab.averaging.round_control import cancel_round
 from collab.averaging.served_state import ServesItsSteps
+from collab.averaging.sit_out import SitsOutWhileOutOfStep
 from collab.averaging.state_download import CheckedDownloads
 from collab.records.untrusted import progress_records
 from collab.run.gate import MemberGate
@@ -60,12 +60,12 @@ class _RecordOutcomes(DecentralizedAverager):
         return loaded
 
 
-class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, ServesItsSteps, TrainingStateAverager,
-                             _RecordOutcomes):
+class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, SitsOutWhileOutOfStep, ServesItsSteps,
+                             TrainingStateAverager, _RecordOutcomes):
     """hivemind's TrainingStateAverager, which also says whether a round or a download really happened, checks its
     rounds (collab.averaging.robust_rounds) and downloads (collab.averaging.state_download), serves a state under the
-    epoch its tensors hold (collab.averaging.served_state) and, in a private run,
-    averages with and serves its state to members only."""
+    epoch its tensors hold (collab.averaging.served_state), sits out state rounds while its replica awaits a re-sync
+    (collab.averaging.sit_out) and, in a private run, averages with and serves its state to members only."""
 
     def __init__(self, *, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  **kwargs):
@@ -206,16 +206,3 @@ def swarm_finished_without(others: list[int], epoch: int) -> Optional[int]:
     a later epoch), so a round for `epoch` has nobody left to find; None when some peer is still at `epoch` or behind
     it (it may yet join), or when this peer is alone."""
     return max(others) if others and min(others) > epoch else None
-
-
-def cancel_round(control) -> None:
-    """Cancel an averaging round's control unless it is over. Two threads may race to it (on a signal, the
-    on-stop thread's abort_rounds and the main thread's shutdown): hivemind's cancel then raises for the second
-    ("Can't set_result to a future that is FINISHED"), which would crash a leaving peer."""
-    if control is None or control.done():
-        return
-    try:
-        control.cancel()
-    except InvalidStateError:  # the other thread set the round's cancel signal first: cancel the control itself
-        if not control.done():
-            MPFuture.cancel(control)

@@ -21,7 +21,8 @@ from hivemind.utils.logging import get_logger
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace
-from collab.averaging.replica import RecordingStateAverager, cancel_round, others_present, wait_for_a_donor_at
+from collab.averaging.replica import RecordingStateAverager, others_present, wait_for_a_donor_at
+from collab.averaging.round_control import cancel_round
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.hivemind_hooks.optimizer import OptimizerHooks
@@ -158,13 +159,16 @@ class SwarmOptimizer(OptimizerHooks):
 
     def make_state_averager(self, **kwargs) -> RecordingStateAverager:
         # hivemind's own construction, with an averager that reports what its rounds and downloads achieved
-        return RecordingStateAverager(
+        averager = RecordingStateAverager(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, gate=self.gate, rule=self.rule,
             findings=self.rejections.queue, start=True, **kwargs)
+        # a replica held one update away from the swarm's (an own step, re-sync pending) averages its state with nobody
+        averager.out_of_step = lambda: self.replica.held_epoch is not None
+        return averager
 
     def step(self, *args, **kwargs):
         self._most_peers = max(self._most_peers, self.tracker.global_progress.num_peers)

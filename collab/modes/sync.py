@@ -20,7 +20,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from collab.averaging.donor_patience import donor_patience
 from collab.averaging.liveness import GoneWatch, Quiet, ping
 from collab.averaging.planned_leader import loses_an_even_split
-from collab.averaging.replica import cancel_round, others_epochs, peers_behind, swarm_finished_without
+from collab.averaging.replica import others_epochs, peers_behind, swarm_finished_without
+from collab.averaging.round_control import cancel_round
 from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
 from collab.modes.base import LeavingMidStep, SwarmOptimizer

@@ -147,11 +147,19 @@ def test_processes_ended_by_signal_leave_no_hivemind_socket_behind(dht):
         sockets = [c.laddr for c in process.net_connections(kind="unix") if str(c.laddr).startswith(HIVEMIND_SOCKETS)]
         assert sockets and all(os.path.exists(path) for path in sockets), sockets
         end_processes([process], timeout=3.0)
-        assert not process.is_running()  # (reaped by psutil: multiprocessing's is_alive cannot tell any more)
+        # (reaped by psutil, or by collab.process.reaper: multiprocessing's is_alive cannot tell any more)
+        assert not process.is_running(), f"still there after end_processes: {_status(process)}"
         assert not [path for path in sockets if os.path.exists(path)], "the socket file stayed in /tmp"
     finally:
         if process.is_running():
             process.kill()
+
+
+def _status(process) -> str:
+    try:
+        return process.status()
+    except psutil.Error as e:
+        return type(e).__name__
 
 
 def _averager(dht):

@@ -160,7 +160,7 @@ def test_a_round_cancelled_by_two_threads_at_once_is_cancelled_once_without_an_e
     from hivemind.averaging.control import StepControl
     from hivemind.utils.mpfuture import MPFuture
 
-    from collab.averaging.replica import cancel_round
+    from collab.averaging.round_control import cancel_round
 
     trigger, cancel = MPFuture(), MPFuture()  # first: hivemind sets up a process's MPFuture backend on MPFuture
     control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=False, weight=1.0,

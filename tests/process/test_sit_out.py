@@ -1,0 +1,60 @@
+"""A replica awaiting a re-sync (its last step was its own) averages its state with nobody (collab.averaging.sit_out).
+
+Two real state averagers on a real DHT step with a state round at the same moment, as two peers ending an epoch do.
+One is out of step: it starts no round and cancels the one it had pre-scheduled, so the other finds no group and
+keeps its own parameters. Without the sit-out they meet, and both leave holding the mean of the two (2.0)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import hivemind
+import torch
+
+from collab.averaging.replica import RecordingStateAverager
+
+ROUND_TIMEOUT = 4.0  # seconds the in-step averager looks for a group
+
+
+def _averager(dht, prefix: str, value: float) -> RecordingStateAverager:
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return RecordingStateAverager(dht=dht, prefix=prefix, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                                  params=model.parameters(), target_group_size=2, min_matchmaking_time=1.0,
+                                  request_timeout=0.5, start=True)
+
+
+def _parameters(averager) -> set[float]:
+    return {float(v) for p in averager.main_parameters for v in p.detach().flatten()}
+
+
+def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_scheduled_one(no_leftover_processes):
+    prefix = f"sit-out-{time.time_ns()}"
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    in_step, out_of_step = _averager(first, prefix, 1.0), _averager(second, prefix, 3.0)
+    try:
+        out_of_step.out_of_step = lambda: True
+        pre_scheduled = out_of_step.schedule_step(gather=0, timeout=ROUND_TIMEOUT)
+        steps = [threading.Thread(target=averager.step, kwargs=dict(
+            averaging_round=True, averaging_control=control, averaging_opts=dict(timeout=ROUND_TIMEOUT)))
+            for averager, control in ((in_step, None), (out_of_step, pre_scheduled))]
+        for step in steps:
+            step.start()
+        for step in steps:
+            step.join(ROUND_TIMEOUT + 15)
+        assert not any(step.is_alive() for step in steps), "a step did not return"
+
+        assert out_of_step.rounds_sat_out == 1 and pre_scheduled.cancelled(), pre_scheduled
+        assert in_step.rounds_sat_out == 0 and len(in_step.rounds) == 1  # it did look for a group, and found none
+        assert in_step.gathered_since(0) == 0
+        # neither replica moved: the out-of-step parameters reached nobody
+        assert _parameters(in_step) == {1.0} and _parameters(out_of_step) == {3.0}
+    finally:
+        for averager in (in_step, out_of_step):
+            averager.shutdown()
+        for dht in (second, first):
+            dht.shutdown()
