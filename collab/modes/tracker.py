@@ -94,7 +94,11 @@ class HonestProgressTracker(TrackerHooks):
         if held is not None and local_epoch > held:
             local_epoch, samples_accumulated = held, 0
         if self._store_due(local_epoch, samples_accumulated):
-            self._stored_at, self._stored_epoch = time.monotonic(), local_epoch
+            if self.trained:
+                # (before the first micro-batch the reporter stores nothing: a catch-up's report noted as stored made
+                # the first micro-batch's look not due, and a --wait-peers peer, holding after it, went unseen for the
+                # reporter's 30-s wake-up while the peer it waited for trained on alone)
+                self._stored_at, self._stored_epoch = time.monotonic(), local_epoch
             return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         # hivemind's reporter stores a record as soon as this event is set (clearing it after is too late): the
         # progress is taken in, and the next micro-batch that is due stores it
