@@ -283,10 +283,26 @@ def _hivemind_socket_files() -> list[str]:
 
 
 def _listened_on() -> set[str]:
-    """Paths of the unix sockets bound in this network namespace (a peer in a test's namespace has ended by the time
-    this is asked: no_leftover_processes waits for that first)."""
-    with open("/proc/net/unix") as table:
-        return {fields[-1] for fields in (line.split() for line in table.readlines()[1:]) if len(fields) >= 8}
+    """Paths of the unix sockets bound in any network namespace: /proc/net/unix lists only the reader's own, and a
+    test running beside this one (pytest -n) may have its peers in a namespace of its own; their files, taken for
+    stale, were removed under them once (every round of that test then failed: FileNotFoundError)."""
+    tables, seen = ["/proc/self/net/unix"], set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            namespace = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:  # gone, or not ours to read
+            continue
+        if namespace not in seen:
+            seen.add(namespace)
+            tables.append(f"/proc/{pid}/net/unix")
+    bound = set()
+    for path in tables:
+        try:
+            with open(path) as table:
+                bound |= {fields[-1] for fields in (line.split() for line in table.readlines()[1:]) if len(fields) >= 8}
+        except OSError:
+            continue
+    return bound
 
 
 def _alive(p: psutil.Process) -> bool:
