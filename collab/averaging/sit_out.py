@@ -11,6 +11,8 @@ step. hivemind would still average its state with whoever it meets at that step,
 
 So the round of such a step is not started, and one pre-scheduled for it that is still looking for a group is
 cancelled. A pre-scheduled round already matched runs as hivemind runs it: its groupmates wait for this peer's part.
+With averaging.overlap full the gradient round, and so the own step, ends in hivemind's background step, after that
+step's state round began: that one round runs too (the next step's re-sync downloads over it).
 The rounds resume once the replica is the swarm's again, or once a re-sync found no donor (its record stops holding
 the epoch: a state round of the whole swarm is then its repair).
 """
