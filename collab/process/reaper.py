@@ -182,9 +182,12 @@ def running_after(processes: list, timeout: float) -> list:
     deadline = time.monotonic() + timeout
     while True:
         _, alive = psutil.wait_procs(processes, timeout=0.05)
-        processes = [proc for proc in alive if is_running(proc)]
-        for proc in set(alive) - set(processes):
-            _reap(proc)
+        processes = []
+        for proc in alive:
+            if is_running(proc):
+                processes.append(proc)
+            else:
+                _reap(proc)
         if not processes or time.monotonic() >= deadline:
             return processes
 

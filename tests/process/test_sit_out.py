@@ -39,7 +39,7 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
     try:
         out_of_step.out_of_step = lambda: True
         pre_scheduled = out_of_step.schedule_step(gather=0, timeout=ROUND_TIMEOUT)
-        steps = [threading.Thread(target=averager.step, kwargs=dict(
+        steps = [threading.Thread(target=averager.step, daemon=True, kwargs=dict(  # (a hung step must not hold pytest)
             averaging_round=True, averaging_control=control, averaging_opts=dict(timeout=ROUND_TIMEOUT)))
             for averager, control in ((in_step, None), (out_of_step, pre_scheduled))]
         for step in steps:
