@@ -175,31 +175,27 @@ def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
 
 def running_after(processes: list, timeout: float) -> list:
     """Those of `processes` still running after up to `timeout` s; this process's children among them are reaped. A
-    zombie has ended: psutil's wait alone waited out the whole timeout for one this process cannot reap (a p2pd whose
-    DHT process died before it, in a container whose first process reaps nothing)."""
+    zombie another process should reap has ended: psutil's wait alone waited out the whole timeout for one (a p2pd
+    whose DHT process died before it, in a container whose first process reaps nothing)."""
     import psutil
 
     deadline = time.monotonic() + timeout
     while True:
         _, alive = psutil.wait_procs(processes, timeout=0.05)
-        processes = []
-        for proc in alive:
-            if is_running(proc):
-                processes.append(proc)
-            else:
-                _reap(proc)
+        processes = [proc for proc in alive if is_running(proc) or not _reaped_or_not_ours(proc)]
         if not processes or time.monotonic() >= deadline:
             return processes
 
 
-def _reap(proc) -> None:
-    """Reap a zombie if it is this process's child (it died between wait_procs' poll and the status check); one this
-    process cannot reap has ended all the same. os.waitpid itself: psutil's wait(timeout=0) polls a pidfd first, and
-    under load that found a child already shown as a zombie not yet ready, and left it unreaped (a CI run's)."""
+def _reaped_or_not_ours(zombie) -> bool:
+    """Whether a zombie is done with: reaped here if it is this process's child, or another's (ended all the same, and
+    never reaped by this process). A child whose main thread exited while its other threads still end shows as a zombie
+    before it can be reaped (a CI run found one so, after psutil's wait(timeout=0) gave up on it): it is waited for."""
     try:
-        os.waitpid(proc.pid, os.WNOHANG)
-    except ChildProcessError:  # not our child, or reaped already
-        pass
+        pid, _ = os.waitpid(zombie.pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return pid != 0
 
 
 def hivemind_sockets(processes: list) -> dict[int, list[str]]:
