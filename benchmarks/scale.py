@@ -8,7 +8,7 @@ per minute, rounds ok and failed, the mean group size, the spread of the peers' 
 resident memory per peer, the share of the records each DHT node read that it answered from memory
 (collab.records.verdicts), and how many peers overran the leave's grace when the swarm was stopped (forced exits).
 
-    python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000] [--rtt-ms 0,20,100]
+    python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000] [--rtt-ms 0,20,100] [--reports DIR]
 
 On a 2-core machine the peers share the cores, so from a few peers on the CPU is the bound: that is said in the
 table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
@@ -172,35 +172,51 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=100_000, help="linreg's parameters")
     parser.add_argument("--rtt-ms", default="0", help="comma-separated round trips between peers, e.g. 0,20,100 "
                         "(above 0: each peer in a network namespace, as root)")
+    parser.add_argument("--reports", type=Path, default=None,
+                        help="a folder to keep each swarm's full `collab simulate --json` report in")
     args = parser.parse_args()
     sizes = [int(n) for n in args.peers.split(",")]
     rtts = [float(ms) for ms in args.rtt_ms.split(",")]
+    cores = psutil.cpu_count()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        single = row(1, run_swarm(1, args, folder), 0.0)
-        rows = [row(n, run_swarm(n, args, folder, rtt), single["samples_per_s"], rtt) for rtt in rtts for n in sizes]
-    cores = psutil.cpu_count()
-    print(f"linreg dim {args.dim}, micro-batch 16, target 64 x N, {args.duration:.0f} s per swarm, 127.0.0.1 (RTT 0) or namespaces, "
-          f"{cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
-          f"{single['samples_per_s']:.0f} samples/s")
-    header = ("peers", "RTT ms", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
-              "mean group", "epochs", "replica spread",
-              "matchmaking s/round", "all-reduce s/round", "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer",
-              "CPU bound", "PSS MB/peer", "records from memory %", "forced exits")
-    print(" | ".join(header))
-    for r in rows:
-        bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
-        print(" | ".join([str(r["peers"]), f"{r['rtt_ms']:g}", f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
-                          f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
-                          f"{100 * r['ok_share']:.0f}" if r["ok_share"] is not None else "-", r["failed_why"] or "-",
-                          f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
-                          "-" if r["spread"] is None else f"{r['spread']:.1e}",
-                          _fmt(r["matchmaking_s"], 2), _fmt(r["allreduce_s"], 2), _fmt(r["dht_requests"], 0),
-                          _fmt(r["dht_kb"], 0), f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}",
-                          _fmt(100 * r["remembered"] if r["remembered"] is not None else None, 0),
-                          str(r["forced_exits"])]))
+        single = row(1, _measured(1, args, folder), 0.0)
+        print(f"linreg dim {args.dim}, micro-batch 16, target 64 x N, {args.duration:.0f} s per swarm, 127.0.0.1 (RTT 0) "
+              f"or namespaces, {cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
+              f"{single['samples_per_s']:.0f} samples/s")
+        print(" | ".join(HEADER), flush=True)
+        for rtt in rtts:
+            for n in sizes:  # each row as soon as it is measured: a long run cut short keeps what it measured
+                print(_line(row(n, _measured(n, args, folder, rtt), single["samples_per_s"], rtt), cores), flush=True)
     print("goals (issue 36): >= 95% of rounds ok, every peer within one epoch, replica spread <= 1e-3, >= 0.9 of "
           "linear where the CPU is not shared")
+
+
+HEADER = ("peers", "RTT ms", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
+          "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
+          "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer", "CPU bound", "PSS MB/peer",
+          "records from memory %", "forced exits")
+
+
+def _measured(peers: int, args, folder: Path, rtt_ms: float = 0.0) -> dict:
+    result = run_swarm(peers, args, folder, rtt_ms)
+    if args.reports:
+        args.reports.mkdir(parents=True, exist_ok=True)
+        (args.reports / f"swarm-{peers}-rtt{rtt_ms:g}.json").write_text(json.dumps(result["report"], indent=1))
+    return result
+
+
+def _line(r: dict, cores: int) -> str:
+    bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
+    return " | ".join([str(r["peers"]), f"{r['rtt_ms']:g}", f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
+                       f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
+                       f"{100 * r['ok_share']:.0f}" if r["ok_share"] is not None else "-", r["failed_why"] or "-",
+                       f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
+                       "-" if r["spread"] is None else f"{r['spread']:.1e}",
+                       _fmt(r["matchmaking_s"], 2), _fmt(r["allreduce_s"], 2), _fmt(r["dht_requests"], 0),
+                       _fmt(r["dht_kb"], 0), f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}",
+                       _fmt(100 * r["remembered"] if r["remembered"] is not None else None, 0),
+                       str(r["forced_exits"])])
 
 
 if __name__ == "__main__":
