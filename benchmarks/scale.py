@@ -1,14 +1,17 @@
 """How the protocol holds as a swarm grows: N real peers of a task too cheap for compute to be the bound.
 
-For each N, `collab simulate` runs N `collab join` peers of the linreg task (a 100k-parameter linear model, micro-batch
-16, target 64 per peer, so an epoch's work per peer stays the same as N grows) on 127.0.0.1, while this script
-samples the CPU time and memory (PSS) of every process of the swarm (p2pd, the DHT and averager processes included).
-One peer alone first: "linear" is N times its rate. Per N it prints the swarm's samples/s against linear, epochs
-per minute, rounds ok and failed, the mean group size, the spread of the peers' final epochs, CPU cores and
-resident memory per peer, the share of the records each DHT node read that it answered from memory
-(collab.records.verdicts), and how many peers overran the leave's grace when the swarm was stopped (forced exits).
+For each N, `collab simulate` runs N `collab join` peers of the linreg task (a 100k-parameter linear model,
+micro-batch 16, target 64 per peer by default, so an epoch's work per peer stays the same as N grows) on 127.0.0.1,
+while this script samples the CPU time and memory (PSS) of every process of the swarm (p2pd, the DHT and averager
+processes included). One peer alone first: "linear" is N times its rate. A rate is each peer's samples over its own
+training loop (start-up, the wait for the others and the leave not counted), summed over the peers. Per N it prints
+the swarm's samples/s against linear, epochs per minute, rounds ok and failed, the mean group size, the spread of
+the peers' final epochs, CPU cores and resident memory per peer, the share of the records each DHT node read that it
+answered from memory (collab.records.verdicts), and how many peers overran the leave's grace when the swarm was
+stopped (forced exits).
 
     python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000] [--rtt-ms 0,20,100] [--reports DIR]
+        [--target-per-peer 64] [--overlap none]
 
 On a 2-core machine the peers share the cores, so from a few peers on the CPU is the bound: that is said in the
 table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
@@ -41,13 +44,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def linreg_config(folder: Path, peers: int, dim: int) -> Path:
-    path = folder / f"linreg-{peers}.yaml"
+def linreg_config(folder: Path, peers: int, args, overlap: str) -> Path:
+    path = folder / f"linreg-{peers}-{overlap}.yaml"
     path.write_text(yaml.safe_dump({
-        "task": {"name": "linreg", "dim": dim},
-        "training": {"micro_batch_size": 16, "target_batch_size": 64 * peers, "learning_rate": 1e-4,
+        "task": {"name": "linreg", "dim": args.dim},
+        "training": {"micro_batch_size": 16, "target_batch_size": args.target_per_peer * peers, "learning_rate": 1e-4,
                      "warmup_steps": 0, "device": "cpu", "compile": "off"},
-        "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0},
+        "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0, "overlap": overlap},
     }))
     return path
 
@@ -97,9 +100,9 @@ def latency_profile(folder: Path, rtt_ms: float) -> list[str]:
     return ["--profile", str(path)]
 
 
-def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0) -> dict:
-    config = linreg_config(folder, peers, args.dim)
-    workdir = folder / f"swarm-{peers}-{rtt_ms:g}"
+def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str = "none") -> dict:
+    config = linreg_config(folder, peers, args, overlap)
+    workdir = folder / f"swarm-{peers}-{rtt_ms:g}-{overlap}"
     started = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "collab", "simulate", "--peers", str(peers), "--config",
                                 str(config), "--duration", str(args.duration), "--workdir", str(workdir), "--json",
@@ -115,12 +118,15 @@ def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0) -> dict:
     return {"report": report, "cpu": cpu, "rss": rss, "wall": time.monotonic() - started}
 
 
-def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> dict:
+def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overlap: str = "none") -> dict:
     report = result["report"]
     per_peer = report["peers"]
     seconds = report["duration_seconds"]
-    samples = sum(p["samples_contributed"] for p in per_peer)
-    rate = samples / seconds
+    # each peer's samples over its own training loop, summed: start-up, the wait for the others and the leave are
+    # not training (a swarm of 64 takes longer to start than one peer, and the same wall time would count it)
+    timed = [p for p in per_peer if p.get("train_seconds")]
+    rate = (sum(p["samples_contributed"] / p["train_seconds"] for p in timed) if timed
+            else sum(p["samples_contributed"] for p in per_peer) / seconds)
     ok, failed = sum(p["rounds_joined"] for p in per_peer), sum(p["rounds_failed"] for p in per_peer)
     sizes = [p["mean_group_size"] for p in per_peer if p["mean_group_size"]]
     epochs = [p["final_epoch"] for p in per_peer]
@@ -131,7 +137,7 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0) -> di
     replayed = sum(p.get("rounds_replayed", 0) for p in per_peer)  # missed rounds applied from a peer that made them
     spreads = report.get("spread_by_epoch") or {}
     return {
-        "peers": peers, "rtt_ms": rtt_ms, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
+        "peers": peers, "rtt_ms": rtt_ms, "overlap": overlap, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
         "epochs_per_min": report["epochs_per_minute"], "rounds_ok": ok, "rounds_failed": failed,
         "ok_share": ok / (ok + failed) if ok + failed else None,
         "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": _epochs(epochs),
@@ -170,6 +176,11 @@ def main() -> None:
     parser.add_argument("--peers", default="4,8,16", help="comma-separated swarm sizes")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds each swarm trains")
     parser.add_argument("--dim", type=int, default=100_000, help="linreg's parameters")
+    parser.add_argument("--target-per-peer", type=int, default=64, help="the target batch is this x N: 64 makes an "
+                        "epoch's compute a few hundredths of a second (the protocol is the bound); thousands make "
+                        "compute the bound, where 'vs linear' says what the rounds cost")
+    parser.add_argument("--overlap", default="none", help="comma-separated averaging.overlap values (none, "
+                        "optimizer, full: full computes the next micro-batches while the gradient round runs)")
     parser.add_argument("--rtt-ms", default="0", help="comma-separated round trips between peers, e.g. 0,20,100 "
                         "(above 0: each peer in a network namespace, as root)")
     parser.add_argument("--reports", type=Path, default=None,
@@ -177,38 +188,44 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(n) for n in args.peers.split(",")]
     rtts = [float(ms) for ms in args.rtt_ms.split(",")]
+    overlaps = args.overlap.split(",")
+    if not set(overlaps) <= {"none", "optimizer", "full"}:
+        parser.error(f"--overlap {args.overlap}: each value must be none, optimizer or full")
     cores = psutil.cpu_count()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        single = row(1, _measured(1, args, folder), 0.0)
-        print(f"linreg dim {args.dim}, micro-batch 16, target 64 x N, {args.duration:.0f} s per swarm, 127.0.0.1 (RTT 0) "
+        single = row(1, _measured(1, args, folder, 0.0, overlaps[0]), 0.0)
+        print(f"linreg dim {args.dim}, micro-batch 16, target {args.target_per_peer} x N, "
+              f"{args.duration:.0f} s per swarm, 127.0.0.1 (RTT 0) "
               f"or namespaces, {cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
               f"{single['samples_per_s']:.0f} samples/s")
         print(" | ".join(HEADER), flush=True)
         for rtt in rtts:
-            for n in sizes:  # each row as soon as it is measured: a long run cut short keeps what it measured
-                print(_line(row(n, _measured(n, args, folder, rtt), single["samples_per_s"], rtt), cores), flush=True)
+            for overlap in overlaps:
+                for n in sizes:  # each row as soon as it is measured: a long run cut short keeps what it measured
+                    result = _measured(n, args, folder, rtt, overlap)
+                    print(_line(row(n, result, single["samples_per_s"], rtt, overlap), cores), flush=True)
     print("goals (issue 36): >= 95% of rounds ok, every peer within one epoch, replica spread <= 1e-3, >= 0.9 of "
           "linear where the CPU is not shared")
 
 
-HEADER = ("peers", "RTT ms", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
+HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
           "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
           "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer", "CPU bound", "PSS MB/peer",
           "records from memory %", "forced exits")
 
 
-def _measured(peers: int, args, folder: Path, rtt_ms: float = 0.0) -> dict:
-    result = run_swarm(peers, args, folder, rtt_ms)
+def _measured(peers: int, args, folder: Path, rtt_ms: float, overlap: str) -> dict:
+    result = run_swarm(peers, args, folder, rtt_ms, overlap)
     if args.reports:
         args.reports.mkdir(parents=True, exist_ok=True)
-        (args.reports / f"swarm-{peers}-rtt{rtt_ms:g}.json").write_text(json.dumps(result["report"], indent=1))
+        (args.reports / f"swarm-{peers}-rtt{rtt_ms:g}-{overlap}.json").write_text(json.dumps(result["report"], indent=1))
     return result
 
 
 def _line(r: dict, cores: int) -> str:
     bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
-    return " | ".join([str(r["peers"]), f"{r['rtt_ms']:g}", f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
+    return " | ".join([str(r["peers"]), f"{r['rtt_ms']:g}", r["overlap"], f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
                        f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
                        f"{100 * r['ok_share']:.0f}" if r["ok_share"] is not None else "-", r["failed_why"] or "-",
                        f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],

@@ -37,6 +37,7 @@ class PeerReport:
     exit: str
     # share of its time in the training loop spent computing micro-batches (the rest: waiting on rounds, downloads)
     compute_utilization: Optional[float] = None
+    train_seconds: Optional[float] = None  # its time in the training loop (not start-up, the wait for peers, leaving)
     allreduce_mb_per_round: Optional[float] = None  # what its gradient all-reduces sent + received, per round
     fewer_bytes_than_fp32: Optional[float] = None
     loss_epochs: int = 0  # epochs with a loss from this peer (a peer restarted in the last seconds has one or two)
@@ -235,6 +236,7 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         nonfinite_parameters=sorted({n for s in summaries for n in s.get("nonfinite_parameters", [])}),
         exit=exit_text,
         compute_utilization=sum(s.get("compute_seconds", 0.0) for s in summaries) / trained if trained > 0 else None,
+        train_seconds=trained or None,
         allreduce_mb_per_round=moved / rounds / 1e6 if rounds and moved else None,
         fewer_bytes_than_fp32=fp32 / moved if moved else None,
         merges=sum(s["gossip"].get("merges", 0) for s in summaries if s.get("gossip")) if last.get("gossip") else None,

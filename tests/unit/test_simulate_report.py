@@ -37,16 +37,19 @@ def test_peer_report_adds_up_incarnations_and_keeps_the_furthest_epoch(tmp_path)
     first, restart = peer.summary_paths()
     first.write_text(json.dumps(dict(start_epoch=0, final_epoch=10, samples_contributed=648, rounds_joined=10,
                                      group_sizes=[2, 3], loss_by_epoch={"1": 9.7, "10": 9.4},
+                                     train_seconds=40.0, compute_seconds=30.0,
                                      dht=dict(seconds=60, requests=10, bytes_sent=1, bytes_received=1,
                                               records=dict(checked=100, remembered=500)))))
     restart.write_text(json.dumps(dict(start_epoch=0, final_epoch=0, samples_contributed=0,
-                                       exit_reason="stopped by signal",
+                                       exit_reason="stopped by signal", train_seconds=0.0,
                                        dht=dict(seconds=5, requests=1, bytes_sent=1, bytes_received=1,
                                                 records=dict(checked=100, remembered=100)))))
     report = peer_report(peer, "-", None, hits=1)
     assert (report.start_epoch, report.final_epoch, report.samples_contributed) == (0, 10, 648), report
     assert (report.rounds_joined, report.mean_group_size, report.first_loss, report.last_loss) == (10, 2.5, 9.7, 9.4)
     assert report.loss_epochs == 2
+    # scale.py's rates: samples over the time in the training loop, both incarnations', not the wall time
+    assert (report.train_seconds, report.compute_utilization) == (40.0, 0.75)
     assert report.records_remembered == 600 / 800  # both incarnations' records, answered from memory or checked
     assert report.exit == "not started; hit by churn 1x, started 2x"  # no process handle in this test
 
