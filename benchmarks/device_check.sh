@@ -12,6 +12,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 {
     echo "cores $(nproc), memory $(free -g | awk '/Mem:/ {print $2}') GiB"
+    # whether those are physical cores or two hardware threads each: 12 peers computing at half their lone pace on
+    # "16 cores" (docs/benchmarks.md, 2026-12-04) would be the latter
+    lscpu 2>/dev/null | grep -E "^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|L3 cache)" || true
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
     python3 -c "import sys, torch, hivemind, collab; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.cuda.is_available(), 'hivemind', hivemind.__version__, 'collab at', collab.__file__)"
