@@ -9,8 +9,8 @@ step. hivemind would still average its state with whoever it meets at that step,
   part only after that round times out: both peers sat out averaging_timeout. A second volunteer joining a peer that
   trained alone lost a minute so (the shards-from-the-swarm test, 50-99 s against 40).
 
-So the round of such a step is not started, and one pre-scheduled for it that is still looking for a group is
-cancelled. A pre-scheduled round already matched runs as hivemind runs it: its groupmates wait for this peer's part.
+So the round of such a step is not started, and one pre-scheduled for it that is not yet looking or still looking
+for a group is cancelled. A pre-scheduled round already matched runs as hivemind runs it: its groupmates wait for this peer's part.
 With averaging.overlap full the gradient round, and so the own step, ends in hivemind's background step, after that
 step's state round began: that one round runs too (the next step's re-sync downloads over it).
 The rounds resume once the replica is the swarm's again, or once a re-sync found no donor (its record stops holding
@@ -40,7 +40,9 @@ class SitsOutWhileOutOfStep(TrainingStateAverager):
     def step(self, *args, averaging_round: bool = False, averaging_control=None, **kwargs):
         if averaging_round and self.out_of_step():
             control = averaging_control
-            if control is None or control.done() or control.stage == AveragingStage.LOOKING_FOR_GROUP:
+            # IDLE: scheduled, its averager process not yet looking (a step right after the schedule sees that)
+            if control is None or control.done() or control.stage in (AveragingStage.IDLE,
+                                                                        AveragingStage.LOOKING_FOR_GROUP):
                 cancel_round(control)
                 averaging_round, averaging_control = False, None
                 kwargs.pop("averaging_opts", None)
