@@ -11,7 +11,7 @@ answered from memory (collab.records.verdicts), and how many peers overran the l
 stopped (forced exits).
 
     python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000] [--rtt-ms 0,20,100] [--reports DIR]
-        [--target-per-peer 64] [--overlap none]
+        [--target-per-peer 64] [--overlap none] [--profile SECONDS]
 
 On a 2-core machine the peers share the cores, so from a few peers on the CPU is the bound: that is said in the
 table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
@@ -90,6 +90,25 @@ class TreeSampler:
         return sum(self.cpu.values()), self.peak_rss
 
 
+def profile_one_peer(simulate_pid: int, args, path: Path) -> None:
+    """py-spy on one peer of the swarm (its training process, DHT, averagers), `args.profile` seconds in the second
+    half of its run, idle stacks and thread names included: collapsed stacks, one line per stack with its sample
+    count (py-spy's raw format). Where a peer's time goes when it is not computing is what the table cannot say."""
+    time.sleep(max(args.duration / 2, args.duration - args.profile - 5))
+    try:  # simulate -> its fork server -> one fork per peer (the training process; its helpers below it)
+        server = next(c for c in psutil.Process(simulate_pid).children() if "forkserver" in " ".join(c.cmdline()))
+        peer = min(server.children(), key=lambda c: c.pid)
+    except (StopIteration, ValueError, psutil.Error):
+        print(f"(no peer to profile in {path.name})", file=sys.stderr)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["py-spy", "record", "--nonblocking", "--subprocesses", "--threads", "--idle", "-r", "50",
+                           "-d", str(int(args.profile)), "-f", "raw", "-o", str(path), "-p", str(peer.pid)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"(py-spy on peer {peer.pid}: {done.stderr.strip()[-300:]})", file=sys.stderr)
+
+
 def latency_profile(folder: Path, rtt_ms: float) -> list[str]:
     """simulate's flags for a round trip of `rtt_ms` between any two peers (each link delays what it sends by
     half; network namespaces, and peers/delayer.py where the kernel has no netem); none for 0 (127.0.0.1)."""
@@ -110,6 +129,9 @@ def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str 
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                env=dict(os.environ, OMP_NUM_THREADS="1"))
     sampler = TreeSampler(process.pid)
+    if args.profile and args.reports:
+        name = f"profile-{peers}-rtt{rtt_ms:g}-{overlap}.txt"
+        threading.Thread(target=profile_one_peer, args=(process.pid, args, args.reports / name), daemon=True).start()
     out, err = process.communicate(timeout=args.duration + 600)
     cpu, rss = sampler.stop()
     if process.returncode not in (0, 1):  # 1: the report's own verdict (e.g. loss did not fall), still a report
@@ -185,6 +207,8 @@ def main() -> None:
                         "(above 0: each peer in a network namespace, as root)")
     parser.add_argument("--reports", type=Path, default=None,
                         help="a folder to keep each swarm's full `collab simulate --json` report in")
+    parser.add_argument("--profile", type=float, default=0.0, help="seconds of py-spy (installed separately) on "
+                        "one peer of each swarm, late in its run, kept in --reports")
     args = parser.parse_args()
     sizes = [int(n) for n in args.peers.split(",")]
     rtts = [float(ms) for ms in args.rtt_ms.split(",")]

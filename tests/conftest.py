@@ -407,3 +407,19 @@ def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "cond
         time.sleep(interval)
     detail = f"\n{explain()}" if explain else ""
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
+
+
+def filled_state_averager(dht, prefix: str, value: float, cls=None, **kwargs):
+    """A collab state averager (collab.averaging.replica) of a small model whose parameters all hold `value`, with
+    a real averager process on `dht`: a round's mean is then one number to check."""
+    import torch
+
+    from collab.averaging.replica import RecordingStateAverager
+
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return (cls or RecordingStateAverager)(dht=dht, prefix=prefix, params=model.parameters(),
+                                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), start=True,
+                                           **kwargs)

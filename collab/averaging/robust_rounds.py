@@ -227,10 +227,16 @@ class CheckedRounds(LeavesNoSocketFile, KnownGroupsOnly):
             time_matchmaking(matchmaking, self._matched_in)
             pace_group_reads(matchmaking, every=max(GROUP_READ_FLOOR, matchmaking.min_matchmaking_time / 10))
             follow_a_plan(matchmaking, self._plan, slack=matchmaking.request_timeout, ask_again=ASK_AGAIN)
-        if self.kind == "gradients":  # only gradient rounds cap weights by it: the state averager reads nothing
+        if self.kind == "gradients":
             records = self._signed_progress()  # a fresh read starts while the group is being matched
             if matchmaking is not None:
                 await self._plan_gradient_round(matchmaking, step, records)
+        elif matchmaking is not None:
+            # a state round's group is begun once every peer training has joined, as a gradient round's: hivemind's
+            # leader would wait out matchmaking_time (3 s) for more, every average_state_every epochs, and the next
+            # step waits for that round. With epochs of 2 s it was a quarter of a 2-peer swarm's training thread.
+            # The records are the last read's (one every few epochs here); the first round reads, waits for none.
+            self._fit_group_to_swarm(matchmaking, self._signed_progress(), step.deadline)
         return await super().averaging_step(step=step, **kwargs)
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
@@ -284,8 +290,8 @@ class CheckedRounds(LeavesNoSocketFile, KnownGroupsOnly):
         if task is not None and not task.done():
             task.add_done_callback(lambda _: self._raise_group_target(matchmaking))
         logging.getLogger(__name__).debug(
-            f"gradient round: group target {matchmaking.target_group_size}, searching for at least "
-            f"{matchmaking.min_matchmaking_time:.1f} s")
+            f"{getattr(self, 'kind', 'gradients')} round: group target {matchmaking.target_group_size}, searching for "
+            f"at least {matchmaking.min_matchmaking_time:.1f} s")
 
     def _match_within_epoch(self, matchmaking, step) -> None:
         """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that

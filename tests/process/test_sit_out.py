@@ -10,21 +10,16 @@ import threading
 import time
 
 import hivemind
-import torch
 
 from collab.averaging.replica import RecordingStateAverager
+from tests.conftest import filled_state_averager
 
 ROUND_TIMEOUT = 4.0  # seconds the in-step averager looks for a group
 
 
 def _averager(dht, prefix: str, value: float) -> RecordingStateAverager:
-    model = torch.nn.Linear(4, 2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(value)
-    return RecordingStateAverager(dht=dht, prefix=prefix, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                                  params=model.parameters(), target_group_size=2, min_matchmaking_time=1.0,
-                                  request_timeout=0.5, start=True)
+    return filled_state_averager(dht, prefix, value, target_group_size=2, min_matchmaking_time=1.0,
+                                 request_timeout=0.5)
 
 
 def _parameters(averager) -> set[float]:
