@@ -48,8 +48,8 @@ def linreg_config(folder: Path, peers: int, args, overlap: str) -> Path:
     path = folder / f"linreg-{peers}-{overlap}.yaml"
     path.write_text(yaml.safe_dump({
         "task": {"name": "linreg", "dim": args.dim},
-        "training": {"micro_batch_size": 16, "target_batch_size": args.target_per_peer * peers, "learning_rate": 1e-4,
-                     "warmup_steps": 0, "device": "cpu", "compile": "off"},
+        "training": {"micro_batch_size": 16, "target_batch_size": args.target_per_peer * peers,
+                     "learning_rate": 1e-4, "warmup_steps": 0, "device": "cpu", "compile": "off"},
         "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0, "overlap": overlap},
     }))
     return path
@@ -159,7 +159,8 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
     replayed = sum(p.get("rounds_replayed", 0) for p in per_peer)  # missed rounds applied from a peer that made them
     spreads = report.get("spread_by_epoch") or {}
     return {
-        "peers": peers, "rtt_ms": rtt_ms, "overlap": overlap, "samples_per_s": rate, "vs_linear": rate / (peers * single_rate) if single_rate else None,
+        "peers": peers, "rtt_ms": rtt_ms, "overlap": overlap, "samples_per_s": rate,
+        "vs_linear": rate / (peers * single_rate) if single_rate else None,
         "epochs_per_min": report["epochs_per_minute"], "rounds_ok": ok, "rounds_failed": failed,
         "ok_share": ok / (ok + failed) if ok + failed else None,
         "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": _epochs(epochs),
@@ -233,8 +234,8 @@ def main() -> None:
           "linear where the CPU is not shared")
 
 
-HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %", "failed: why",
-          "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
+HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %",
+          "failed: why", "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
           "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer", "CPU bound", "PSS MB/peer",
           "records from memory %", "forced exits")
 
@@ -243,14 +244,15 @@ def _measured(peers: int, args, folder: Path, rtt_ms: float, overlap: str) -> di
     result = run_swarm(peers, args, folder, rtt_ms, overlap)
     if args.reports:
         args.reports.mkdir(parents=True, exist_ok=True)
-        (args.reports / f"swarm-{peers}-rtt{rtt_ms:g}-{overlap}.json").write_text(json.dumps(result["report"], indent=1))
+        path = args.reports / f"swarm-{peers}-rtt{rtt_ms:g}-{overlap}.json"
+        path.write_text(json.dumps(result["report"], indent=1))
     return result
 
 
 def _line(r: dict, cores: int) -> str:
     bound = "yes" if r["cores_per_peer"] * r["peers"] > 0.8 * cores else "no"
-    return " | ".join([str(r["peers"]), f"{r['rtt_ms']:g}", r["overlap"], f"{r['samples_per_s']:.0f}", f"{r['vs_linear']:.2f}",
-                       f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
+    return " | ".join([str(r["peers"]), f"{r['rtt_ms']:g}", r["overlap"], f"{r['samples_per_s']:.0f}",
+                       f"{r['vs_linear']:.2f}", f"{r['epochs_per_min']:.1f}", f"{r['rounds_ok']}/{r['rounds_failed']}",
                        f"{100 * r['ok_share']:.0f}" if r["ok_share"] is not None else "-", r["failed_why"] or "-",
                        f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
                        "-" if r["spread"] is None else f"{r['spread']:.1e}",

@@ -423,3 +423,8 @@ def filled_state_averager(dht, prefix: str, value: float, cls=None, **kwargs):
     return (cls or RecordingStateAverager)(dht=dht, prefix=prefix, params=model.parameters(),
                                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), start=True,
                                            **kwargs)
+
+
+def held_values(averager) -> set[float]:
+    """The distinct values in a state averager's parameters (one, for filled_state_averager's, until a round)."""
+    return {float(v) for p in averager.main_parameters for v in p.detach().flatten()}

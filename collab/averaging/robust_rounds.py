@@ -290,8 +290,8 @@ class CheckedRounds(LeavesNoSocketFile, KnownGroupsOnly):
         if task is not None and not task.done():
             task.add_done_callback(lambda _: self._raise_group_target(matchmaking))
         logging.getLogger(__name__).debug(
-            f"{getattr(self, 'kind', 'gradients')} round: group target {matchmaking.target_group_size}, searching for "
-            f"at least {matchmaking.min_matchmaking_time:.1f} s")
+            f"round: group target {matchmaking.target_group_size}, searching for at least "
+            f"{matchmaking.min_matchmaking_time:.1f} s")
 
     def _match_within_epoch(self, matchmaking, step) -> None:
         """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that

@@ -10,7 +10,8 @@ step. hivemind would still average its state with whoever it meets at that step,
   trained alone lost a minute so (the shards-from-the-swarm test, 50-99 s against 40).
 
 So the round of such a step is not started, and one pre-scheduled for it that is not yet looking or still looking
-for a group is cancelled. A pre-scheduled round already matched runs as hivemind runs it: its groupmates wait for this peer's part.
+for a group is cancelled. A pre-scheduled round already matched runs as hivemind runs it: its groupmates wait for
+this peer's part.
 With averaging.overlap full the gradient round, and so the own step, ends in hivemind's background step, after that
 step's state round began: that one round runs too (the next step's re-sync downloads over it).
 The rounds resume once the replica is the swarm's again, or once a re-sync found no donor (its record stops holding

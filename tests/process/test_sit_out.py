@@ -12,7 +12,7 @@ import time
 import hivemind
 
 from collab.averaging.replica import RecordingStateAverager
-from tests.conftest import filled_state_averager
+from tests.conftest import filled_state_averager, held_values
 
 ROUND_TIMEOUT = 4.0  # seconds the in-step averager looks for a group
 
@@ -20,10 +20,6 @@ ROUND_TIMEOUT = 4.0  # seconds the in-step averager looks for a group
 def _averager(dht, prefix: str, value: float) -> RecordingStateAverager:
     return filled_state_averager(dht, prefix, value, target_group_size=2, min_matchmaking_time=1.0,
                                  request_timeout=0.5)
-
-
-def _parameters(averager) -> set[float]:
-    return {float(v) for p in averager.main_parameters for v in p.detach().flatten()}
 
 
 def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_scheduled_one(no_leftover_processes):
@@ -37,7 +33,7 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
         steps = [threading.Thread(target=averager.step, daemon=True, kwargs=dict(  # (a hung step must not hold pytest)
             averaging_round=True, averaging_control=control, averaging_opts=dict(timeout=ROUND_TIMEOUT)))
             for averager, control in ((out_of_step, pre_scheduled), (in_step, None))]
-        # The out-of-step step goes first: its pre-scheduled round is cancelled while still looking for a group.
+        # The out-of-step step goes first: its pre-scheduled round is cancelled before it has found a group.
         # (Started together, the in-step peer could assemble the group before the cancel reaches the other's
         # averager; the other then sends no part and the round "gathers" two peers while averaging nothing -
         # hivemind's race, not what this test is about.) Without the sit-out nothing is sat out: after the bounded
@@ -55,7 +51,7 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
         assert in_step.rounds_sat_out == 0 and len(in_step.rounds) == 1  # it did look for a group, and found none
         assert in_step.gathered_since(0) == 0
         # neither replica moved: the out-of-step parameters reached nobody
-        assert _parameters(in_step) == {1.0} and _parameters(out_of_step) == {3.0}
+        assert held_values(in_step) == {1.0} and held_values(out_of_step) == {3.0}
     finally:
         for averager in (in_step, out_of_step):
             averager.shutdown()
