@@ -50,7 +50,10 @@ def test_four_peers_one_behind_nat_train_as_one(tmp_path, run_id, no_leftover_pr
     # (no averaging.group_size: with 4, a fresh-clone CI run took 146 s instead of 77-88 s - a peer's last
     # gradient round found no group and waited out the averaging timeout; not understood, open in issue 11)
     config = write_config(tmp_path, {"training.target_batch_size": 2048})
-    epochs = 4  # ~15 s each: 4 peers and no group_size, so each round waits out matchmaking_time
+    # the run must outlast the checks made while it trains (a status, then two doctors: 15-20 s after epoch 1).
+    # 4 epochs did once rounds stopped waiting out matchmaking_time: now about 3-5 s each, and a doctor on the
+    # public side found the initial peer gone (a CI run of 60a9bfe)
+    epochs = 10
     profile_path = tmp_path / "nat.yaml"
     # peer 3 behind its own router doing real NAT (masquerade, no port forwarding)
     profile_path.write_text("default: {upload_mbit: 100, download_mbit: 100}\n"
