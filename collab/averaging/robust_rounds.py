@@ -241,11 +241,15 @@ class CheckedRounds(LeavesNoSocketFile, KnownGroupsOnly):
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         if self._leaving:  # matched as this peer began to leave: its all-reduce would hold the tensors' lock
-            step = _step_in_progress.get()
-            if step is not None and not step.done():
-                step.set_exception(LeavingPeer("this peer is leaving the swarm"))  # no retry either
-            raise LeavingPeer("this peer is leaving the swarm")
+            self._refuse_as_leaving()
         return await super().aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    @staticmethod
+    def _refuse_as_leaving() -> None:
+        step = _step_in_progress.get()
+        if step is not None and not step.done():
+            step.set_exception(LeavingPeer("this peer is leaving the swarm"))  # no retry either
+        raise LeavingPeer("this peer is leaving the swarm")
 
     async def _plan_gradient_round(self, matchmaking, step, records: dict) -> None:
         """The group size and plan of a gradient round, from the run's progress records. A peer's first round
@@ -350,6 +354,12 @@ class CheckedRounds(LeavesNoSocketFile, KnownGroupsOnly):
         if self.kind == "gradients":
             await self._first_progress_read()
             self._last_group = frozenset(peer.to_base58() for peer in group_info.peer_ids)
+        if self._leaving:
+            # the leave began while this round waited for the tensors' lock (held in the trainer's process: a state
+            # served to a downloading peer, an optimizer step), after aggregate_with_group's check and before
+            # _abort_running_rounds had a runner to end: run, it would hold the lock for the leaving peer's last
+            # step until a groupmate that is leaving too timed out (test_churn: a forced exit, once in CI)
+            self._refuse_as_leaving()
         # (run by hivemind, which passes no epoch: the round's, as matched, is self._round_epoch)
         caps = self._weight_caps(self._round_epoch) if self.kind == "gradients" else {}
         runner = _CheckedRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,

@@ -242,6 +242,8 @@ class SwarmOptimizer(OptimizerHooks):
             # straight into the next gradient round and stay behind for good (each time joining the others' next
             # round, contributing only the few samples it gathered meanwhile)
             self.state_averager.step(wait_for_delayed_updates=True)
+            if self.stop.is_set():
+                return  # asked to leave during that wait (up to averaging_timeout): leaving, as above
             if self._adopt_the_swarms_epoch() and (self._at_the_end() or not self.tracker.ready_to_update_epoch):
                 return  # at the swarm's epoch now: accumulate toward its target like everyone else (or leave)
         try:
