@@ -11,6 +11,7 @@ import time
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
+import collab.modes.tracker as tracker_module
 from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
 from collab.records.identity import load_or_create_identity
 
@@ -54,8 +55,9 @@ def wait_for_read(tracker: HonestProgressTracker, reads: int, timeout: float = 5
         time.sleep(0.02)
 
 
-def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_would_see_later(tmp_path,
+def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_would_see_later(tmp_path, monkeypatch,
                                                                                              no_leftover_processes):
+    monkeypatch.setattr(tracker_module, "PEERS_PER_READ", 1)  # two peers read as a swarm of 16 would
     with two_trackers(tmp_path, target_batch_size=100) as (ours, theirs):
         ours.report_local_progress(0, 40)
         wait_for_read(ours, 0)  # the read that the first micro-batch asks for
@@ -71,6 +73,8 @@ def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_wou
         assert ours.global_progress.num_peers == 2, ours.global_progress
         assert ours.global_progress.samples_accumulated == 110, ours.global_progress
         assert ours.ready_to_update_epoch  # the target is the swarm's now, with the other peer in it
+        # the target reached, hivemind would read again after min_refresh_period (0.5 s): 1 s for this swarm
+        assert ours.global_progress.next_fetch_time >= ours.forecast_at + 1.0, ours.global_progress
 
 
 def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no_leftover_processes):

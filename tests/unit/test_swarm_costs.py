@@ -288,6 +288,17 @@ def test_mid_epoch_stores_of_the_progress_record_grow_apart_with_the_swarm():
     assert HonestProgressTracker._store_due(near, 3, 200) and HonestProgressTracker._store_due(near, 4, 0)
 
 
+def test_scheduled_reads_of_the_progress_key_grow_apart_with_the_swarm():
+    # each read brings every peer's record back: N per read, at a fixed period N per peer and second
+    from collab.modes.tracker import PEERS_PER_READ, READ_EVERY_MOST, HonestProgressTracker
+
+    fake = SimpleNamespace(min_refresh_period=0.5)
+    every = [HonestProgressTracker.read_every(fake, peers) for peers in (0, 1, PEERS_PER_READ, 12, 32, 64, 1000)]
+    assert every == [0.5, 0.5, 0.5, 0.75, 2.0, READ_EVERY_MOST, READ_EVERY_MOST], every
+    slow = SimpleNamespace(min_refresh_period=4.0)  # a run that reads rarely already: never more often, not rarer
+    assert HonestProgressTracker.read_every(slow, 64) == 4.0
+
+
 def test_a_nodes_dht_requests_are_counted_by_rpc_and_by_key_with_their_bytes():
     from hivemind.dht.routing import DHTID
 
