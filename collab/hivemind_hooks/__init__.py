@@ -187,7 +187,8 @@ READ = (
 
 # attributes hivemind sets on its objects (self.NAME = ...) that collab reads or writes, by the class that sets them
 INSTANCE_ATTRIBUTES = {
-    "hivemind.dht.dht.DHT": ("_outer_pipe",),  # a leave asks whether it has room before a send (dht_takes_requests)
+    # a leave asks whether it has room before a send (dht_takes_requests); reads wait for whole messages
+    "hivemind.dht.dht.DHT": ("_outer_pipe", "_inner_pipe"),
     "hivemind.p2p.p2p_daemon.P2P": ("_daemon_listen_maddr",),  # a failed start's socket file, removed
     "hivemind.dht.node.DHTNode": ("_should_shutdown_p2p",),  # whether a failed start's p2pd is its own
     "hivemind.averaging.averager.DecentralizedAverager": (

@@ -269,6 +269,30 @@ def close_p2p_client(p2p) -> None:
 
 # --- the DHT's process ---
 
+class _WholeMessages:
+    """A multiprocessing Connection whose recv() waits for the rest of a message that is still arriving."""
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def __getattr__(self, name):
+        return getattr(self._connection, name)
+
+    def recv(self):
+        os.set_blocking(self._connection.fileno(), True)
+        return self._connection.recv()
+
+
+def pipe_reads_take_whole_messages(process) -> None:
+    """hivemind's DHT process watches its end of the request pipe with uvloop's add_reader, which makes it
+    non-blocking, then reads a message once poll() says bytes have come. A message still being written (a sender
+    whose requests filled the pipe: a lone linreg peer at 16 epochs a second) failed half-read with EAGAIN, the
+    pipe lost its framing, the process stopped taking requests, and the next send blocked for good: the peer's leave
+    overran its grace (3 of 5 lone peers of scale.py here, one on the device). The read now waits for the whole
+    message. In the DHT's process, before hivemind's run()."""
+    process._inner_pipe = _WholeMessages(process._inner_pipe)
+
+
 def count_dht_requests(protocol, count: Callable) -> None:
     """hivemind's DHTProtocol reaches every other node through its get_stub: each request it sends (rpc_find,
     rpc_store, rpc_ping) is counted by `count(rpc, request, reply)` (reply None for a request that failed), so a

@@ -1,0 +1,59 @@
+"""The DHT's process reads whole requests from its pipe (collab.hivemind_hooks.patches.pipe_reads_take_whole_messages).
+
+hivemind's DHT process watches the pipe with uvloop, which makes its end non-blocking, and reads a request once some
+bytes have come: a request still being written failed half-read (EAGAIN), the pipe lost its framing, and the process
+took no request after it. A lone linreg peer's requests filled the pipe so: its leave then blocked on a send and was
+killed at the end of its grace (3 of 5 runs of scale.py's lone peer). Here a request is written in two halves, a
+moment apart: a real collab DHT answers it, and the next request (without the fix the first is lost)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from functools import partial
+
+from hivemind.utils.mpfuture import MPFuture
+from multiprocessing.reduction import ForkingPickler
+
+from collab.swarm.node import OwnGroupDHT
+
+PAYLOAD = 64 * 1024  # bytes
+
+
+async def _length(_dht, _node, payload: bytes) -> int:
+    return len(payload)
+
+
+def _ask_in_two_halves(dht, payload: bytes, answers: list) -> None:
+    """What hivemind's run_coroutine sends (a Connection message: its length, then the pickle), half of it first."""
+    future = MPFuture()
+    message = bytes(ForkingPickler.dumps(("_run_coroutine", [], dict(coro=partial(_length, payload=payload),
+                                                                     future=future))))
+    framed = struct.pack("!i", len(message)) + message
+    fd = dht._outer_pipe.fileno()
+    for part in (framed[:len(framed) // 2], framed[len(framed) // 2:]):
+        while part:
+            part = part[os.write(fd, part):]
+        time.sleep(0.5)  # the DHT's process finds half a request in the pipe
+    answers.append(future.result(timeout=30))
+
+
+def _ask(dht, payload: bytes, answers: list) -> None:
+    answers.append(dht.run_coroutine(partial(_length, payload=payload), return_future=True).result(timeout=30))
+
+
+def test_a_request_that_arrives_in_pieces_is_answered_and_so_is_the_next(no_leftover_processes):
+    dht = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        answers: list = []
+        for ask, payload in ((_ask_in_two_halves, b"x" * PAYLOAD), (_ask, b"small")):
+            # (in a thread: without the fix the process stops reading, and a send can block for good)
+            asker = threading.Thread(target=ask, args=(dht, payload, answers), daemon=True)
+            asker.start()
+            asker.join(45)
+            assert not asker.is_alive(), f"the DHT's process did not answer a request of {len(payload)} bytes"
+        assert answers == [PAYLOAD, 5], answers
+    finally:
+        dht.shutdown()
