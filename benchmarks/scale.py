@@ -18,7 +18,8 @@ table (cores per peer x N against the machine's cores). Where a 16-core machine 
 
 Per round, from the peers' summaries: seconds finding the group (matchmaking) and in the all-reduce; per peer and
 minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key`
-says which keys they were for). Why the failed rounds failed (collab.modes.sync.round_failure), and the replicas'
+says which keys they were for), of them the progress key's reads, and the share of its reads a peer's readers took
+from a read under way or just made (collab.records.shared_reads). Why the failed rounds failed (collab.modes.sync.round_failure), and the replicas'
 spread: the furthest replica from the replicas' mean at the start of an epoch, relative to their norm, the worst
 epoch of the run (estimated from each peer's per-epoch sketches; collab.peers.report). `--rtt-ms 0,20,100` adds
 rows with that round trip between any two peers (network namespaces, as root; peers/delayer.py where the kernel
@@ -169,6 +170,8 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
         "allreduce_s": _mean(p["allreduce_seconds"] for p in per_peer),
         "dht_requests": _mean(p["dht_requests_per_minute"] for p in per_peer),
         "dht_kb": _mean(p["dht_kb_per_minute"] for p in per_peer),
+        "progress_kb": _mean(p.get("progress_read_kb_per_minute") for p in per_peer),
+        "progress_shared": _mean(p.get("progress_reads_shared") for p in per_peer),
         "failed_why": ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:2])
         + (f" ({replayed} replayed)" if replayed else ""),
         "spread": max(spreads.values()) if spreads else None,
@@ -236,7 +239,8 @@ def main() -> None:
 
 HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %",
           "failed: why", "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
-          "DHT requests/min/peer", "DHT KB/min/peer", "cores/peer", "CPU bound", "PSS MB/peer",
+          "DHT requests/min/peer", "DHT KB/min/peer", "progress reads KB/min/peer",
+          "progress reads shared %", "cores/peer", "CPU bound", "PSS MB/peer",
           "records from memory %", "forced exits")
 
 
@@ -257,7 +261,9 @@ def _line(r: dict, cores: int) -> str:
                        f"{r['mean_group']:.1f}" if r["mean_group"] else "-", r["epochs"],
                        "-" if r["spread"] is None else f"{r['spread']:.1e}",
                        _fmt(r["matchmaking_s"], 2), _fmt(r["allreduce_s"], 2), _fmt(r["dht_requests"], 0),
-                       _fmt(r["dht_kb"], 0), f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}",
+                       _fmt(r["dht_kb"], 0), _fmt(r["progress_kb"], 0),
+                       _fmt(100 * r["progress_shared"] if r["progress_shared"] is not None else None, 0),
+                       f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}",
                        _fmt(100 * r["remembered"] if r["remembered"] is not None else None, 0),
                        str(r["forced_exits"])])
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from collab.modes.gossip_rules import spread_from_mean
+from collab.records.metrics import PROGRESS_SUFFIX
 from collab.peers.launcher import LocalSwarm, PeerProcess
 
 
@@ -51,6 +52,10 @@ class PeerReport:
     dht_kb_per_minute: Optional[float] = None
     # of the records its DHT node read, the share answered from memory, not checked again (collab.records.verdicts)
     records_remembered: Optional[float] = None
+    # the progress key's reads (every peer's record, each read): KB a minute, and the share of its readers' asks
+    # answered by a read under way or just made, without a walk (collab.records.shared_reads)
+    progress_read_kb_per_minute: Optional[float] = None
+    progress_reads_shared: Optional[float] = None
     rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.sync.round_failure
     rounds_replayed: int = 0  # failed rounds it then applied from a peer that made them (averaging.round_replay)
     # epoch -> a sketch of its replica as that epoch began (collab.train.summary.sketch_replica), the last epochs
@@ -247,9 +252,18 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         dht_kb_per_minute=(sum(d["bytes_sent"] + d["bytes_received"] for d in dht) / 1e3 / dht_minutes
                            if dht_minutes else None),
         records_remembered=_remembered_share([d["records"] for d in dht if d.get("records")]),
+        progress_read_kb_per_minute=(sum(row["bytes"] for d in dht for key, row in d.get("by_key", {}).items()
+                                         if key.endswith(PROGRESS_SUFFIX)) / 1e3 / dht_minutes
+                                     if dht_minutes else None),
+        progress_reads_shared=_shared_share([d["shared_reads"] for d in dht if d.get("shared_reads")]),
         # a later incarnation's sketch of an epoch replaces an earlier one's
         replica_sketches={epoch: values for s in summaries for epoch, values in s.get("replica_sketches", {}).items()},
     )
+
+
+def _shared_share(counts: list) -> Optional[float]:
+    asked = sum(c["walked"] + c["served"] + c["joined"] for c in counts)
+    return sum(c["served"] + c["joined"] for c in counts) / asked if asked else None
 
 
 def _remembered_share(counts: list) -> Optional[float]:

@@ -370,6 +370,24 @@ def store_walks_without_values(node) -> None:
     node._collab_store_walks = True
 
 
+def share_latest_reads(node, read: Callable) -> None:
+    """A DHT node's reads of a key's latest values (get with latest=True and nothing else) go through
+    `read(key, get)` (collab.records.shared_reads), which may answer with one already under way or just made, so
+    hivemind's own reads (its progress tracker's) and collab's share one stream of reads. Others are unchanged.
+    Once per DHT node, in the DHT's process."""
+    if getattr(node, "_collab_shared_reads", False):
+        return
+    get = node.get
+
+    async def get_sharing(key, latest: bool = False, **kwargs):
+        if latest and not kwargs:
+            return await read(key, get)
+        return await get(key, latest=latest, **kwargs)
+
+    node.get = get_sharing
+    node._collab_shared_reads = True
+
+
 # --- a process forked from the simulation's fork server ---
 
 def fresh_process_state() -> None:

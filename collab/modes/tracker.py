@@ -34,6 +34,7 @@ from collab.hivemind_hooks.optimizer import TrackerHooks
 from collab.hivemind_hooks.patches import dht_takes_requests
 from collab.process.lifecycle import StopOnSignal
 from collab.records.identity import signer_peer_id
+from collab.records.shared_reads import READ_EVERY_MOST, share_for
 from collab.records.untrusted import Rejections, accept, drop_implausible_epochs
 
 logger = get_logger(__name__)
@@ -60,9 +61,10 @@ REPORT_EVERY_MOST = EXTRAPOLATE_AT_MOST / 2
 # and 2588 KB of DHT traffic per peer and epoch, most of it the progress key). In a swarm of more than PEERS_PER_READ
 # peers the least time between two reads grows with N, up to READ_EVERY_MOST: N records per period stays flat. An
 # epoch's end is then found by the ETA of records extrapolated at their rates (hivemind's ready_to_update_epoch),
-# which a bigger swarm makes steadier; a new epoch's first micro-batch still reads at once (_read_soon)
-PEERS_PER_READ = 8
-READ_EVERY_MOST = EXTRAPOLATE_AT_MOST / 2
+# which a bigger swarm makes steadier; a new epoch's first micro-batch still reads at once (_read_soon). The peer's
+# other readers of the key (its sync thread, donor waits, averager processes) share these reads
+# (collab.records.shared_reads: the same period, share_for)
+assert READ_EVERY_MOST <= EXTRAPOLATE_AT_MOST / 2
 GOODBYE_WAIT = 2.0  # seconds a leaving peer waits for its goodbye (its progress record cleared) to be stored
 GOODBYE_KEEP = 4.0  # seconds of a signalled leave's grace kept for what follows (averagers, checkpoint, DHT)
 
@@ -147,8 +149,7 @@ class HonestProgressTracker(TrackerHooks):
 
     def read_every(self, peers: int) -> float:
         """The least seconds between two of this peer's scheduled reads of the swarm's progress."""
-        return min(max(READ_EVERY_MOST, self.min_refresh_period),
-                   self.min_refresh_period * max(1.0, peers / PEERS_PER_READ))
+        return share_for(peers, self.min_refresh_period)
 
     @property
     def ready_to_update_epoch(self) -> bool:

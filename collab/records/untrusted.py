@@ -21,6 +21,7 @@ from hivemind.p2p import PeerID
 
 from collab.records.identity import signer_peer_id
 from collab.records.metrics import PROGRESS_SUFFIX
+from collab.records.shared_reads import recent_or_new
 
 CLOCK_SKEW_SECONDS = 300.0  # clocks of volunteers' machines disagree by this much at most
 EPOCH_LEAD = 3  # an honest peer is at most an epoch or two ahead of the others' median
@@ -132,6 +133,6 @@ def progress_records(dht, run_id: str) -> dict:
 
 
 def read_progress(dht, run_id: str, rejected: Rejections, now: float) -> dict:
-    progress = accept(signed_values(dht.get(run_id + PROGRESS_SUFFIX, latest=True)), LocalTrainingProgress.parse_obj,
+    progress = accept(signed_values(recent_or_new(dht, run_id + PROGRESS_SUFFIX)), LocalTrainingProgress.parse_obj,
                       lambda item: PeerID(item.peer_id).to_base58(), rejected, now)
     return drop_implausible_epochs(progress, rejected, now)

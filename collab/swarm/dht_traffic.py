@@ -16,6 +16,7 @@ from hivemind.dht.routing import DHTID
 from collab.adaptive.batch_plan import PLAN_SUFFIX
 from collab.hivemind_hooks.patches import count_dht_requests, dht_takes_requests, twin_key
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX
+from collab.records.shared_reads import counts_here
 from collab.run.gate import MEMBERS_SUFFIX, REVOKED_SUFFIX
 from collab.run.shard_fetch import CLAIMS_SUFFIX, HOLDINGS_SUFFIX
 from collab.run.sharing import MANIFEST_SUFFIX
@@ -104,6 +105,9 @@ async def _report(dht, _node, names: tuple = ()) -> Optional[dict]:
     verdicts = getattr(dht, "verdicts", None)  # collab.swarm.node.OwnGroupDHT's: records checked, and remembered
     if verdicts is not None:
         report["records"] = verdicts.counts()
+    shared = counts_here()
+    if shared is not None:
+        report["shared_reads"] = shared  # the progress key's reads: walked, and spared (collab.records.shared_reads)
     return report
 
 

@@ -11,7 +11,7 @@ import time
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
-import collab.modes.tracker as tracker_module
+import collab.records.shared_reads as shared_reads
 from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
 from collab.records.identity import load_or_create_identity
 
@@ -57,7 +57,7 @@ def wait_for_read(tracker: HonestProgressTracker, reads: int, timeout: float = 5
 
 def test_refresh_reads_the_swarm_now_and_sees_a_peer_that_hiveminds_schedule_would_see_later(tmp_path, monkeypatch,
                                                                                              no_leftover_processes):
-    monkeypatch.setattr(tracker_module, "PEERS_PER_READ", 1)  # two peers read as a swarm of 16 would
+    monkeypatch.setattr(shared_reads, "PEERS_PER_READ", 1)  # two peers read as a swarm of 16 would
     with two_trackers(tmp_path, target_batch_size=100) as (ours, theirs):
         ours.report_local_progress(0, 40)
         wait_for_read(ours, 0)  # the read that the first micro-batch asks for

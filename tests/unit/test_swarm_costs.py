@@ -290,7 +290,8 @@ def test_mid_epoch_stores_of_the_progress_record_grow_apart_with_the_swarm():
 
 def test_scheduled_reads_of_the_progress_key_grow_apart_with_the_swarm():
     # each read brings every peer's record back: N per read, at a fixed period N per peer and second
-    from collab.modes.tracker import PEERS_PER_READ, READ_EVERY_MOST, HonestProgressTracker
+    from collab.modes.tracker import HonestProgressTracker
+    from collab.records.shared_reads import PEERS_PER_READ, READ_EVERY_MOST
 
     fake = SimpleNamespace(min_refresh_period=0.5)
     every = [HonestProgressTracker.read_every(fake, peers) for peers in (0, 1, PEERS_PER_READ, 12, 32, 64, 1000)]

@@ -1,0 +1,77 @@
+"""A peer's readers of the progress key share its reads (collab.records.shared_reads), on real DHT nodes (p2pd).
+
+hivemind's tracker reads the key with dht.get; collab's readers (its sync thread, donor waits, averager processes)
+with read_progress. A read of either kind that the peer made less than share_for(N) seconds ago answers collab's
+readers without a walk: no find request leaves the node, and what they get is what that read found."""
+
+from __future__ import annotations
+
+import time
+
+from hivemind.utils import get_dht_time
+
+import collab.records.shared_reads as shared_reads
+from collab.records.metrics import PROGRESS_SUFFIX
+from collab.swarm.dht_traffic import dht_requests, start_counting
+from collab.swarm.node import OwnGroupDHT
+from collab.records.shared_reads import recent_or_new, share_for, shared_counts, start_sharing
+
+RUN = "shared"
+KEY = RUN + PROGRESS_SUFFIX  # a key dht_requests names
+WAIT = 30  # seconds: every store is bounded
+
+
+def finds(dht) -> int:
+    """The find requests this node has sent for the progress key (its reads' walks)."""
+    return dht_requests(dht, RUN, timeout=WAIT)["by_key"].get(KEY, {}).get("requests", 0)
+
+
+def store(dht, subkey: str) -> None:
+    assert dht.store(KEY, subkey=subkey, value=subkey, expiration_time=get_dht_time() + 60,
+                     return_future=True).result(timeout=WAIT)
+
+
+def test_readers_take_a_read_made_less_than_the_period_ago_and_walk_after_it(no_leftover_processes, monkeypatch):
+    # three records read as a swarm of 24 would be: shared for 1.5 s, long enough for a store on a busy machine
+    monkeypatch.setattr(shared_reads, "PEERS_PER_READ", 1)  # (before the DHTs fork their processes)
+    ours = theirs = None
+    try:
+        ours = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        theirs = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=ours.get_visible_maddrs())
+        start_counting(ours)
+        start_sharing(ours, [KEY])
+        for subkey in ("a", "b", "c"):
+            store(theirs, subkey)
+
+        began = time.monotonic()
+        assert set(recent_or_new(ours, KEY).value) == {"a", "b", "c"}
+        walks = finds(ours)
+        assert walks > 0, "the first read walked nowhere"
+        store(theirs, "d")
+        again = recent_or_new(ours, KEY)
+        assert time.monotonic() - began < share_for(3), "the machine was too slow for this test's period"
+        assert set(again.value) == {"a", "b", "c"}, "a read within the period walked again"
+        assert finds(ours) == walks
+
+        # a fresh read (hivemind's tracker's dht.get) walks, and collab's readers then take what it found
+        assert set(ours.get(KEY, latest=True).value) == {"a", "b", "c", "d"}
+        walks = finds(ours)
+        assert set(recent_or_new(ours, KEY).value) == {"a", "b", "c", "d"}
+        assert finds(ours) == walks
+        assert shared_counts(ours) == dict(walked=2, served=2, joined=0)
+
+        time.sleep(share_for(4))  # the period is over: a reader walks again
+        store(theirs, "e")
+        assert set(recent_or_new(ours, KEY).value) == {"a", "b", "c", "d", "e"}
+        assert finds(ours) > walks
+
+        # a DHT that does not share (the dashboard's): every read walks
+        start_counting(theirs)
+        before = dht_requests(theirs, RUN, timeout=WAIT)["by_key"].get(KEY, {}).get("requests", 0)
+        recent_or_new(theirs, KEY)
+        assert dht_requests(theirs, RUN, timeout=WAIT)["by_key"][KEY]["requests"] > before
+        assert shared_counts(theirs) is None
+    finally:
+        for dht in (theirs, ours):
+            if dht is not None:
+                dht.shutdown()

@@ -1,0 +1,130 @@
+"""A peer's readers of the progress key share one stream of reads (collab.records.shared_reads): the rules, on a
+walk that the test controls (a fake DHTNode.get) and a fake clock. The real DHT: tests/process/test_shared_reads.py."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from collab.records.shared_reads import PEERS_PER_READ, READ_EVERY_MOST, SharedReads, share_for
+
+KEY = "run_progress"
+
+
+def found(peers: int, tag: str = ""):
+    """What a read of the key returns: its value a dictionary of `peers` subkeys."""
+    return SimpleNamespace(value={f"peer{i}{tag}": i for i in range(peers)}, expiration_time=0)
+
+
+class Walks:
+    """A DHTNode.get whose walks end when the test says, each with what the test gives it."""
+
+    def __init__(self):
+        self.started: list[asyncio.Future] = []
+        self.keys: list[str] = []
+
+    async def get(self, key, latest=False):
+        assert latest
+        self.keys.append(key)
+        walk = asyncio.get_running_loop().create_future()
+        self.started.append(walk)
+        return await walk
+
+
+def test_the_period_a_read_is_shared_for_grows_with_the_swarm_up_to_a_bound():
+    assert [share_for(n) for n in (0, 1, PEERS_PER_READ, 12, 32, 64, 1000)] == \
+        [0.5, 0.5, 0.5, 0.75, 2.0, READ_EVERY_MOST, READ_EVERY_MOST]
+    assert share_for(64, min_refresh=4.0) == 4.0  # a run that reads rarely already: not more often
+
+
+def test_readers_join_a_walk_under_way_and_take_a_recent_one_until_its_period_is_over():
+    async def scenario():
+        now = [100.0]
+        shared, walks = SharedReads([KEY], clock=lambda: now[0]), Walks()
+        first = asyncio.ensure_future(shared.read(KEY, walks.get))  # hivemind's tracker
+        await settle()
+        others = [asyncio.ensure_future(shared.recent(KEY, walks.get)) for _ in range(3)]  # collab's readers
+        await settle()
+        assert len(walks.started) == 1, "readers that came during a walk walked again"
+        walks.started[0].set_result(found(12))
+        assert all(len(r.value) == 12 for r in await asyncio.gather(first, *others))
+        assert shared.counts() == dict(walked=1, served=0, joined=3)
+
+        now[0] += share_for(12) - 0.01  # 12 records: shared for 0.75 s
+        assert len((await shared.recent(KEY, walks.get)).value) == 12
+        assert len(walks.started) == 1 and shared.served == 1
+
+        now[0] += 0.02  # the period is over: a fresh walk
+        later = asyncio.ensure_future(shared.recent(KEY, walks.get))
+        await settle()
+        assert len(walks.started) == 2
+        walks.started[1].set_result(found(13))
+        assert len((await later).value) == 13
+
+        # a fresh read (the tracker's) always walks, and the others then take what it found
+        now[0] += 0.1
+        fresh = asyncio.ensure_future(shared.read(KEY, walks.get))
+        await settle()
+        assert len(walks.started) == 3
+        walks.started[2].set_result(found(14))
+        await fresh
+        assert len((await shared.recent(KEY, walks.get)).value) == 14 and len(walks.started) == 3
+        assert shared.counts() == dict(walked=3, served=2, joined=3)
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_walk_is_not_kept_and_a_slow_one_does_not_replace_a_newer():
+    async def scenario():
+        now = [0.0]
+        shared, walks = SharedReads([KEY], clock=lambda: now[0]), Walks()
+        failing = asyncio.ensure_future(shared.recent(KEY, walks.get))
+        await settle()
+        walks.started[0].set_exception(TimeoutError("no node answered"))
+        with pytest.raises(TimeoutError):
+            await failing
+        assert KEY not in shared.last and not shared.under_way
+
+        # a walk whose caller gave up (hivemind's tracker cancels its read at shutdown) is still kept for the others
+        gave_up = asyncio.ensure_future(shared.read(KEY, walks.get))
+        await settle()
+        gave_up.cancel()
+        walks.started[1].set_result(found(5))
+        await settle()
+        assert len(shared.last[KEY][1].value) == 5
+
+        # two walks under way at once cannot happen through `read`; a slow walk that began earlier than the kept one
+        # (its result arriving late) does not replace it
+        shared.last[KEY] = (10.0, found(7, "new"))
+        shared._walked(KEY, 9.0, _done(found(6, "old")))
+        assert len(shared.last[KEY][1].value) == 7
+
+    asyncio.run(scenario())
+
+
+def test_other_keys_are_read_as_before():
+    async def scenario():
+        shared, walks = SharedReads([KEY], clock=lambda: 0.0), Walks()
+        reads = [asyncio.ensure_future(shared.recent("run_grad_averager.0b", walks.get)) for _ in range(2)]
+        await settle()
+        assert len(walks.started) == 2  # each its own walk, nothing kept
+        for walk in walks.started:
+            walk.set_result(found(1))
+        await asyncio.gather(*reads)
+        assert not shared.last and shared.counts() == dict(walked=0, served=0, joined=0)
+
+    asyncio.run(scenario())
+
+
+async def settle() -> None:
+    """Let the tasks just made run as far as they can (a read's task, then its walk's)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def _done(result) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
