@@ -48,7 +48,7 @@ from collab.averaging.one_average import OneAverage
 from collab.averaging.planned_leader import ASK_AGAIN, PLAN_SHARE, peers_training, planned_leader
 from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
-from collab.averaging.tidy_leave import LeavesNoSocketFile
+from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.hivemind_hooks.averager import end_step_unstarted
 from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
@@ -144,7 +144,7 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
             raise
 
 
-class CheckedRounds(LeavesNoSocketFile, KnownGroupsOnly):
+class CheckedRounds(LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly):
     """A DecentralizedAverager mixin. Set `rule`, `kind` ("gradients" or "state") and `findings` (a queue, or
     None) before hivemind's constructor starts the averager process."""
 

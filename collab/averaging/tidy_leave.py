@@ -1,10 +1,22 @@
-"""An averager's leave that leaves no socket file in /tmp, however hivemind ends its process."""
+"""An averager's process, tidy at both ends: it reads its requests whole, and its leave leaves no socket file in
+/tmp, however hivemind ends the process."""
 
 from __future__ import annotations
 
 import psutil
 
+from collab.hivemind_hooks.patches import pipe_reads_take_whole_messages
 from collab.process.reaper import hivemind_sockets, remove_sockets_of
+
+
+class ReadsWholeRequests:
+    """A DecentralizedAverager mixin: its process reads the trainer's requests from a pipe that uvloop made
+    non-blocking, as hivemind's DHT process does, where a request still being written was read half and the pipe
+    lost its framing for good (a lone peer's forced exit, tests/process/test_dht_pipe.py). It reads whole ones."""
+
+    def run(self) -> None:  # in the averager's process
+        pipe_reads_take_whole_messages(self)
+        super().run()
 
 
 class LeavesNoSocketFile:

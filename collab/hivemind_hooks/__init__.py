@@ -71,6 +71,7 @@ OVERRIDDEN = {
         "self, initial_peers=None, *, start, p2p=None, daemon=True, num_workers=4, record_validators=(), "
         "shutdown_timeout=3, await_ready=True, **kwargs",
     "hivemind.dht.dht.DHT.run": "self",
+    "hivemind.averaging.averager.DecentralizedAverager.run": "self",
     # the public validator API (collab.records.verdicts wraps the run's validators)
     "hivemind.dht.validation.RecordValidatorBase.merge_with": "self, other",
     "hivemind.dht.validation.RecordValidatorBase.sign_value": "self, record",
@@ -193,7 +194,7 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.p2p.p2p_daemon.P2P": ("_daemon_listen_maddr",),  # a failed start's socket file, removed
     "hivemind.dht.node.DHTNode": ("_should_shutdown_p2p",),  # whether a failed start's p2pd is its own
     "hivemind.averaging.averager.DecentralizedAverager": (
-        "_outer_pipe", "_running_groups", "_averaging_alpha", "_state_updated", "_p2p", "_matchmaking",
+        "_outer_pipe", "_inner_pipe", "_running_groups", "_averaging_alpha", "_state_updated", "_p2p", "_matchmaking",
         "_averaged_tensors", "_parent_pid"),
     "hivemind.optim.grad_averager.GradientAverager": ("_accumulators_used_in_step", "_anchor_batch_size"),
     "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager": ("_ms", "_qs", "_uncompressed_gradients_indexes"),

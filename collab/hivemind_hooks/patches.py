@@ -267,7 +267,7 @@ def close_p2p_client(p2p) -> None:
     p2p._terminate()
 
 
-# --- the DHT's process ---
+# --- the DHT's and the averagers' processes ---
 
 class _WholeMessages:
     """A multiprocessing Connection whose recv() waits for the rest of a message that is still arriving."""
@@ -289,7 +289,8 @@ def pipe_reads_take_whole_messages(process) -> None:
     whose requests filled the pipe: a lone linreg peer at 16 epochs a second) failed half-read with EAGAIN, the
     pipe lost its framing, the process stopped taking requests, and the next send blocked for good: the peer's leave
     overran its grace (3 of 5 lone peers of scale.py here, one on the device). The read now waits for the whole
-    message. In the DHT's process, before hivemind's run()."""
+    message. hivemind's averager processes read their pipes the same way: the same for them. In the DHT's (or the
+    averager's) process, before hivemind's run()."""
     process._inner_pipe = _WholeMessages(process._inner_pipe)
 
 

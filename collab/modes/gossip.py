@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from collab.averaging.compression import decode_part, wire_codec
 from collab.averaging.members_only import MembersOnly
-from collab.averaging.tidy_leave import LeavesNoSocketFile
+from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
 from collab.modes import ModeContext, ModeReport
 from collab.modes.diloco import adamw_with_warmup
 from collab.modes.gossip_rules import FlowControl, Side, check_peer_model, claims_ok, interpolation, local_steps, sketch
@@ -77,7 +77,7 @@ class Busy(Exception):
     """The asked peer has too many merges waiting: try another one next time (not a failure of the peer)."""
 
 
-class GossipAverager(LeavesNoSocketFile, MembersOnly, DecentralizedAverager):
+class GossipAverager(LeavesNoSocketFile, ReadsWholeRequests, MembersOnly, DecentralizedAverager):
     """Runs in its own process (as hivemind's averagers do): serves this peer's parameter snapshot to peers that
     ask, and asks peers for theirs. Its averaged tensors are the snapshot; received parameters go to the trainer
     on `inbox` (answered exchanges) or through the asking call's future."""

@@ -4,7 +4,8 @@ hivemind's DHT process watches the pipe with uvloop, which makes its end non-blo
 bytes have come: a request still being written failed half-read (EAGAIN), the pipe lost its framing, and the process
 took no request after it. A lone linreg peer's requests filled the pipe so: its leave then blocked on a send and was
 killed at the end of its grace (3 of 5 runs of scale.py's lone peer). Here a request is written in two halves, a
-moment apart: a real collab DHT answers it, and the next request (without the fix the first is lost)."""
+moment apart: a real collab DHT answers it, and the next request (without the fix the first is lost). hivemind's
+averager processes read their pipes the same way, and so does a collab averager."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ import os
 import struct
 import threading
 import time
+from contextlib import ExitStack
 from functools import partial
-
-from hivemind.utils.mpfuture import MPFuture
 from multiprocessing.reduction import ForkingPickler
 
+import torch
+from hivemind.utils.mpfuture import MPFuture
+
+from benchmarks.lab.averager_pair import start_averager_pair
+from collab.averaging.robust_rounds import CheckedRounds
 from collab.swarm.node import OwnGroupDHT
 
 PAYLOAD = 64 * 1024  # bytes
@@ -29,15 +34,19 @@ async def _length(_dht, _node, payload: bytes) -> int:
 def _ask_in_two_halves(dht, payload: bytes, answers: list) -> None:
     """What hivemind's run_coroutine sends (a Connection message: its length, then the pickle), half of it first."""
     future = MPFuture()
-    message = bytes(ForkingPickler.dumps(("_run_coroutine", [], dict(coro=partial(_length, payload=payload),
-                                                                     future=future))))
+    _send_in_two_halves(dht._outer_pipe, ("_run_coroutine", [], dict(coro=partial(_length, payload=payload),
+                                                                     future=future)))
+    answers.append(future.result(timeout=30))
+
+
+def _send_in_two_halves(pipe, request: tuple) -> None:
+    message = bytes(ForkingPickler.dumps(request))
     framed = struct.pack("!i", len(message)) + message
-    fd = dht._outer_pipe.fileno()
+    fd = pipe.fileno()
     for part in (framed[:len(framed) // 2], framed[len(framed) // 2:]):
         while part:
             part = part[os.write(fd, part):]
-        time.sleep(0.5)  # the DHT's process finds half a request in the pipe
-    answers.append(future.result(timeout=30))
+        time.sleep(0.5)  # the process finds half a request in the pipe
 
 
 def _ask(dht, payload: bytes, answers: list) -> None:
@@ -57,3 +66,25 @@ def test_a_request_that_arrives_in_pieces_is_answered_and_so_is_the_next(no_left
         assert answers == [PAYLOAD, 5], answers
     finally:
         dht.shutdown()
+
+
+def test_an_averagers_process_answers_a_request_that_arrives_in_pieces_and_the_next(no_leftover_processes):
+    def ask_in_two_halves(averager, answers: list) -> None:
+        future = MPFuture()
+        _send_in_two_halves(averager._outer_pipe, ("_get_group_bits", [], dict(future=future)))  # get_group_bits'
+        answers.append(future.result(timeout=30))
+
+    def ask(averager, answers: list) -> None:
+        answers.append(averager.get_group_bits(wait=False).result(timeout=30))
+
+    with ExitStack() as stack:
+        [averager] = start_averager_pair(stack, lambda dht, i: CheckedRounds(
+            [torch.zeros(8)], dht=dht, prefix=f"pipe-{time.time_ns()}", start=True, initial_group_bits="01"),
+            count=1)
+        answers: list = []
+        for how in (ask_in_two_halves, ask):
+            asker = threading.Thread(target=how, args=(averager, answers), daemon=True)
+            asker.start()
+            asker.join(45)
+            assert not asker.is_alive(), "the averager's process did not answer"
+        assert answers == ["01", "01"], answers
