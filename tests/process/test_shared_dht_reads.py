@@ -6,6 +6,7 @@ readers without a walk: no find request leaves the node, and what they get is wh
 
 from __future__ import annotations
 
+import threading
 import time
 
 from hivemind.utils import get_dht_time
@@ -19,6 +20,16 @@ from collab.records.shared_reads import recent_or_new, share_for, shared_counts,
 RUN = "shared"
 KEY = RUN + PROGRESS_SUFFIX  # a key dht_requests names
 WAIT = 30  # seconds: every store is bounded
+
+
+def bounded(call, *args):
+    """`call(*args)` (a call into a DHT's process), waited for WAIT seconds at most."""
+    answer: list = []
+    thread = threading.Thread(target=lambda: answer.append(call(*args)), daemon=True)
+    thread.start()
+    thread.join(WAIT)
+    assert answer, f"{call.__name__} did not answer within {WAIT} s"
+    return answer[0]
 
 
 def finds(dht) -> int:
@@ -44,33 +55,33 @@ def test_readers_take_a_read_made_less_than_the_period_ago_and_walk_after_it(no_
             store(theirs, subkey)
 
         began = time.monotonic()
-        assert set(recent_or_new(ours, KEY).value) == {"a", "b", "c"}
+        assert set(bounded(recent_or_new, ours, KEY).value) == {"a", "b", "c"}
         walks = finds(ours)
         assert walks > 0, "the first read walked nowhere"
         store(theirs, "d")
-        again = recent_or_new(ours, KEY)
+        again = bounded(recent_or_new, ours, KEY)
         assert time.monotonic() - began < share_for(3), "the machine was too slow for this test's period"
         assert set(again.value) == {"a", "b", "c"}, "a read within the period walked again"
         assert finds(ours) == walks
 
         # a fresh read (hivemind's tracker's dht.get) walks, and collab's readers then take what it found
-        assert set(ours.get(KEY, latest=True).value) == {"a", "b", "c", "d"}
+        assert set(bounded(ours.get, KEY, True).value) == {"a", "b", "c", "d"}
         walks = finds(ours)
-        assert set(recent_or_new(ours, KEY).value) == {"a", "b", "c", "d"}
+        assert set(bounded(recent_or_new, ours, KEY).value) == {"a", "b", "c", "d"}
         assert finds(ours) == walks
-        assert shared_counts(ours) == dict(walked=2, served=2, joined=0)
+        assert bounded(shared_counts, ours) == dict(walked=2, served=2, joined=0)
 
         time.sleep(share_for(4))  # the period is over: a reader walks again
         store(theirs, "e")
-        assert set(recent_or_new(ours, KEY).value) == {"a", "b", "c", "d", "e"}
+        assert set(bounded(recent_or_new, ours, KEY).value) == {"a", "b", "c", "d", "e"}
         assert finds(ours) > walks
 
         # a DHT that does not share (the dashboard's): every read walks
         start_counting(theirs)
         before = dht_requests(theirs, RUN, timeout=WAIT)["by_key"].get(KEY, {}).get("requests", 0)
-        recent_or_new(theirs, KEY)
+        bounded(recent_or_new, theirs, KEY)
         assert dht_requests(theirs, RUN, timeout=WAIT)["by_key"][KEY]["requests"] > before
-        assert shared_counts(theirs) is None
+        assert bounded(shared_counts, theirs) is None
     finally:
         for dht in (theirs, ours):
             if dht is not None:
