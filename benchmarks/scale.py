@@ -19,7 +19,9 @@ table (cores per peer x N against the machine's cores). Where a 16-core machine 
 Per round, from the peers' summaries: seconds finding the group (matchmaking) and in the all-reduce; per peer and
 minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key`
 says which keys they were for), of them the progress key's reads, and the share of its reads a peer's readers took
-from a read under way or just made (collab.records.shared_reads). Why the failed rounds failed
+from a read under way or just made (collab.records.shared_reads); of the reads it made, the share that asked the
+key's two nearest nodes instead of walking, the records such a read found, and the live records the last walk had
+found that it missed (none when the nearest hold every record). Why the failed rounds failed
 (collab.modes.sync.round_failure), and the replicas' spread: the furthest replica from the replicas' mean at the
 start of an epoch, relative to their norm, the worst epoch of the run (estimated from each peer's per-epoch
 sketches; collab.peers.report). `--rtt-ms 0,20,100` adds rows with that round trip between any two peers (network
@@ -137,6 +139,8 @@ def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str 
     cpu, rss = sampler.stop()
     if process.returncode not in (0, 1):  # 1: the report's own verdict (e.g. loss did not fall), still a report
         raise SystemExit(f"collab simulate --peers {peers} failed ({process.returncode}):\n{err[-3000:]}")
+    if "{" not in out:
+        raise SystemExit(f"collab simulate --peers {peers} printed no report (rc {process.returncode}):\n{err[-3000:]}")
     report = json.loads(out[out.index("{"):])
     return {"report": report, "cpu": cpu, "rss": rss, "wall": time.monotonic() - started}
 
@@ -172,6 +176,9 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
         "dht_kb": _mean(p["dht_kb_per_minute"] for p in per_peer),
         "progress_kb": _mean(p.get("progress_read_kb_per_minute") for p in per_peer),
         "progress_shared": _mean(p.get("progress_reads_shared") for p in per_peer),
+        "from_nearest": _mean(p.get("progress_reads_from_nearest") for p in per_peer),
+        "records_nearest": _mean(p.get("records_per_nearest_read") for p in per_peer),
+        "records_missed": _mean(p.get("records_missed_per_nearest_read") for p in per_peer),
         "failed_why": ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:2])
         + (f" ({replayed} replayed)" if replayed else ""),
         "spread": max(spreads.values()) if spreads else None,
@@ -240,7 +247,8 @@ def main() -> None:
 HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %",
           "failed: why", "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
           "DHT requests/min/peer", "DHT KB/min/peer", "progress reads KB/min/peer",
-          "progress reads shared %", "cores/peer", "CPU bound", "PSS MB/peer",
+          "progress reads shared %", "progress reads from nearest %", "records a nearest read: found / missed",
+          "cores/peer", "CPU bound", "PSS MB/peer",
           "records from memory %", "forced exits")
 
 
@@ -263,6 +271,8 @@ def _line(r: dict, cores: int) -> str:
                        _fmt(r["matchmaking_s"], 2), _fmt(r["allreduce_s"], 2), _fmt(r["dht_requests"], 0),
                        _fmt(r["dht_kb"], 0), _fmt(r["progress_kb"], 0),
                        _fmt(100 * r["progress_shared"] if r["progress_shared"] is not None else None, 0),
+                       _fmt(100 * r["from_nearest"] if r["from_nearest"] is not None else None, 0),
+                       f"{_fmt(r['records_nearest'], 1)} / {_fmt(r['records_missed'], 2)}",
                        f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}",
                        _fmt(100 * r["remembered"] if r["remembered"] is not None else None, 0),
                        str(r["forced_exits"])])

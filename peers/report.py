@@ -56,6 +56,11 @@ class PeerReport:
     # answered by a read under way or just made, without a walk (collab.records.shared_reads)
     progress_read_kb_per_minute: Optional[float] = None
     progress_reads_shared: Optional[float] = None
+    # of the reads it made, the share that asked the key's nearest nodes, not a walk; the records such a read found,
+    # and the live records the last walk had found that it missed (collab.records.shared_reads.NearestReads)
+    progress_reads_from_nearest: Optional[float] = None
+    records_per_nearest_read: Optional[float] = None
+    records_missed_per_nearest_read: Optional[float] = None
     rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.sync.round_failure
     rounds_replayed: int = 0  # failed rounds it then applied from a peer that made them (averaging.round_replay)
     # epoch -> a sketch of its replica as that epoch began (collab.train.summary.sketch_replica), the last epochs
@@ -256,6 +261,7 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
                                          if key.endswith(PROGRESS_SUFFIX)) / 1e3 / dht_minutes
                                      if dht_minutes else None),
         progress_reads_shared=_shared_share([d["shared_reads"] for d in dht if d.get("shared_reads")]),
+        **_reads_made([d["shared_reads"] for d in dht if d.get("shared_reads")]),
         # a later incarnation's sketch of an epoch replaces an earlier one's
         replica_sketches={epoch: values for s in summaries for epoch, values in s.get("replica_sketches", {}).items()},
     )
@@ -264,6 +270,19 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
 def _shared_share(counts: list) -> Optional[float]:
     asked = sum(c["walked"] + c["served"] + c["joined"] for c in counts)
     return sum(c["served"] + c["joined"] for c in counts) / asked if asked else None
+
+
+def _reads_made(counts: list) -> dict:
+    """Of the reads a peer's shared stream made (collab.records.shared_reads.NearestReads): the share from the
+    key's nearest nodes, and per such read the records it found and those it missed."""
+    nearest = sum(c.get("from_nearest", 0) for c in counts)
+    walks = sum(c.get("full_walks", 0) for c in counts)
+    return dict(
+        progress_reads_from_nearest=nearest / (nearest + walks) if nearest + walks else None,
+        records_per_nearest_read=sum(c.get("records_from_nearest", 0) for c in counts) / nearest if nearest else None,
+        records_missed_per_nearest_read=(sum(c.get("records_missed", 0) for c in counts) / nearest
+                                         if nearest else None),
+    )
 
 
 def _remembered_share(counts: list) -> Optional[float]:

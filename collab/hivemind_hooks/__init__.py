@@ -159,6 +159,7 @@ PATCHED = (
     "hivemind.dht.node.DHTNode.store_many",
     "hivemind.dht.node.DHTNode._call_find_with_blacklist",
     "hivemind.dht.node.DHTNode.get",  # a key's latest values read once for every reader (collab.records.shared_reads)
+    "hivemind.dht.node._SearchState",  # a read from a key's nearest replicas alone, merged as get merges
     "hivemind.p2p.servicer.ServicerBase.get_stub",  # a state download's donors: members, plausible, dialled bounded
     "hivemind.averaging.allreduce.AllReduceRunner._ban_sender",  # called by collab's reducer loop (one_average)
     "hivemind.dht.dht.DHT._get_p2p_daemon_listen_maddr",  # a second client of the DHT's p2pd (run files)

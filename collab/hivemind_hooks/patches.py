@@ -11,7 +11,6 @@ import select
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
-from contextvars import ContextVar
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -20,7 +19,6 @@ from hivemind.averaging import allreduce
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.dht.node import DHTNode
-from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
@@ -292,101 +290,6 @@ def pipe_reads_take_whole_messages(process) -> None:
     message. hivemind's averager processes read their pipes the same way: the same for them. In the DHT's (or the
     averager's) process, before hivemind's run()."""
     process._inner_pipe = _WholeMessages(process._inner_pipe)
-
-
-def count_dht_requests(protocol, count: Callable) -> None:
-    """hivemind's DHTProtocol reaches every other node through its get_stub: each request it sends (rpc_find,
-    rpc_store, rpc_ping) is counted by `count(rpc, request, reply)` (reply None for a request that failed), so a
-    peer's DHT traffic can be measured as the swarm grows. Once per DHT node, in the DHT's process."""
-    if getattr(protocol, "_collab_counted", False):
-        return
-    inner = protocol.get_stub
-
-    class CountedStub:
-        def __init__(self, stub):
-            self._stub = stub
-
-        def __getattr__(self, name: str):
-            method = getattr(self._stub, name)
-            if not name.startswith("rpc_"):
-                return method
-
-            async def counted(request, *args, **kwargs):
-                reply = None
-                try:
-                    reply = await method(request, *args, **kwargs)
-                    return reply
-                finally:
-                    count(name, request, reply)
-            return counted
-
-    protocol.get_stub = lambda peer: CountedStub(inner(peer))
-    protocol._collab_counted = True
-
-
-_walking_to_store: ContextVar[bool] = ContextVar("collab_walking_to_store", default=False)
-
-
-def twin_key(key_id: DHTID) -> DHTID:
-    """The id one bit from `key_id` (its lowest flipped): it has the same nearest nodes (XOR distances to it keep
-    their order unless two nodes differ in that bit alone), and nothing is stored under it."""
-    return DHTID(key_id ^ 1)
-
-
-# a store's beam: hivemind's (its bucket size, 20) visits every node of a swarm of up to 21 on each store, though the
-# value goes to the nearest num_replicas (5) of them. Readers' walks keep the full beam, so a record on the 5 nearest
-# nodes the walker found is still read
-STORE_BEAM = 5
-
-
-def store_walks_without_values(node) -> None:
-    """hivemind's store first walks the DHT for the key's nearest nodes, and each node the walk asks answers with
-    everything it holds under the key, which the walk throws away: under the progress key, every peer's signed
-    record, each checked by the walker, so (N - 1) x N records per store. Its walk asks for the key's twin instead
-    (`twin_key`): the same nodes answer with the same neighbours, and no values; and it keeps a beam of STORE_BEAM
-    (unless the store names its own), hivemind's own stores included (its averagers' declarations). Reads (get) are
-    unchanged. Once per DHT node, in the DHT's process."""
-    if getattr(node, "_collab_store_walks", False):
-        return
-    store_many, call_find = node.store_many, node._call_find_with_blacklist
-
-    async def store_many_walking_to_the_twin(*args, **kwargs):
-        kwargs.setdefault("beam_size", STORE_BEAM)
-        walking = _walking_to_store.set(True)  # the walk's tasks, made inside, inherit it
-        try:
-            return await store_many(*args, **kwargs)
-        finally:
-            _walking_to_store.reset(walking)
-
-    async def find(peer_id, keys):
-        if not _walking_to_store.get():
-            return await call_find(peer_id, keys)
-        twins = {twin_key(key): key for key in keys}
-        response = await call_find(peer_id, list(twins))
-        if not response:
-            return response
-        return {twins[twin]: (None, neighbours) for twin, (_nothing, neighbours) in response.items()}
-
-    node.store_many, node._call_find_with_blacklist = store_many_walking_to_the_twin, find
-    node._collab_store_walks = True
-
-
-def share_latest_reads(node, read: Callable) -> None:
-    """A DHT node's reads of a key's latest values (get with latest=True and nothing else) go through
-    `read(key, get)` (collab.records.shared_reads), which may answer with one already under way or just made, so
-    hivemind's own reads (its progress tracker's) and collab's share one stream of reads. Others are unchanged.
-    Once per DHT node, in the DHT's process."""
-    if getattr(node, "_collab_shared_reads", False):
-        return
-    get = node.get
-
-    async def get_sharing(key, latest: bool = False, **kwargs):
-        if latest and not kwargs:
-            return await read(key, get)
-        return await get(key, latest=latest, **kwargs)
-
-    node.get = get_sharing
-    node._collab_shared_reads = True
 
 
 # --- a process forked from the simulation's fork server ---

@@ -9,6 +9,11 @@ seconds ago (the tracker's own least time between reads for that swarm: collab.m
 walks the DHT. So a peer's reads of the key stay about one per period whoever asks, and the bytes per peer stay
 flat as the swarm grows past PEERS_PER_READ (issue 36).
 
+A walk (hivemind's get, latest=True) asks every node of its beam and merges what each holds: the key's 5 replicas
+each answer with all N records. The shared stream's reads ask the READ_REPLICAS nearest of them instead
+(`NearestReads`), found by a walk that carries no values, and walk as hivemind does at least every FULL_READ_EVERY
+seconds, or as soon as one of them does not answer or holds nothing.
+
 Started for a peer's DHT (`start_sharing`, once), asked from any of its processes (`recent_or_new`). Another DHT
 (the dashboard's, a test's plain hivemind.DHT) answers `recent_or_new` with a fresh read.
 """
@@ -20,11 +25,17 @@ import time
 from functools import partial
 from typing import Callable, Iterable, Optional
 
-from collab.hivemind_hooks.patches import share_latest_reads
+from hivemind.utils import get_dht_time
+
+from collab.hivemind_hooks.dht_node import nearest_nodes, read_from_nodes, share_latest_reads
 
 PEERS_PER_READ = 8  # up to this many peers, a key is read at most every MIN_REFRESH seconds
 MIN_REFRESH = 0.5  # hivemind's min_refresh_period: its tracker's least time between two reads near an epoch's end
 READ_EVERY_MOST = 2.5  # seconds: never longer (others' records are extrapolated for 5 s at most)
+# a read asks this many of the key's nearest nodes: each holds every record stored in the last few seconds (a
+# record is re-stored on the 5 nearest every few seconds), two so that one node alone cannot hide a peer's record
+READ_REPLICAS = 2
+FULL_READ_EVERY = 15.0  # seconds: a full walk at least this often; it finds the nearest nodes anew too
 
 
 def share_for(peers: int, min_refresh: float = MIN_REFRESH) -> float:
@@ -85,26 +96,89 @@ class SharedReads:
         return dict(walked=self.walked, served=self.served, joined=self.joined)
 
 
+class NearestReads:
+    """In the DHT's process, the shared stream's reads of `keys` (hivemind's DHTNode.get's signature, latest=True):
+    from the key's READ_REPLICAS nearest nodes where they were found less than FULL_READ_EVERY seconds ago, else a
+    walk of hivemind's (`get`) beside a walk that finds them. Other keys: `get`. Counts reads of each kind, the
+    records the nearest gave, and the records they missed: a record the last walk found that had not expired yet
+    and that they did not give (so a report shows whether the nearest hold what a walk finds)."""
+
+    def __init__(self, keys: Iterable[str], node, get, clock: Callable[[], float] = time.monotonic,
+                 read_from=read_from_nodes, find_nearest=nearest_nodes):
+        self.keys = frozenset(keys)
+        self.node, self.get, self.clock = node, get, clock
+        self.read_from, self.find_nearest = read_from, find_nearest
+        self.nearest: dict[str, tuple[float, dict]] = {}  # key -> (when found, its nearest nodes, nearest first)
+        self.from_nearest = self.walks = self.fell_back = 0
+        self.records_from_nearest = self.records_missed = 0
+        self.last_walk: dict[str, object] = {}  # key -> what its last walk found
+
+    async def __call__(self, key, latest: bool = True):
+        if key not in self.keys:
+            return await self.get(key, latest=True)
+        known = self.nearest.get(key)
+        if known is not None and self.clock() - known[0] < FULL_READ_EVERY:
+            try:
+                found, answered = await self.read_from(self.node, key, known[1])
+            except Exception:  # noqa: BLE001 - a reply that broke the merge: walk instead, as below
+                found, answered = None, 0
+            if answered == len(known[1]) and found is not None:
+                self.from_nearest += 1
+                self.records_from_nearest += records_in(found)
+                self.records_missed += self._missed(key, found)
+                return found
+            self.fell_back += 1  # one of them left, or holds nothing yet: walk, and find them anew
+        began = self.clock()
+        found, nearest = await asyncio.gather(self.get(key, latest=True), self._find(key))
+        self.walks += 1
+        self.last_walk[key] = found
+        if nearest:
+            self.nearest[key] = (began, nearest)
+        else:
+            self.nearest.pop(key, None)
+        return found
+
+    async def _find(self, key) -> dict:
+        try:
+            return dict(await self.find_nearest(self.node, key, READ_REPLICAS))
+        except Exception:  # noqa: BLE001 - a walk that failed leaves the next read a full walk
+            return {}
+
+    def _missed(self, key, found) -> int:
+        walked = getattr(self.last_walk.get(key), "value", None)
+        if not isinstance(walked, dict) or not isinstance(found.value, dict):
+            return 0
+        now = get_dht_time()
+        return sum(subkey not in found.value and getattr(item, "expiration_time", 0) > now
+                   for subkey, item in walked.items())
+
+    def counts(self) -> dict:
+        return dict(from_nearest=self.from_nearest, full_walks=self.walks, fell_back=self.fell_back,
+                    records_from_nearest=self.records_from_nearest, records_missed=self.records_missed)
+
+
 _sharing: Optional[SharedReads] = None  # in the DHT's process
-_walk: Optional[Callable] = None  # there: hivemind's DHTNode.get, unshared
+_reads: Optional[NearestReads] = None  # there: the shared stream's reads
 
 
 async def _start(_dht, node, keys: tuple) -> None:
-    global _sharing, _walk
+    global _sharing, _reads
     if _sharing is None:
-        _sharing, _walk = SharedReads(keys), node.get
-        share_latest_reads(node, _sharing.read)
+        _sharing = SharedReads(keys)
+        _reads = NearestReads(keys, node, node.get)
+        share_latest_reads(node, partial(_sharing.read, get=_reads))
 
 
 async def _recent(_dht, node, key: str):
     if _sharing is None:
         return await node.get(key, latest=True)
-    return await _sharing.recent(key, _walk)
+    return await _sharing.recent(key, _reads)
 
 
 def counts_here() -> Optional[dict]:
-    """In the DHT's process: its counts (walked, served, joined); None where it does not share."""
-    return _sharing.counts() if _sharing is not None else None
+    """In the DHT's process: its counts (walked, served, joined; the walks' kinds and records); None where it does
+    not share."""
+    return {**_sharing.counts(), **_reads.counts()} if _sharing is not None else None
 
 
 async def _counts(_dht, _node) -> Optional[dict]:

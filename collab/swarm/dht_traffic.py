@@ -1,5 +1,5 @@
 """What a peer's DHT node sends the swarm: requests (find, store, ping) and their bytes, counted in the DHT's own
-process (collab.hivemind_hooks.patches.count_dht_requests) and read from there with the DHT's run_coroutine.
+process (collab.hivemind_hooks.dht_node.count_dht_requests) and read from there with the DHT's run_coroutine.
 
 As a swarm grows, each peer's DHT traffic is one of the costs that must not grow with it (benchmarks/scale.py reads
 it from each peer's summary, per minute)."""
@@ -14,7 +14,8 @@ from typing import Iterable, Mapping, Optional, Union
 from hivemind.dht.routing import DHTID
 
 from collab.adaptive.batch_plan import PLAN_SUFFIX
-from collab.hivemind_hooks.patches import count_dht_requests, dht_takes_requests, twin_key
+from collab.hivemind_hooks.dht_node import count_dht_requests, twin_key
+from collab.hivemind_hooks.patches import dht_takes_requests
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX
 from collab.records.shared_reads import counts_here
 from collab.run.gate import MEMBERS_SUFFIX, REVOKED_SUFFIX
@@ -55,8 +56,8 @@ class DHTRequests:
         for name, label in labels.items():
             key_id = DHTID.generate(source=name)
             named[key_id.to_bytes()] = label
-            # a store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values)
-            named[twin_key(key_id).to_bytes()] = f"{label} (store walks)"
+            # a store's walk, and the walk for the nodes a shared read asks, ask for the key's twin (dht_node)
+            named[twin_key(key_id).to_bytes()] = f"{label} (walks for its nodes)"
         by_key: dict[str, dict] = {}
         for key, (requests, size) in self.by_key.items():
             row = by_key.setdefault(named.get(key, "other"), dict(requests=0, bytes=0))

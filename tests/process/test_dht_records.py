@@ -1,6 +1,6 @@
 """Where records go and what walks and reads carry, on real DHT nodes (p2pd).
 
-A store's walk asks for the key's twin (collab.hivemind_hooks.patches.store_walks_without_values): the record lands
+A store's walk asks for the key's twin (collab.hivemind_hooks.dht_node.store_walks_without_values): the record lands
 on exactly the nodes hivemind's own walk picks, readers find it, and the walk brings back no records, where
 hivemind's brings back every record under the key from every node it asks.
 
@@ -18,7 +18,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
-from collab.hivemind_hooks.patches import STORE_BEAM, store_walks_without_values
+from collab.hivemind_hooks.dht_node import STORE_BEAM, store_walks_without_values
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX, PeerMetricsRecord, publish
 from collab.swarm.dht_traffic import dht_requests, start_counting
 from collab.swarm.node import OwnGroupDHT
@@ -91,7 +91,7 @@ def _walk_of_one_store(writer, subkey: str) -> dict:
     def grew(name: str) -> dict:
         old, new = before.get(name, {}), after.get(name, {})
         return {field: new.get(field, 0) - old.get(field, 0) for field in ("requests", "bytes")}
-    return {"key": grew(KEY), "twin": grew(f"{KEY} (store walks)")}
+    return {"key": grew(KEY), "twin": grew(f"{KEY} (walks for its nodes)")}
 
 
 def test_a_store_walks_to_the_same_nodes_without_bringing_back_their_records(swarm):
@@ -133,13 +133,14 @@ def test_collabs_own_records_walk_a_narrower_beam_and_still_land_on_the_nearest_
     writer = swarm[3]
     start_counting(writer)
     _in_process(writer, _patch)
-    before = dht_requests(writer, run_id=RUN, timeout=10)["by_key"].get(f"{key} (store walks)", {}).get("requests", 0)
+    twin = f"{key} (walks for its nodes)"
+    before = dht_requests(writer, run_id=RUN, timeout=10)["by_key"].get(twin, {}).get("requests", 0)
     publish(writer, RUN, b"writer", PeerMetricsRecord(**METRICS_RECORD), 60)
     key_id = DHTID.generate(source=key)
     holders, deadline = [], get_dht_time() + WAIT
     while len(holders) < 5 and get_dht_time() < deadline:  # publish() does not wait for its store
         holders = [dht for dht in swarm if _in_process(dht, partial(_holds, subkey=b"writer", key=key))]
-    walked = dht_requests(writer, run_id=RUN, timeout=10)["by_key"][f"{key} (store walks)"]["requests"] - before
+    walked = dht_requests(writer, run_id=RUN, timeout=10)["by_key"][twin]["requests"] - before
     assert walked <= STORE_BEAM < NODES - 1, f"the walk asked {walked} nodes, not at most {STORE_BEAM}"
     nearest = sorted(swarm, key=lambda dht: key_id.xor_distance(_in_process(dht, _node_id)))[:5]
     assert set(holders) == set(nearest)

@@ -7,8 +7,10 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from hivemind.utils import get_dht_time
 
-from collab.records.shared_reads import PEERS_PER_READ, READ_EVERY_MOST, SharedReads, share_for
+from collab.records.shared_reads import (FULL_READ_EVERY, PEERS_PER_READ, READ_EVERY_MOST, READ_REPLICAS,
+                                        NearestReads, SharedReads, share_for)
 
 KEY = "run_progress"
 
@@ -114,6 +116,117 @@ def test_other_keys_are_read_as_before():
             walk.set_result(found(1))
         await asyncio.gather(*reads)
         assert not shared.last and shared.counts() == dict(walked=0, served=0, joined=0)
+
+    asyncio.run(scenario())
+
+
+class Nodes:
+    """The DHT node's side of NearestReads, faked: its walk (get), the walk that finds the key's nearest nodes, and
+    a read from given nodes, each answering as the test sets."""
+
+    def __init__(self, records: int):
+        self.records = records
+        self.nearest = {b"n1": "peer1", b"n2": "peer2"}
+        self.answering = set(self.nearest)
+        self.calls: list[str] = []
+
+    async def get(self, key, latest=False):
+        assert latest and key == KEY
+        self.calls.append("walk")
+        return found(self.records)
+
+    async def find_nearest(self, _node, key, k):
+        assert k == READ_REPLICAS and key == KEY
+        self.calls.append("find nearest")
+        if self.nearest is None:
+            raise TimeoutError("the walk found no one")
+        return self.nearest
+
+    async def read_from(self, _node, key, nodes):
+        self.calls.append(f"read {len(nodes)}")
+        answered = len(set(nodes) & self.answering)
+        return (found(self.records) if answered and self.records else None), answered
+
+
+def test_reads_ask_the_nearest_nodes_found_by_the_last_walk_and_walk_again_when_one_fails_or_time_is_up():
+    async def scenario():
+        now = [0.0]
+        nodes = Nodes(records=12)
+        reads = NearestReads([KEY], None, nodes.get, clock=lambda: now[0], read_from=nodes.read_from,
+                             find_nearest=nodes.find_nearest)
+        assert len((await reads(KEY)).value) == 12
+        assert sorted(nodes.calls) == ["find nearest", "walk"]  # the first read walks, and finds the nearest
+        nodes.calls.clear()
+        for _ in range(3):
+            now[0] += 1.0
+            assert len((await reads(KEY)).value) == 12
+        assert nodes.calls == ["read 2"] * 3  # two nodes asked, no walk
+
+        nodes.answering = {b"n1"}  # one of the nearest left: the read walks, and finds the nearest anew
+        nodes.calls.clear()
+        assert len((await reads(KEY)).value) == 12
+        assert nodes.calls[0] == "read 2" and sorted(nodes.calls[1:]) == ["find nearest", "walk"]
+        nodes.answering = set(nodes.nearest)
+
+        nodes.calls.clear()
+        now[0] += FULL_READ_EVERY  # the nearest were found too long ago: a full walk
+        await reads(KEY)
+        assert sorted(nodes.calls) == ["find nearest", "walk"]
+
+        nodes.answering, nodes.records = set(nodes.nearest), 0  # they answer, holding nothing: walk
+        nodes.calls.clear()
+        await reads(KEY)
+        assert nodes.calls[0] == "read 2" and "walk" in nodes.calls
+
+        nodes.nearest, nodes.records = None, 12  # the walk for the nearest failed: the read still answers...
+        now[0] += FULL_READ_EVERY
+        assert len((await reads(KEY)).value) == 12
+        nodes.calls.clear()
+        await reads(KEY)  # ...and the next one walks again
+        assert "walk" in nodes.calls
+        assert reads.counts() == dict(from_nearest=3, full_walks=6, fell_back=2, records_from_nearest=36,
+                                      records_missed=0)
+
+        async def broken(*_):
+            raise ValueError("a reply that does not parse")
+        nodes.nearest = {b"n1": "peer1", b"n2": "peer2"}
+        await reads(KEY)  # (a walk: the nearest found again)
+        reads.read_from = broken
+        nodes.calls.clear()
+        assert len((await reads(KEY)).value) == 12 and "walk" in nodes.calls  # a read that broke: a walk instead
+        assert (reads.fell_back, reads.walks) == (3, 8)
+
+        nodes.calls.clear()  # another key (a group key, read by matchmaking) is walked as hivemind walks it
+        reads.get = lambda key, latest: asyncio.sleep(0, result=found(1))
+        assert len((await reads("run_grad_averager.0b")).value) == 1 and not nodes.calls
+        assert reads.counts()["full_walks"] == 8
+
+    asyncio.run(scenario())
+
+
+def test_a_read_from_the_nearest_counts_the_live_records_the_last_walk_found_and_it_did_not():
+    def records(**expires_in):
+        now = get_dht_time()
+        return SimpleNamespace(value={name: SimpleNamespace(value=1, expiration_time=now + t)
+                                      for name, t in expires_in.items()}, expiration_time=now + 60)
+
+    async def scenario():
+        walked = records(a=60, b=60, c=-1)  # c's record had expired: no node need hold it
+        nearest = records(a=60)
+
+        async def get(key, latest):
+            return walked
+
+        async def find_nearest(_node, key, k):
+            return {b"n1": "peer1"}
+
+        async def read_from(_node, key, nodes):
+            return nearest, 1
+
+        reads = NearestReads([KEY], None, get, clock=lambda: 0.0, read_from=read_from, find_nearest=find_nearest)
+        await reads(KEY)  # a walk
+        assert await reads(KEY) is nearest
+        assert (reads.records_from_nearest, reads.records_missed) == (1, 1)  # b missed; c expired
 
     asyncio.run(scenario())
 

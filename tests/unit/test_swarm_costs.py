@@ -16,7 +16,8 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.robust_rounds import CheckedRounds, _peers_training
-from collab.hivemind_hooks.patches import count_dht_requests, pace_group_reads, time_matchmaking
+from collab.hivemind_hooks.dht_node import count_dht_requests
+from collab.hivemind_hooks.patches import pace_group_reads, time_matchmaking
 from collab.swarm.dht_traffic import DHTRequests, known_keys
 
 
