@@ -241,3 +241,15 @@ def _done(result) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.set_result(result)
     return future
+
+
+def test_a_peers_report_gives_the_share_of_reads_from_the_nearest_and_what_they_found_and_missed():
+    from collab.peers.report import _reads_made  # (peers/ installs as collab.peers)
+
+    incarnations = [dict(walked=4, served=1, joined=0, from_nearest=3, full_walks=1, fell_back=0,
+                         records_from_nearest=30, records_missed=1),
+                    dict(walked=4, served=0, joined=0, from_nearest=1, full_walks=3, fell_back=1,
+                         records_from_nearest=10, records_missed=0)]
+    assert _reads_made(incarnations) == dict(progress_reads_from_nearest=0.5, records_per_nearest_read=10.0,
+                                             records_missed_per_nearest_read=0.25)
+    assert set(_reads_made([]).values()) == {None}  # a peer that made no read: nothing to show, not zero
