@@ -7,7 +7,9 @@ reads were 64% of a peer's DHT bytes, 45% of its reads not the tracker's. All of
 process; there a read of a shared key joins one already under way, or takes one made less than `share_for(N)`
 seconds ago (the tracker's own least time between reads for that swarm: collab.modes.tracker), and only then
 walks the DHT. So a peer's reads of the key stay about one per period whoever asks, and the bytes per peer stay
-flat as the swarm grows past PEERS_PER_READ (issue 36).
+flat as the swarm grows past PEERS_PER_READ (issue 36). The metrics key (every peer's metrics record) is shared the
+same way: read_run_state reads it, and a simulation's --wait-peers polled it four times a second from every peer
+while the swarm started (at 24 peers on 2 cores, 65% of a peer's DHT bytes then).
 
 A walk (hivemind's get, latest=True) asks every node of its beam and merges what each holds: the key's 5 replicas
 each answer with all N records. The shared stream's reads ask the READ_REPLICAS nearest of them instead
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter, defaultdict
 from functools import partial
 from typing import Callable, Iterable, Optional
 
@@ -59,7 +62,7 @@ class SharedReads:
         self.clock = clock
         self.under_way: dict[str, asyncio.Future] = {}
         self.last: dict[str, tuple[float, object]] = {}
-        self.walked = self.served = self.joined = 0
+        self.tally: defaultdict[str, Counter] = defaultdict(Counter)  # key -> walked, served, joined
 
     async def read(self, key, get):
         """A fresh read (hivemind's tracker asks for one): one already under way is as fresh; else walk. `get`:
@@ -67,9 +70,9 @@ class SharedReads:
         if key not in self.keys:
             return await get(key, latest=True)
         if key in self.under_way:
-            self.joined += 1
+            self.tally[key]["joined"] += 1
         else:
-            self.walked += 1
+            self.tally[key]["walked"] += 1
             walk = asyncio.ensure_future(get(key, latest=True))
             self.under_way[key] = walk
             walk.add_done_callback(partial(self._walked, key, self.clock()))  # kept even if its caller gave up
@@ -88,12 +91,13 @@ class SharedReads:
         if key in self.keys and key not in self.under_way and key in self.last:
             began, found = self.last[key]
             if self.clock() - began < share_for(records_in(found)):
-                self.served += 1
+                self.tally[key]["served"] += 1
                 return found
         return await self.read(key, get)
 
-    def counts(self) -> dict:
-        return dict(walked=self.walked, served=self.served, joined=self.joined)
+    def counts(self, key: Optional[str] = None) -> dict:
+        """`key`'s counts; None: summed over the shared keys."""
+        return _counted(self.tally, key, ("walked", "served", "joined"))
 
 
 class NearestReads:
@@ -109,8 +113,7 @@ class NearestReads:
         self.node, self.get, self.clock = node, get, clock
         self.read_from, self.find_nearest = read_from, find_nearest
         self.nearest: dict[str, tuple[float, dict]] = {}  # key -> (when found, its nearest nodes, nearest first)
-        self.from_nearest = self.walks = self.fell_back = 0
-        self.records_from_nearest = self.records_missed = 0
+        self.tally: defaultdict[str, Counter] = defaultdict(Counter)  # key -> the counts below
         self.last_walk: dict[str, object] = {}  # key -> what its last walk found
 
     async def __call__(self, key, latest: bool = True):
@@ -123,14 +126,13 @@ class NearestReads:
             except Exception:  # noqa: BLE001 - a reply that broke the merge: walk instead, as below
                 found, answered = None, 0
             if answered == len(known[1]) and found is not None:
-                self.from_nearest += 1
-                self.records_from_nearest += records_in(found)
-                self.records_missed += self._missed(key, found)
+                self.tally[key].update(from_nearest=1, records_from_nearest=records_in(found),
+                                       records_missed=self._missed(key, found))
                 return found
-            self.fell_back += 1  # one of them left, or holds nothing yet: walk, and find them anew
+            self.tally[key]["fell_back"] += 1  # one of them left, or holds nothing yet: walk, and find them anew
         began = self.clock()
         found, nearest = await asyncio.gather(self.get(key, latest=True), self._find(key))
-        self.walks += 1
+        self.tally[key]["full_walks"] += 1
         self.last_walk[key] = found
         if nearest:
             self.nearest[key] = (began, nearest)
@@ -152,9 +154,15 @@ class NearestReads:
         return sum(subkey not in found.value and getattr(item, "expiration_time", 0) > now
                    for subkey, item in walked.items())
 
-    def counts(self) -> dict:
-        return dict(from_nearest=self.from_nearest, full_walks=self.walks, fell_back=self.fell_back,
-                    records_from_nearest=self.records_from_nearest, records_missed=self.records_missed)
+    def counts(self, key: Optional[str] = None) -> dict:
+        """`key`'s counts; None: summed over the shared keys."""
+        return _counted(self.tally, key, ("from_nearest", "full_walks", "fell_back", "records_from_nearest",
+                                          "records_missed"))
+
+
+def _counted(tally: dict, key: Optional[str], names: tuple) -> dict:
+    rows = [tally.get(key, Counter())] if key is not None else list(tally.values())
+    return {name: sum(row[name] for row in rows) for name in names}
 
 
 _sharing: Optional[SharedReads] = None  # in the DHT's process
@@ -175,14 +183,14 @@ async def _recent(_dht, node, key: str):
     return await _sharing.recent(key, _reads)
 
 
-def counts_here() -> Optional[dict]:
-    """In the DHT's process: its counts (walked, served, joined; the walks' kinds and records); None where it does
-    not share."""
-    return {**_sharing.counts(), **_reads.counts()} if _sharing is not None else None
+def counts_here(key: Optional[str] = None) -> Optional[dict]:
+    """In the DHT's process: its counts for `key` (walked, served, joined; the walks' kinds and records), or summed
+    over its shared keys (None); None where it does not share."""
+    return {**_sharing.counts(key), **_reads.counts(key)} if _sharing is not None else None
 
 
-async def _counts(_dht, _node) -> Optional[dict]:
-    return counts_here()
+async def _counts(_dht, _node, key: Optional[str] = None) -> Optional[dict]:
+    return counts_here(key)
 
 
 def start_sharing(dht, keys: Iterable[str]) -> None:
@@ -200,6 +208,7 @@ def recent_or_new(dht, key: str):
     return dht.run_coroutine(partial(_recent, key=key))
 
 
-def shared_counts(dht) -> Optional[dict]:
-    """The DHT process's counts (walked, served, joined); None where it does not share."""
-    return dht.run_coroutine(_counts)
+def shared_counts(dht, key: Optional[str] = None) -> Optional[dict]:
+    """The DHT process's counts for `key` (walked, served, joined...), or summed over its shared keys; None where it
+    does not share."""
+    return dht.run_coroutine(partial(_counts, key=key))

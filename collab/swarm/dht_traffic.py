@@ -99,16 +99,20 @@ async def _start(_dht, node) -> None:
         count_dht_requests(node.protocol, _counting.count)
 
 
-async def _report(dht, _node, names: tuple = ()) -> Optional[dict]:
+async def _report(dht, _node, names: tuple = (), run_id: str = "") -> Optional[dict]:
     if _counting is None:
         return None
     report = _counting.report(names)
     verdicts = getattr(dht, "verdicts", None)  # collab.swarm.node.OwnGroupDHT's: records checked, and remembered
     if verdicts is not None:
         report["records"] = verdicts.counts()
-    shared = counts_here()
+    # the shared keys' reads: walked, spared, asked of the nearest nodes (collab.records.shared_reads); the progress
+    # key's, and the metrics key's (without a run id: all shared keys' in one)
+    shared = counts_here(run_id + PROGRESS_SUFFIX if run_id else None)
     if shared is not None:
-        report["shared_reads"] = shared  # the progress key's reads: walked, and spared (collab.records.shared_reads)
+        report["shared_reads"] = shared
+        if run_id:
+            report["shared_metrics_reads"] = counts_here(run_id + METRICS_SUFFIX)
     return report
 
 
@@ -125,7 +129,7 @@ def ask_for_counts(dht, run_id: str = "", last_epoch: Optional[int] = None):
     if not dht_takes_requests(dht):  # a DHT process that stopped reading its pipe: the ask would block for good
         return None
     try:
-        report = partial(_report, names=known_keys(run_id, epochs) if run_id else ())
+        report = partial(_report, names=known_keys(run_id, epochs) if run_id else (), run_id=run_id)
         return dht.run_coroutine(report, return_future=True)
     except Exception:  # a DHT shutting down: no figures this time
         return None

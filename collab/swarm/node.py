@@ -32,7 +32,7 @@ from collab.hivemind_hooks.patches import (death_safe_locks, dht_takes_requests,
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.process.reaper import end_processes, hivemind_sockets, is_running, remove_sockets_of
 from collab.records.identity import Identity, load_or_create_identity
-from collab.records.metrics import PROGRESS_SUFFIX, MetricsSchema
+from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX, MetricsSchema
 from collab.records.shared_reads import start_sharing
 from collab.records.verdicts import RememberedVerdicts
 from collab.run.sharing import ask_about_access
@@ -177,7 +177,9 @@ class Swarm:
         self._sockets = dht_sockets(self.dht)  # removed at shutdown if its processes end any other way than hivemind's
         self.dht.run_coroutine(_store_walks_without_values)  # a store's walk carries no records back
         start_counting(self.dht)  # its requests to the swarm, per RPC (collab.swarm.dht_traffic)
-        start_sharing(self.dht, [peer.run_id + PROGRESS_SUFFIX])  # one stream of reads of the hottest key
+        # one stream of reads of each key whose value is every peer's record: the progress key (hivemind's tracker,
+        # collab's rounds) and the metrics key (read_run_state: --wait-peers polls it, the dashboard, the plan keeper)
+        start_sharing(self.dht, [peer.run_id + PROGRESS_SUFFIX, peer.run_id + METRICS_SUFFIX])
 
     def rejoin(self) -> int:
         """Ask again for peers the DHT lost (collab.swarm.rejoin), at most every REJOIN_EVERY s; how many answered so

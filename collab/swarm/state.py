@@ -17,6 +17,7 @@ from collab.adaptive.batch_plan import efficiency
 from collab.adaptive.noise_scale import WINDOW
 from collab.modes.gossip_rules import SKETCH_SIZE, spread_from_mean
 from collab.records.metrics import PeerMetricsRecord, metrics_key
+from collab.records.shared_reads import recent_or_new
 from collab.records.untrusted import LATE_PART, Rejections, accept, drop_implausible_epochs, read_progress, signed_values
 
 
@@ -93,7 +94,7 @@ def read_run_state(dht, run_id: str, stale_after: float = 120.0) -> RunState:
     now = time.time()
     rejected = Rejections()
     progress = read_progress(dht, run_id, rejected, now)
-    records = accept(signed_values(dht.get(metrics_key(run_id), latest=True)), PeerMetricsRecord.parse_obj,
+    records = accept(signed_values(recent_or_new(dht, metrics_key(run_id))), PeerMetricsRecord.parse_obj,
                      lambda record: record.peer_id, rejected, now)
     records = drop_implausible_epochs(records, rejected, now, reference={**records, **progress})
 

@@ -56,7 +56,7 @@ def test_readers_join_a_walk_under_way_and_take_a_recent_one_until_its_period_is
 
         now[0] += share_for(12) - 0.01  # 12 records: shared for 0.75 s
         assert len((await shared.recent(KEY, walks.get)).value) == 12
-        assert len(walks.started) == 1 and shared.served == 1
+        assert len(walks.started) == 1 and shared.counts()["served"] == 1
 
         now[0] += 0.02  # the period is over: a fresh walk
         later = asyncio.ensure_future(shared.recent(KEY, walks.get))
@@ -102,6 +102,29 @@ def test_a_failed_walk_is_not_kept_and_a_slow_one_does_not_replace_a_newer():
         shared.last[KEY] = (10.0, found(7, "new"))
         shared._walked(KEY, 9.0, _done(found(6, "old")))
         assert len(shared.last[KEY][1].value) == 7
+
+    asyncio.run(scenario())
+
+
+def test_two_shared_keys_are_shared_and_counted_apart():
+    """The progress key and the metrics key (collab.swarm.node): a read of one never answers a read of the other,
+    and each key's counts are its own (a report's progress-read figures stay the progress key's)."""
+    metrics = "run_metrics"
+
+    async def scenario():
+        shared, walks = SharedReads([KEY, metrics], clock=lambda: 0.0), Walks()
+        reads = [asyncio.ensure_future(shared.recent(key, walks.get)) for key in (KEY, metrics, metrics)]
+        await settle()
+        assert walks.keys == [KEY, metrics]  # one walk each; the second metrics read joined its key's walk
+        walks.started[0].set_result(found(3, "p"))
+        walks.started[1].set_result(found(2, "m"))
+        progress, first, second = await asyncio.gather(*reads)
+        assert set(progress.value) == {"peer0p", "peer1p", "peer2p"} and first is second
+        assert set((await shared.recent(metrics, walks.get)).value) == {"peer0m", "peer1m"}  # served, no walk
+        assert len(walks.started) == 2
+        assert shared.counts(KEY) == dict(walked=1, served=0, joined=0)
+        assert shared.counts(metrics) == dict(walked=1, served=1, joined=1)
+        assert shared.counts() == dict(walked=2, served=1, joined=1)
 
     asyncio.run(scenario())
 
@@ -194,7 +217,7 @@ def test_reads_ask_the_nearest_nodes_found_by_the_last_walk_and_walk_again_when_
         reads.read_from = broken
         nodes.calls.clear()
         assert len((await reads(KEY)).value) == 12 and "walk" in nodes.calls  # a read that broke: a walk instead
-        assert (reads.fell_back, reads.walks) == (3, 8)
+        assert (reads.counts()["fell_back"], reads.counts()["full_walks"]) == (3, 8)
 
         nodes.calls.clear()  # another key (a group key, read by matchmaking) is walked as hivemind walks it
         reads.get = lambda key, latest: asyncio.sleep(0, result=found(1))
@@ -226,7 +249,7 @@ def test_a_read_from_the_nearest_counts_the_live_records_the_last_walk_found_and
         reads = NearestReads([KEY], None, get, clock=lambda: 0.0, read_from=read_from, find_nearest=find_nearest)
         await reads(KEY)  # a walk
         assert await reads(KEY) is nearest
-        assert (reads.records_from_nearest, reads.records_missed) == (1, 1)  # b missed; c expired
+        assert (reads.counts()["records_from_nearest"], reads.counts()["records_missed"]) == (1, 1)  # b missed; c expired
 
     asyncio.run(scenario())
 
