@@ -9,8 +9,14 @@ from typing import Any, Callable, Optional
 import hivemind
 import psutil
 
+from collab.averaging.robust_rounds import CheckedRounds
 from collab.process.reaper import hivemind_sockets, remove_sockets_of
 from collab.swarm.node import dht_sockets, shut_down_dht
+
+
+class StateRounds(CheckedRounds):
+    """collab's checked rounds as a state averager runs them (what the leave tests stage)."""
+    kind = "state"
 
 
 def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], Any],

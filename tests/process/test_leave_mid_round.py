@@ -18,12 +18,8 @@ import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
 
-from benchmarks.lab.averager_pair import start_averager_pair
-from collab.averaging.robust_rounds import CheckedRounds, LeavingPeer
-
-
-class StateRounds(CheckedRounds):
-    kind = "state"
+from benchmarks.lab.averager_pair import StateRounds, start_averager_pair
+from collab.averaging.robust_rounds import LeavingPeer
 
 
 def test_a_round_waiting_for_the_lock_when_the_leave_began_never_runs(no_leftover_processes):

@@ -183,11 +183,8 @@ def test_an_averager_that_began_to_leave_starts_no_round(no_leftover_processes):
     import pytest
     import torch
 
-    from benchmarks.lab.averager_pair import start_averager_pair
-    from collab.averaging.robust_rounds import CheckedRounds, LeavingPeer
-
-    class StateRounds(CheckedRounds):
-        kind = "state"
+    from benchmarks.lab.averager_pair import StateRounds, start_averager_pair
+    from collab.averaging.robust_rounds import LeavingPeer
 
     sent, prefix = [torch.zeros(8), torch.ones(8)], f"leaving-{time.time_ns()}"
     with ExitStack() as stack:
