@@ -12,10 +12,12 @@ in which nobody computed (a state round, a checkpoint, a state download after a 
 checkpointing every 10 epochs and averaging state every 5 stepped at exactly those epochs on rounds of 48-1100
 samples for a target of 3072 (10-16% of its rounds under 3/4 of the target), each at the full learning rate;
 with AdaScale's gain of 3.9 one such step raised the loss 1.26x, and those rounds alone explained why a 4x
-target's samples were worth 0.82-0.88 of what SGD's loss factor predicts (every round's own batch put into SGD's loss factor
-matched what was measured within 4%). Here a record extrapolates by at most one micro-batch (a peer that has
-computed one reports it, so a record older than that is a peer in a pause, or gone; mid-epoch a record may be up to
-REPORT_EVERY old, which only makes a forecast later, never early) and never for longer than EXTRAPOLATE_AT_MOST, and a forecast ends an epoch only if it was made after this peer began computing toward it.
+target's samples were worth 0.82-0.88 of what SGD's loss factor predicts (every round's own batch put into SGD's
+loss factor matched what was measured within 4%). Here a record extrapolates by at most one micro-batch (a peer that
+has computed one reports it, so a record older than that is a peer in a pause, or gone; mid-epoch a record may be up
+to REPORT_EVERY old, near the end a fraction of a read, which only makes a forecast later, never early) and never
+for longer than EXTRAPOLATE_AT_MOST, and a forecast ends an epoch only if it was made after this peer began
+computing toward it.
 """
 
 from __future__ import annotations
@@ -39,13 +41,12 @@ from collab.records.untrusted import Rejections, accept, drop_implausible_epochs
 
 logger = get_logger(__name__)
 
-EXTRAPOLATE_AT_MOST = 5.0  # seconds: a computing peer stores a record after every micro-batch near an epoch's end
+EXTRAPOLATE_AT_MOST = 5.0  # seconds: a computing peer stores a record every fraction of a read near an epoch's end
 # hivemind stores a progress record after every micro-batch, unthrottled: each store signs the record, walks the DHT
 # and has every node it reaches validate the whole progress key (every peer's signed record, parsed again), so the
 # cost grows with micro-batches per second times peers. On 3 micro peers here that was ~8 stores a second per peer
 # and a quarter of the 2 cores, in the DHT processes. Mid-epoch a record is now stored at most every REPORT_EVERY
-# seconds; within NEAR_THE_END seconds of the swarm's ETA (and at an epoch's first micro-batch) after every one again,
-# so the end of an epoch is read as exactly as before
+# seconds; within NEAR_THE_END seconds of the swarm's ETA more often (below), and at an epoch's first micro-batch
 REPORT_EVERY = 0.5
 NEAR_THE_END = 1.0
 # ... in a swarm of up to PEERS_PER_REPORT peers. Each store's walk had every node it reached answer with all N
@@ -53,9 +54,16 @@ NEAR_THE_END = 1.0
 # ~6 MB of DHT traffic a minute). The walk now carries no records (collab.hivemind_hooks.patches.
 # store_walks_without_values), but each of the N - 1 others' reads still carries every record: mid-epoch the period
 # grows with N, up to REPORT_EVERY_MOST. The others extrapolate a record at its rate for up to EXTRAPOLATE_AT_MOST
-# seconds, and an epoch's end is stored micro-batch by micro-batch
+# seconds, and an epoch's end is stored more often (below)
 PEERS_PER_REPORT = 4
 REPORT_EVERY_MOST = EXTRAPOLATE_AT_MOST / 2
+# Near an epoch's end a record was stored after every micro-batch: a cheap task's peer (linreg, 58 micro-batches a
+# second) then stored as fast as its stores completed, 490 of its 600 stores in 40 s with 2 peers, and every store
+# lands on the same few nodes (the key's nearest), whose load grew with N times the micro-batch rate. Nobody reads
+# the key more often than every share_for(N) seconds, so near the end a record is stored at most every
+# share_for(N) / NEAR_THE_END_STORES_PER_READ. Others extrapolate a record by one micro-batch at most, so a record up
+# to that old is under-counted, never over-counted: the swarm sees its end that much later, never early
+NEAR_THE_END_STORES_PER_READ = 4
 # Reads, likewise: each read of the progress key brings every peer's record back, and near an epoch's end hivemind
 # reads every min_refresh_period (0.5 s), so a peer's read bytes grew with N (at 32 and 64 peers on 16 cores: 636
 # and 2588 KB of DHT traffic per peer and epoch, most of it the progress key). In a swarm of more than PEERS_PER_READ
@@ -123,13 +131,19 @@ class HonestProgressTracker(TrackerHooks):
         peers = max(1, self.global_progress.num_peers)
         return min(REPORT_EVERY_MOST, REPORT_EVERY * max(1.0, peers / PEERS_PER_REPORT))
 
+    def near_the_end_every(self) -> float:
+        """Seconds between this peer's stores near an epoch's end, in a swarm of the size it last read."""
+        return share_for(max(1, self.global_progress.num_peers)) / NEAR_THE_END_STORES_PER_READ
+
     def _store_due(self, epoch: int, samples: int) -> bool:
         if epoch != self._stored_epoch or samples <= 0:
             return True
-        if time.monotonic() - self._stored_at >= self.report_every():
+        since = time.monotonic() - self._stored_at
+        if since >= self.report_every():
             return True
-        return (self.global_progress.samples_accumulated >= self.target_batch_size
+        near = (self.global_progress.samples_accumulated >= self.target_batch_size
                 or self.global_progress.eta_next_epoch - get_dht_time() <= NEAR_THE_END)
+        return near and since >= self.near_the_end_every()
 
     def parse_swarm_progress(self, metadata):
         if isinstance(metadata, dict):
@@ -295,7 +309,8 @@ def trusted_progress(metadata: dict, rejected: Rejections, said: set,
 
 
 def _base58(peer_id) -> Optional[str]:
-    """A record's peer id (bytes) in base58, None if it is none (records reach here checked: collab.records.untrusted)."""
+    """A record's peer id (bytes) in base58, None if it is none (records reach here checked:
+    collab.records.untrusted)."""
     try:
         return PeerID(peer_id).to_base58() if isinstance(peer_id, bytes) else None
     except Exception:

@@ -268,9 +268,11 @@ def test_a_first_gradient_round_is_planned_from_the_records_its_read_brings_back
         rounds.FIRST_PLAN_WAIT = waited
 
 
-def test_mid_epoch_stores_of_the_progress_record_grow_apart_with_the_swarm():
+def test_stores_of_the_progress_record_grow_apart_with_the_swarm_mid_epoch_and_near_its_end():
     # each store is answered with every peer's record by every node it reaches: N^2 per peer at a fixed period
-    from collab.modes.tracker import REPORT_EVERY, REPORT_EVERY_MOST, HonestProgressTracker
+    from collab.modes.tracker import (NEAR_THE_END_STORES_PER_READ, REPORT_EVERY, REPORT_EVERY_MOST,
+                                      HonestProgressTracker)
+    from collab.records.shared_reads import share_for
 
     def tracker(peers: int, stored_ago: float, eta_in: float = 60.0):
         return SimpleNamespace(global_progress=SimpleNamespace(num_peers=peers, samples_accumulated=100,
@@ -283,10 +285,19 @@ def test_mid_epoch_stores_of_the_progress_record_grow_apart_with_the_swarm():
         fake = tracker(peers, stored_ago)
         fake.report_every = lambda fake=fake: HonestProgressTracker.report_every(fake)
         assert HonestProgressTracker._store_due(fake, 3, 200) is due, (peers, stored_ago)
-    # an epoch's end is still stored micro-batch by micro-batch, and a new epoch at once, whatever the swarm's size
-    near = tracker(64, 0.1, eta_in=0.5)
-    near.report_every = lambda: HonestProgressTracker.report_every(near)
-    assert HonestProgressTracker._store_due(near, 3, 200) and HonestProgressTracker._store_due(near, 4, 0)
+    # near an epoch's end a record is stored a few times per read of the key (share_for(N), itself growing with N),
+    # not after every micro-batch; a new epoch at once, whatever the swarm's size
+    for peers, stored_ago, due in ((2, 0.1, False), (2, 0.13, True), (64, 0.5, False), (64, 0.63, True)):
+        near = tracker(peers, stored_ago, eta_in=0.5)
+        near.report_every = lambda near=near: HonestProgressTracker.report_every(near)
+        near.near_the_end_every = lambda near=near: HonestProgressTracker.near_the_end_every(near)
+        assert HonestProgressTracker._store_due(near, 3, 200) is due, (peers, stored_ago)
+        assert HonestProgressTracker._store_due(near, 4, 0)
+    assert HonestProgressTracker.near_the_end_every(tracker(64, 0)) == share_for(64) / NEAR_THE_END_STORES_PER_READ
+    far = tracker(2, 0.13)  # mid-epoch (the ETA a minute away): REPORT_EVERY
+    far.report_every = lambda: HonestProgressTracker.report_every(far)
+    far.near_the_end_every = lambda: HonestProgressTracker.near_the_end_every(far)
+    assert not HonestProgressTracker._store_due(far, 3, 200)
 
 
 def test_scheduled_reads_of_the_progress_key_grow_apart_with_the_swarm():
