@@ -89,6 +89,7 @@ class HonestProgressTracker(TrackerHooks):
     computing_since: Optional[float] = None  # dht time of this epoch's first micro-batch; None before it
     _stored_at = float("-inf")  # time.monotonic() of this peer's last stored record (_store_due)
     _stored_epoch: Optional[int] = None
+    _reached_stored: Optional[int] = None  # the epoch whose target this peer last stored a record at (_store_due)
     trained = False  # whether this peer has computed a micro-batch (report_progress_forever)
     peers_seen: list = []  # (epoch, client mode) of each peer in the last read
     records_seen: dict = {}  # base58 -> (epoch, client_mode) of each peer in the last read
@@ -141,8 +142,15 @@ class HonestProgressTracker(TrackerHooks):
         since = time.monotonic() - self._stored_at
         if since >= self.report_every():
             return True
-        near = (self.global_progress.samples_accumulated >= self.target_batch_size
-                or self.global_progress.eta_next_epoch - get_dht_time() <= NEAR_THE_END)
+        # (the swarm's count as it will be with this micro-batch's samples, which hivemind adds after this look)
+        new = samples - self.local_progress.samples_accumulated if epoch == self.local_progress.epoch else 0
+        reached = self.global_progress.samples_accumulated + max(0, new) >= self.target_batch_size
+        if reached and self._reached_stored != epoch:
+            # this peer sees the target reached and stops for the round: its last samples are stored now, or the
+            # others would count without them until a slow peer among them made up the difference
+            self._reached_stored = epoch
+            return True
+        near = reached or self.global_progress.eta_next_epoch - get_dht_time() <= NEAR_THE_END
         return near and since >= self.near_the_end_every()
 
     def parse_swarm_progress(self, metadata):

@@ -277,7 +277,8 @@ def test_stores_of_the_progress_record_grow_apart_with_the_swarm_mid_epoch_and_n
     def tracker(peers: int, stored_ago: float, eta_in: float = 60.0):
         return SimpleNamespace(global_progress=SimpleNamespace(num_peers=peers, samples_accumulated=100,
                                                                eta_next_epoch=get_dht_time() + eta_in),
-                               target_batch_size=1000, _stored_epoch=3, _stored_at=time.monotonic() - stored_ago)
+                               target_batch_size=1000, _stored_epoch=3, _stored_at=time.monotonic() - stored_ago,
+                               _reached_stored=None, local_progress=SimpleNamespace(epoch=3, samples_accumulated=0))
 
     every = [HonestProgressTracker.report_every(tracker(peers, 0)) for peers in (0, 1, 4, 8, 12, 64)]
     assert every == [REPORT_EVERY] * 3 + [2 * REPORT_EVERY, 3 * REPORT_EVERY, REPORT_EVERY_MOST], every
@@ -294,6 +295,14 @@ def test_stores_of_the_progress_record_grow_apart_with_the_swarm_mid_epoch_and_n
         assert HonestProgressTracker._store_due(near, 3, 200) is due, (peers, stored_ago)
         assert HonestProgressTracker._store_due(near, 4, 0)
     assert HonestProgressTracker.near_the_end_every(tracker(64, 0)) == share_for(64) / NEAR_THE_END_STORES_PER_READ
+    # the micro-batch at which this peer sees the target reached (it stops for the round) is stored at once, once
+    reached = tracker(2, 0.01)  # the swarm's count 900, 150 of them this peer's, its last store 0.01 s ago
+    reached.global_progress.samples_accumulated, reached.local_progress.samples_accumulated = 900, 150
+    reached.report_every = lambda: HonestProgressTracker.report_every(reached)
+    reached.near_the_end_every = lambda: HonestProgressTracker.near_the_end_every(reached)
+    assert not HonestProgressTracker._store_due(reached, 3, 160)  # 910 with this micro-batch: not yet, too soon
+    assert HonestProgressTracker._store_due(reached, 3, 260)  # 1010 with this one: reached, stored at once
+    assert not HonestProgressTracker._store_due(reached, 3, 270)  # once an epoch
     far = tracker(2, 0.13)  # mid-epoch (the ETA a minute away): REPORT_EVERY
     far.report_every = lambda: HonestProgressTracker.report_every(far)
     far.near_the_end_every = lambda: HonestProgressTracker.near_the_end_every(far)
