@@ -103,11 +103,12 @@ def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no
         assert ours.ready_to_update_epoch
 
 
-def test_a_computing_peer_stores_its_progress_every_half_second_mid_epoch_and_every_micro_batch_at_the_end(
+def test_a_computing_peer_stores_its_progress_every_half_second_mid_epoch_and_a_few_times_a_read_at_the_end(
         tmp_path, no_leftover_processes):
     """hivemind stored a record after every micro-batch (each store signed, and validated whole by every node it
     reached: a quarter of 2 cores for 3 micro peers). Mid-epoch at most one per REPORT_EVERY now; what the others
-    read is still at most that old; an epoch's first micro-batch and every one past the target are stored."""
+    read is still at most that old; an epoch's first micro-batch and the one that reaches the target are stored at
+    once, and past the target one every near_the_end_every() (a few per read of the key)."""
     with two_trackers(tmp_path, target_batch_size=10**6) as (ours, theirs):
         stores = []
         store = ours.dht.store
@@ -133,13 +134,17 @@ def test_a_computing_peer_stores_its_progress_every_half_second_mid_epoch_and_ev
         ours.report_local_progress(1, 8)  # a new epoch: stored at once
         time.sleep(0.2)
         assert stores[-1] == 8, stores
-        ours.target_batch_size = 16  # past the target: every micro-batch is stored
-        before = len(stores)
+        ours.target_batch_size = 16  # the next micro-batch reaches the target: stored at once
+        before, began = len(stores), time.monotonic()
         for i in range(2, 12):
             ours.report_local_progress(1, 8 * i)
             time.sleep(0.05)
+        took = time.monotonic() - began
         time.sleep(0.2)
-        assert len(stores) - before >= 8 and stores[-1] == 88, stores
+        every, past = ours.near_the_end_every(), stores[before:]
+        assert every == 0.125 and past and past[0] == 16, stores  # (2 peers: share_for(2) / 4)
+        assert 3 <= len(past) <= took / every + 2, (stores, took)  # hivemind's and collab's before: 10
+        assert past[-1] >= 88 - 8 * (every / 0.05 + 1), stores  # what the others read is at most `every` behind
 
 
 def test_a_trainers_record_follows_its_epoch_through_epochs_whose_stores_carried_no_samples(tmp_path,
