@@ -275,38 +275,32 @@ def test_stores_of_the_progress_record_grow_apart_with_the_swarm_mid_epoch_and_n
     from collab.records.shared_reads import share_for
 
     def tracker(peers: int, stored_ago: float, eta_in: float = 60.0):
-        return SimpleNamespace(global_progress=SimpleNamespace(num_peers=peers, samples_accumulated=100,
+        fake = SimpleNamespace(global_progress=SimpleNamespace(num_peers=peers, samples_accumulated=100,
                                                                eta_next_epoch=get_dht_time() + eta_in),
                                target_batch_size=1000, _stored_epoch=3, _stored_at=time.monotonic() - stored_ago,
                                _reached_stored=None, local_progress=SimpleNamespace(epoch=3, samples_accumulated=0))
+        fake.report_every = lambda: HonestProgressTracker.report_every(fake)  # the tracker's own periods
+        fake.near_the_end_every = lambda: HonestProgressTracker.near_the_end_every(fake)
+        return fake
 
     every = [HonestProgressTracker.report_every(tracker(peers, 0)) for peers in (0, 1, 4, 8, 12, 64)]
     assert every == [REPORT_EVERY] * 3 + [2 * REPORT_EVERY, 3 * REPORT_EVERY, REPORT_EVERY_MOST], every
     for peers, stored_ago, due in ((4, 0.6, True), (12, 0.6, False), (12, 1.6, True), (64, 2.4, False)):
-        fake = tracker(peers, stored_ago)
-        fake.report_every = lambda fake=fake: HonestProgressTracker.report_every(fake)
-        assert HonestProgressTracker._store_due(fake, 3, 200) is due, (peers, stored_ago)
+        assert HonestProgressTracker._store_due(tracker(peers, stored_ago), 3, 200) is due, (peers, stored_ago)
     # near an epoch's end a record is stored a few times per read of the key (share_for(N), itself growing with N),
     # not after every micro-batch; a new epoch at once, whatever the swarm's size
     for peers, stored_ago, due in ((2, 0.1, False), (2, 0.13, True), (64, 0.5, False), (64, 0.63, True)):
         near = tracker(peers, stored_ago, eta_in=0.5)
-        near.report_every = lambda near=near: HonestProgressTracker.report_every(near)
-        near.near_the_end_every = lambda near=near: HonestProgressTracker.near_the_end_every(near)
         assert HonestProgressTracker._store_due(near, 3, 200) is due, (peers, stored_ago)
         assert HonestProgressTracker._store_due(near, 4, 0)
     assert HonestProgressTracker.near_the_end_every(tracker(64, 0)) == share_for(64) / NEAR_THE_END_STORES_PER_READ
     # the micro-batch at which this peer sees the target reached (it stops for the round) is stored at once, once
     reached = tracker(2, 0.01)  # the swarm's count 900, 150 of them this peer's, its last store 0.01 s ago
     reached.global_progress.samples_accumulated, reached.local_progress.samples_accumulated = 900, 150
-    reached.report_every = lambda: HonestProgressTracker.report_every(reached)
-    reached.near_the_end_every = lambda: HonestProgressTracker.near_the_end_every(reached)
     assert not HonestProgressTracker._store_due(reached, 3, 160)  # 910 with this micro-batch: not yet, too soon
     assert HonestProgressTracker._store_due(reached, 3, 260)  # 1010 with this one: reached, stored at once
     assert not HonestProgressTracker._store_due(reached, 3, 270)  # once an epoch
-    far = tracker(2, 0.13)  # mid-epoch (the ETA a minute away): REPORT_EVERY
-    far.report_every = lambda: HonestProgressTracker.report_every(far)
-    far.near_the_end_every = lambda: HonestProgressTracker.near_the_end_every(far)
-    assert not HonestProgressTracker._store_due(far, 3, 200)
+    assert not HonestProgressTracker._store_due(tracker(2, 0.13), 3, 200)  # mid-epoch (ETA a minute away): REPORT_EVERY
 
 
 def test_scheduled_reads_of_the_progress_key_grow_apart_with_the_swarm():
