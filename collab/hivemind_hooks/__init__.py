@@ -158,6 +158,7 @@ PATCHED = (
     # a store's walk asks for the key's twin (the same nodes, no values), with a beam of 5, not 20, by default
     "hivemind.dht.node.DHTNode.store_many",
     "hivemind.dht.node.DHTNode._call_find_with_blacklist",
+    "hivemind.dht.node.DHTNode.find_nearest_nodes",  # a store's walk skipped where one found the key's nodes just now
     "hivemind.dht.node.DHTNode.get",  # a key's latest values read once for every reader (collab.records.shared_reads)
     "hivemind.dht.node._SearchState",  # a read from a key's nearest replicas alone, merged as get merges
     "hivemind.p2p.servicer.ServicerBase.get_stub",  # a state download's donors: members, plausible, dialled bounded

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
-from collab.hivemind_hooks.dht_node import store_walks_without_values
+from collab.hivemind_hooks.dht_node import store_walks_without_values, stores_remember_nodes
 from collab.hivemind_hooks.patches import (death_safe_locks, dht_takes_requests, failed_p2pd_starts_leave_no_file,
                                            pipe_reads_take_whole_messages, sign_progress_with)
 from collab.process.lifecycle import quiet_orphaned_requests
@@ -117,8 +117,9 @@ class OwnGroupDHT(hivemind.DHT):
         super().run()
 
 
-async def _store_walks_without_values(_dht, node) -> None:
+async def _lighter_stores(_dht, node) -> None:
     store_walks_without_values(node)  # (in the DHT's process)
+    stores_remember_nodes(node)
 
 
 class Swarm:
@@ -175,7 +176,8 @@ class Swarm:
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
         self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
         self._sockets = dht_sockets(self.dht)  # removed at shutdown if its processes end any other way than hivemind's
-        self.dht.run_coroutine(_store_walks_without_values)  # a store's walk carries no records back
+        # a store's walk carries no records back, and a key's next stores within seconds go where it found
+        self.dht.run_coroutine(_lighter_stores)
         start_counting(self.dht)  # its requests to the swarm, per RPC (collab.swarm.dht_traffic)
         # one stream of reads of each key whose value is every peer's record: the progress key (hivemind's tracker,
         # collab's rounds) and the metrics key (read_run_state: --wait-peers polls it, the dashboard, the plan keeper)

@@ -2,7 +2,8 @@
 
 A store's walk asks for the key's twin (collab.hivemind_hooks.dht_node.store_walks_without_values): the record lands
 on exactly the nodes hivemind's own walk picks, readers find it, and the walk brings back no records, where
-hivemind's brings back every record under the key from every node it asks.
+hivemind's brings back every record under the key from every node it asks. The key's next stores go to the nodes
+that walk found, without a walk of their own (stores_remember_nodes), until a nearer node joins or one of them leaves.
 
 Reads leave no copies (collab.swarm.node.NO_RECORD_COPIES): after every node has read a key, only the key's 5
 replicas hold its records, and a read brings them back from those 5 alone. A hivemind node with its defaults, beside
@@ -18,7 +19,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
-from collab.hivemind_hooks.dht_node import STORE_BEAM, store_walks_without_values
+from collab.hivemind_hooks.dht_node import STORE_BEAM, store_walks_without_values, stores_remember_nodes
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX, PeerMetricsRecord, publish
 from collab.swarm.dht_traffic import dht_requests, start_counting
 from collab.swarm.node import OwnGroupDHT
@@ -43,6 +44,15 @@ async def _holds(_dht, node, subkey, key: str = KEY) -> bool:
 
 async def _patch(_dht, node) -> None:
     store_walks_without_values(node)
+
+
+async def _patch_remembering(_dht, node) -> None:
+    store_walks_without_values(node)
+    stores_remember_nodes(node)
+
+
+async def _knows(_dht, node, node_id) -> bool:
+    return node_id in node.protocol.routing_table
 
 
 def _in_process(dht, coroutine):
@@ -184,3 +194,47 @@ def test_reads_leave_the_records_on_the_keys_replicas_alone(collab_swarm):
     # hivemind's defaults keep a copy: the plain node, no replica, answers finds with the records once it has read
     assert _read(plain) >= subkeys
     assert _in_process(plain, _holds_any), "hivemind's node kept no copy: this test no longer shows what it prevents"
+
+
+def _store_and_walks(writer, subkey: str) -> int:
+    """The writer stores one record under KEY; how many nodes its walk for the key's nodes asked."""
+    twin = f"{KEY} (walks for its nodes)"
+    before = dht_requests(writer, run_id=RUN, timeout=10)["by_key"].get(twin, {}).get("requests", 0)
+    assert writer.store(KEY, RECORD, get_dht_time() + 60, subkey=subkey, return_future=True).result(timeout=WAIT)
+    return dht_requests(writer, run_id=RUN, timeout=10)["by_key"].get(twin, {}).get("requests", 0) - before
+
+
+def _holders(swarm: list, subkey: str) -> set:
+    return {dht for dht in swarm if _in_process(dht, partial(_holds, subkey=subkey))}
+
+
+def _nearest(swarm: list, k: int = 5) -> set:
+    return set(sorted(swarm, key=lambda dht: KEY_ID.xor_distance(_in_process(dht, _node_id)))[:k])
+
+
+def test_a_keys_next_stores_go_where_its_walk_found_until_a_nearer_node_joins_or_one_leaves(swarm):
+    writer = swarm[3]
+    start_counting(writer)
+    _in_process(writer, _patch_remembering)
+    walked = [_store_and_walks(writer, f"w{i}") for i in range(4)]
+    assert walked[0] >= 1 and walked[1:] == [0, 0, 0], f"nodes asked by each of four stores' walks: {walked}"
+    for i in range(4):  # each on the key's 5 nearest nodes, as a walk would have put it
+        assert _holders(swarm, f"w{i}") == _nearest(swarm), i
+
+    # a node nearer to the key than all of them joins (through the writer, which so knows it): the next store walks
+    # and lands on it
+    swarm.append(hivemind.DHT(initial_peers=writer.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              node_id=DHTID(KEY_ID ^ 2), start=True))
+    newcomer = swarm[-1]
+    assert _in_process(writer, partial(_knows, node_id=_in_process(newcomer, _node_id)))
+    assert _store_and_walks(writer, "after-join") >= 1
+    assert _holders(swarm, "after-join") == _nearest(swarm)
+
+    # one of its nodes leaves: the store that finds it gone still lands on the 4 others, the next walks again and
+    # lands on the key's 5 nearest nodes that are left
+    leaver = next(dht for dht in sorted(_nearest(swarm), key=swarm.index) if dht is not writer)
+    swarm.remove(leaver)
+    leaver.shutdown()
+    _store_and_walks(writer, "after-leave")
+    assert _store_and_walks(writer, "after-leave-2") >= 1
+    assert _holders(swarm, "after-leave-2") == _nearest(swarm)
