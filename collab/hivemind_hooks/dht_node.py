@@ -1,7 +1,7 @@
 """hivemind's DHT node, patched in the DHT's own process: its requests counted, a store's walk without values and
 its nodes remembered for the key's next stores, the latest reads of a hot key shared and read from the key's nearest
-replicas. Part of collab.hivemind_hooks (listed
-there): one function each, with one line on why; nothing here runs at import time.
+replicas. Part of collab.hivemind_hooks (listed there): one function each, with one line on why; nothing here runs at
+import time.
 """
 
 from __future__ import annotations
