@@ -174,6 +174,7 @@ PATCHED = (
     "hivemind.utils.mpfuture.MPFuture._initialization_lock",
     "hivemind.utils.mpfuture.SharedBytes._lock",
     "hivemind.utils.asyncio._AsyncContextWrapper.EXECUTOR_LOCK",
+    "hivemind.utils.asyncio._AsyncContextWrapper.__aenter__",  # a cancelled enter exits what its thread entered
     "hivemind.optim.state_averager.TrainingStateAverager._update_scheduler",  # a lineage split's epoch adopted
 )
 
@@ -219,6 +220,7 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.averaging.key_manager.GroupKeyManager": ("prefix",),  # one group key per epoch (EpochGroups)
     "hivemind.utils.crypto.RSAPrivateKey": ("_private_key",),
     "hivemind.utils.crypto.RSAPublicKey": ("_public_key",),
+    "hivemind.utils.asyncio._AsyncContextWrapper": ("_context",),  # what a cancelled enter must exit
 }
 
 

@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
 from collab.hivemind_hooks.dht_node import store_walks_without_values, stores_remember_nodes
-from collab.hivemind_hooks.patches import (death_safe_locks, dht_takes_requests, failed_p2pd_starts_leave_no_file,
-                                           pipe_reads_take_whole_messages, sign_progress_with)
+from collab.hivemind_hooks.patches import (cancelled_enters_exit, death_safe_locks, dht_takes_requests,
+                                           failed_p2pd_starts_leave_no_file, pipe_reads_take_whole_messages,
+                                           sign_progress_with)
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.process.reaper import end_processes, hivemind_sockets, is_running, remove_sockets_of
 from collab.records.identity import Identity, load_or_create_identity
@@ -130,6 +131,7 @@ class Swarm:
         """`authorizer`: in a private run, this peer's invite as hivemind's DHT access token (collab.run.gate)."""
         quiet_orphaned_requests()
         death_safe_locks()  # before the DHT's process, the first this peer forks, inherits them
+        cancelled_enters_exit()
         failed_p2pd_starts_leave_no_file()
 
         self.peer = peer
