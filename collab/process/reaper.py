@@ -17,7 +17,8 @@ us), so one small watcher process does the job for all of them:
   and a machine simulating 64 peers runs ~400, each peer with a watcher. Otherwise it blocks on a pidfd
   of the main process;
 - when the main process is gone, it sends SIGTERM to every noted process that still runs (and to
-  their own children, which catches a p2pd started since the last look), then SIGKILL after 3 s.
+  their own children, which catches a p2pd started since the last look), then SIGKILL after 3 s, and
+  removes the socket files in /tmp that they and the main process listened on (read at each look).
 
 A main process that exits normally has already shut its children down; the watcher then finds
 nothing left and exits at once. It ignores SIGINT, SIGTERM and SIGHUP: Ctrl-C in a terminal or a
@@ -79,6 +80,10 @@ class _Watch:
         self.noted: dict[int, psutil.Process] = {}  # psutil.Process.is_running() tells a reused pid apart
         self.announcements_open = True  # forks write their pids to our stdin
         self.news = 0  # processes noted so far (announced or found)
+        # the main process's own socket files (its clients of p2pd: a state served, gossip's exchanges), every one seen
+        # at a look: once it is killed they can no longer be read (nor while it dies), and a kill -9 left them in /tmp
+        self.main_sockets: set[str] = set()
+        self.note_main_sockets()
         try:
             self.pidfd: Optional[int] = os.pidfd_open(main_pid)
         except (AttributeError, OSError):  # no pidfd on this kernel or Python: poll instead
@@ -114,12 +119,17 @@ class _Watch:
     def note_descendants(self) -> None:
         import psutil
 
+        self.note_main_sockets()
         try:
             for child in self.main.children(recursive=True):
                 if child.pid != os.getpid():
                     self._note(child)
         except psutil.Error:
             pass
+
+    def note_main_sockets(self) -> None:
+        for paths in hivemind_sockets([self.main]).values():
+            self.main_sockets.update(paths)
 
     def _note(self, proc) -> None:
         if proc.pid not in self.noted:
@@ -266,6 +276,7 @@ def main(argv: list[str]) -> int:
     left = watch.left_behind()
     if left:
         end_processes(left)
+    remove_sockets_of({main_pid: sorted(watch.main_sockets)})  # (one that left gracefully removed its own)
     return 0
 
 

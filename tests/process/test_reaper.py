@@ -98,3 +98,47 @@ def test_a_child_whose_main_thread_exited_first_is_waited_for_until_it_can_be_re
         if proc.is_running():
             child.kill()
             child.wait(timeout=10)
+
+
+KILLED_WITH_A_SOCKET = """
+import socket, sys, time
+from collab.process.reaper import watch_this_process
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])  # a client of p2pd listens on such a file (hivemind's P2P.replicate)
+server.listen()
+watch_this_process()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_of_its_own():
+    """hivemind removes a client's socket file only on a graceful shutdown; the watcher, which reads the main
+    process's files at each look, removes them once it is gone (a gossip peer's kill -9 left its file in CI)."""
+    path = f"{reaper.HIVEMIND_SOCKETS}p2pclient-reaper-test-{os.getpid()}.sock"
+    main = subprocess.Popen([sys.executable, "-c", KILLED_WITH_A_SOCKET, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert main.stdout.readline().strip() == "ready"
+        watcher = [p for p in psutil.Process(main.pid).children() if "collab.process.reaper" in p.cmdline()]
+        assert len(watcher) == 1 and os.path.exists(path)
+        deadline = time.monotonic() + 30  # it has read the main process's files once it waits on it (its pidfd)
+        while not _waits_on_a_pidfd(watcher[0].pid):
+            assert time.monotonic() < deadline, "the watcher never started watching"
+            time.sleep(0.05)
+        main.kill()
+        main.wait(timeout=10)
+        watcher[0].wait(timeout=10)
+        assert not os.path.exists(path), "the killed main process's socket file is still in /tmp"
+    finally:
+        if main.poll() is None:
+            main.kill()
+            main.wait(timeout=10)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _waits_on_a_pidfd(pid: int) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]" for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
