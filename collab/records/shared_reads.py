@@ -103,8 +103,8 @@ class SharedReads:
 class NearestReads:
     """In the DHT's process, the shared stream's reads of `keys` (hivemind's DHTNode.get's signature, latest=True):
     from the key's READ_REPLICAS nearest nodes where they were found less than FULL_READ_EVERY seconds ago, else a
-    walk of hivemind's (`get`) beside a walk that finds them. Other keys: `get`. Counts reads of each kind, the
-    records the nearest gave, and the records they missed: a record the last walk found that had not expired yet
+    walk of hivemind's (`get`) beside a walk that finds them. Other keys: `get`. Counts reads of each kind, why a read fell back
+    to a walk (one of the nearest did not answer, or they held nothing), the records the nearest gave, and the records they missed: a record the last walk found that had not expired yet
     and that they did not give (so a report shows whether the nearest hold what a walk finds)."""
 
     def __init__(self, keys: Iterable[str], node, get, clock: Callable[[], float] = time.monotonic,
@@ -129,7 +129,8 @@ class NearestReads:
                 self.tally[key].update(from_nearest=1, records_from_nearest=records_in(found),
                                        records_missed=self._missed(key, found))
                 return found
-            self.tally[key]["fell_back"] += 1  # one of them left, or holds nothing yet: walk, and find them anew
+            # one of them left, or holds nothing yet: walk, and find them anew
+            self.tally[key].update(fell_back=1, **{"unanswered" if answered < len(known[1]) else "held_nothing": 1})
         began = self.clock()
         found, nearest = await asyncio.gather(self.get(key, latest=True), self._find(key))
         self.tally[key]["full_walks"] += 1
@@ -156,8 +157,8 @@ class NearestReads:
 
     def counts(self, key: Optional[str] = None) -> dict:
         """`key`'s counts; None: summed over the shared keys."""
-        return _counted(self.tally, key, ("from_nearest", "full_walks", "fell_back", "records_from_nearest",
-                                          "records_missed"))
+        return _counted(self.tally, key, ("from_nearest", "full_walks", "fell_back", "unanswered", "held_nothing",
+                                          "records_from_nearest", "records_missed"))
 
 
 def _counted(tally: dict, key: Optional[str], names: tuple) -> dict:
