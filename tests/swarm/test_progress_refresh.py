@@ -197,6 +197,7 @@ def test_a_first_gradient_round_plans_from_the_trainers_view_and_the_averager_re
 
     from benchmarks.lab.averager_pair import start_averager_pair
     from collab.averaging.robust_rounds import CheckedRounds
+    from collab.config import join_request_timeout
     from collab.swarm.dht_traffic import dht_requests, start_counting
     from tests.conftest import wait_for
 
@@ -208,8 +209,10 @@ def test_a_first_gradient_round_plans_from_the_trainers_view_and_the_averager_re
 
     def make(dht, i):
         dhts.append(dht)
+        # the timeouts a peer's would be (a 2-s join request, tighter than a peer's, lost a round under CI's load)
         return GradientRounds([sent[i].clone()], dht=dht, prefix=f"{run_id}_grad_averager", start=True,
-                              target_group_size=None, min_matchmaking_time=matchmaking, request_timeout=2.0)
+                              target_group_size=None, min_matchmaking_time=matchmaking,
+                              request_timeout=join_request_timeout(matchmaking), allreduce_timeout=2 * matchmaking)
 
     def progress_requests() -> int:
         counts = dht_requests(dhts[0], run_id) or {}
