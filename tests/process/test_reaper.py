@@ -118,13 +118,15 @@ def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_of_its_own():
     path = f"{reaper.HIVEMIND_SOCKETS}p2pclient-reaper-test-{os.getpid()}.sock"
     main = subprocess.Popen([sys.executable, "-c", KILLED_WITH_A_SOCKET, path], stdout=subprocess.PIPE, text=True)
     try:
-        assert main.stdout.readline().strip() == "ready"
-        watcher = [p for p in psutil.Process(main.pid).children() if "collab.process.reaper" in p.cmdline()]
-        assert len(watcher) == 1 and os.path.exists(path)
-        deadline = time.monotonic() + 30  # it has read the main process's files once it waits on it (its pidfd)
-        while not _waits_on_a_pidfd(watcher[0].pid):
-            assert time.monotonic() < deadline, "the watcher never started watching"
+        assert main.stdout.readline().strip() == "ready" and os.path.exists(path)
+        # the watcher is forked, then runs python: its command line names the reaper only once that has begun. It
+        # has read the main process's files once it waits on the main process (its pidfd)
+        deadline, watcher = time.monotonic() + 30, []
+        while not (watcher and _waits_on_a_pidfd(watcher[0].pid)):
+            assert time.monotonic() < deadline, f"the watcher never started watching (found: {watcher})"
             time.sleep(0.05)
+            watcher = [p for p in psutil.Process(main.pid).children() if "collab.process.reaper" in _cmdline(p)]
+        assert len(watcher) == 1, watcher
         main.kill()
         main.wait(timeout=10)
         watcher[0].wait(timeout=10)
@@ -135,6 +137,13 @@ def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_of_its_own():
             main.wait(timeout=10)
         if os.path.exists(path):
             os.unlink(path)
+
+
+def _cmdline(process) -> list:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # (one that just ended)
+        return []
 
 
 def _waits_on_a_pidfd(pid: int) -> bool:
