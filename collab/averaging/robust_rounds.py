@@ -2,8 +2,8 @@
 
 Three things hivemind leaves unchecked (see docs/design.md, "hivemind hooks"), checked here:
 - what this peer reduces for others: collab.averaging.aggregation's reducer (non-finite parts dropped, weights bounded
-  by the group's median and by each sender's signed progress, read here in the background; mean or
-  CenteredClip), in place of hivemind's running sum;
+  by the group's median and by each sender's signed progress, read in the background by
+  collab.averaging.signed_progress; mean or CenteredClip), in place of hivemind's running sum;
 - what other peers' reducers send back: every returned part must be finite and of a plausible size, or the
   reducer is caught; the round's updates are held until all have arrived and been checked, then applied all
   at once or not at all (hivemind applies each as it comes, so a bad part would already be in the model).
@@ -24,13 +24,10 @@ attribute and publish (collab.records.rejections).
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import logging
-import math
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -43,10 +40,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from collab.averaging.aggregation import Aggregation, RobustPartReducer
-from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.one_average import OneAverage
-from collab.averaging.planned_leader import ASK_AGAIN, PLAN_SHARE, peers_training, planned_leader
+from collab.averaging.planned_leader import ASK_AGAIN
 from collab.averaging.reply_streams import WholeReplies
+from collab.averaging.round_plans import PlansRounds
+from collab.averaging.signed_progress import ReadsSignedProgress
 from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
 from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
 from collab.averaging.traffic import CountingRunner, TrafficLog
@@ -54,14 +52,8 @@ from collab.hivemind_hooks.averager import end_step_unstarted
 from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
                                            never_ask_leaders, pace_group_reads, patient_followers, time_matchmaking)
 from collab.records.rejections import HARD_EVIDENCE
-from collab.records.untrusted import progress_records
 
 GRADIENT_BOUND = 10.0
-PROGRESS_SLACK = 2.0  # a weight may be up to this many times what the sender's signed progress makes plausible
-BUDGET_CEILING = 3.0  # a search waits at most this many times the configured matchmaking_time (matching_budget)
-PROGRESS_REFRESH = 5.0  # seconds: the signed progress records are re-read (in the background) at most this often
-FIRST_READ_WAIT = 2.0  # seconds a reducer waits for its first read of the records (collab.swarm.state, ~0.1-1 s)
-FIRST_PLAN_WAIT = 5.0  # ... and a first gradient round, for the records its plan is made from (reads took up to 3.2 s)
 STATE_BOUND = 1.0
 GROUP_READ_FLOOR = 0.1  # seconds: the DHT reads of a group key are at least this far apart (pace_group_reads)
 BAN_SECONDS = 600.0
@@ -144,7 +136,8 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
             raise
 
 
-class CheckedRounds(LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly):
+class CheckedRounds(LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly, PlansRounds,
+                    ReadsSignedProgress):
     """A DecentralizedAverager mixin. Set `rule`, `kind` ("gradients" or "state") and `findings` (a queue, or
     None) before hivemind's constructor starts the averager process."""
 
@@ -250,100 +243,6 @@ class CheckedRounds(LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly):
         if step is not None and not step.done():
             step.set_exception(LeavingPeer("this peer is leaving the swarm"))  # no retry either
         raise LeavingPeer("this peer is leaving the swarm")
-
-    async def _plan_gradient_round(self, matchmaking, step, records: dict) -> None:
-        """The group size and plan of a gradient round, from the run's progress records. A peer's first round
-        comes as its first read of the records has only just begun, and without them there is no planned leader
-        and no group target (12 peers' first rounds, hivemind's search alone, split 5 + 5 + 2 at start-up on 2
-        cores, and no group was the many to re-sync from). The trainer hands over its own view first
-        (read_progress_soon); without that, the round waits for the read, at most FIRST_PLAN_WAIT."""
-        if not records:
-            await self._first_progress_read(FIRST_PLAN_WAIT)
-        records = self._progress_state()["records"]  # the read waited for may have replaced them
-        self._fit_group_to_swarm(matchmaking, records, step.deadline)
-        self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
-
-    _budget: Optional[MatchingBudget] = None  # set when a gradient round's group size follows the swarm
-    _last_group: frozenset = frozenset()  # the base58 ids of this peer's last gradient group
-
-    def _fit_group_to_swarm(self, matchmaking, records: dict, deadline: Optional[float] = None) -> None:
-        """averaging.group_size unset: a leader begins its round as soon as every peer the run's progress records
-        show training (within an epoch of the furthest) has joined, instead of waiting out matchmaking_time for
-        peers that do not exist (a 2-peer swarm spent 3 of every 3.5 s matching). Records are at most
-        PROGRESS_REFRESH s old: a peer that just joined may miss one round; one that just left makes that round wait
-        the whole search. How long a search waits follows what the last rounds found (MatchingBudget), and leaves
-        at least two thirds of the round's time (to `deadline`, dht time) to its all-reduce."""
-        configured = self.__dict__.setdefault("_configured_group_size", matchmaking.target_group_size)
-        if configured is not None:
-            return
-        if self._budget is None:
-            self._budget = MatchingBudget(matchmaking.min_matchmaking_time,
-                                          ceiling=BUDGET_CEILING * matchmaking.min_matchmaking_time)
-        # a client never leads, and a leader refuses a follower whose search ends before its own: a client searches
-        # as long as any leader may (at 3x a NAT'd peer found no group in 3 of 4 rounds while the leaders' searches
-        # had grown past its own)
-        seconds = self._budget.ceiling if getattr(matchmaking, "client_mode", False) else self._budget.seconds
-        if deadline is not None:
-            seconds = max(self._budget.configured, min(seconds, (deadline - get_dht_time()) / 3))
-        # both copies: the search's requests read the Matchmaking's, its declared deadline the PotentialLeaders'
-        matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = seconds
-        matchmaking.target_group_size = _peers_training(records, self._last_group)
-        # the records read while the group is matched (the first round's first read among them) may show more
-        # peers than the last read did: the target follows them up, never down, within the round
-        task = self.__dict__.get("_progress_cache", {}).get("task")
-        if task is not None and not task.done():
-            task.add_done_callback(lambda _: self._raise_group_target(matchmaking))
-        logging.getLogger(__name__).debug(
-            f"round: group target {matchmaking.target_group_size}, searching for at least "
-            f"{matchmaking.min_matchmaking_time:.1f} s")
-
-    def _match_within_epoch(self, matchmaking, step) -> None:
-        """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that
-        epoch: hivemind's leaders refuse a request made under another key, and no search sees another epoch's."""
-        keys = matchmaking.group_key_manager
-        base = self.__dict__.setdefault("_base_group_prefix", keys.prefix)
-        try:
-            _bandwidth, _mode, user_data = self.serializer.loads(step.data_for_gather)
-            epoch = self.serializer.loads(user_data)
-        except Exception:  # (our own process's data: a round without an epoch keeps the run's key)
-            epoch = None
-        # hivemind's group keys are PREFIX.0bBITS with no dot in PREFIX
-        keys.prefix = f"{base}_epoch{epoch}" if type(epoch) is int else base
-        self._round_epoch = epoch if type(epoch) is int else None
-        return self._round_epoch
-
-    _round_plan: Optional[tuple] = None  # (epoch, until): this search asks the epoch's planned leader until then
-    _round_epoch: Optional[int] = None  # the epoch this gradient round averages toward (None: it carries none)
-
-    def _plan_round(self, matchmaking, step, epoch: Optional[int]) -> None:
-        """A round matched within its epoch, with a group that follows the swarm, asks the epoch's planned leader
-        (collab.averaging.planned_leader) for the first PLAN_SHARE of its search."""
-        if epoch is None or self.__dict__.get("_configured_group_size") is not None:
-            self._round_plan = None
-            return
-        now = get_dht_time()
-        ends = max(step.scheduled_time, now + matchmaking.min_matchmaking_time)
-        if step.deadline is not None:
-            ends = min(ends, step.deadline)
-        self._round_plan = (epoch, now + PLAN_SHARE * max(0.0, ends - now))
-
-    def _plan(self) -> Optional[tuple]:
-        """(planned leader's PeerID, until) for the search under way, from the records as last read; None: none."""
-        if self._round_plan is None:
-            return None
-        epoch, until = self._round_plan
-        records = self.__dict__.get("_progress_cache", {}).get("records", {})
-        leader = planned_leader(records, epoch, self._last_group)
-        if leader is None:
-            return None
-        leader_id = PeerID.from_base58(leader)
-        return None if self.banned(leader_id) else (leader_id, until)
-
-    def _raise_group_target(self, matchmaking) -> None:
-        training = _peers_training(self._progress_cache["records"], self._last_group)
-        if training is not None and training > (matchmaking.target_group_size or 0):
-            matchmaking.target_group_size = training
-            logging.getLogger(__name__).debug(f"group target raised to {training} by a fresh read")
 
     async def run_allreduce(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -453,112 +352,10 @@ class CheckedRounds(LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly):
         # which a finite-only check lets through, wrecks the honest loss: benchmarks/robustness.py)
         return STATE_BOUND * own_norm + 1e-12
 
-    def _weight_caps(self, epoch: Optional[int] = None) -> dict[str, float]:
-        """Per peer id, the most averaging weight (samples) its signed progress makes plausible now: the samples
-        it reported plus its reported rate times the time since, with slack (records lag; rates are averages).
-        `epoch`: the round's; a record of another epoch bounds nothing (the group's median does)."""
-        now, caps, records = get_dht_time(), {}, self._signed_progress()
-        # hivemind's rate is an EMA of seconds per sample, whose first intervals (a cold first batch) are slow: a
-        # peer that started seconds ago reports a fraction of its rate (a late joiner's went 13 -> 52 -> 126
-        # samples/s over its first three outer steps, and its honest weight was capped). No peer is held to less
-        # than the run's median rate, which one peer cannot move
-        rates = [r.samples_per_second for r in records.values()
-                 if isinstance(getattr(r, "samples_per_second", None), float) and r.samples_per_second >= 1e-3]
-        floor = statistics.median(rates) if rates else 0.0
-        for peer, record in records.items():
-            # a record of another epoch says nothing of the samples toward this one. A peer that stepped on its own
-            # gradients publishes the epoch before with no samples (collab.modes.replica_sync), freshly timed, while
-            # it computes toward the swarm's epoch: capped by that record, its honest weight was cut to a micro-batch
-            # or two and reported, and in a 2-peer run, where both step alone after a failed round, each peer then
-            # called the other a suspect (a dashboard test in CI)
-            if epoch is not None and getattr(record, "epoch", None) != epoch:
-                continue
-            try:
-                rate = record.samples_per_second
-                plausible = record.samples_accumulated + max(rate, floor) * max(0.0, now - record.time)
-            except (AttributeError, TypeError):
-                continue
-            # hivemind's rate is over compute time only, so rate x wall time over-estimates: honest weights pass.
-            # A record with no rate yet (a peer that just started) bounds nothing: a cap would wrong a new peer
-            if rate >= 1e-3 and math.isfinite(plausible):
-                caps[peer] = max(1.0, PROGRESS_SLACK * plausible)
-        return caps
-
-    def read_progress_soon(self, seen: dict) -> None:
-        """(the trainer's process) Before this averager's first gradient round: `seen`, the trainer's tracker's last
-        view of the run's progress records (base58 -> (epoch, client mode), signed records only), is this averager's
-        until its own read of the records is back; that read starts now. Without it, a first round starts the read
-        itself and waits FIRST_PLAN_WAIT for it: 24 peers on 2 cores, 21 of them had none back by then (a read took
-        4-6 s), so no planned leader and no group target, and the first round split into groups of 2-8; every
-        later round, with the records, had one plan on every peer. The view names who trains, at which epoch, and
-        who can lead: all a plan needs (weight caps wait for the signed records themselves)."""
-        if self.kind == "gradients" and self.is_alive():
-            self._outer_pipe.send(("_read_progress_soon", [dict(seen)], {}))
-
-    async def _read_progress_soon(self, seen: dict) -> None:
-        cache = self._progress_state()
-        if not cache["records"]:
-            cache["records"] = {peer: SimpleNamespace(epoch=epoch, client_mode=client) for peer, (epoch, client)
-                                in seen.items() if type(epoch) is int and type(client) is bool}
-        if cache["task"] is None or cache["task"].done():
-            cache["read_at"] = float("-inf")  # whatever the last read's age: the swarm may have grown since
-            self._signed_progress()
-
-    def _signed_progress(self) -> dict:
-        """The run's progress records (hivemind's tracker, signed; collab.swarm.state drops untrusted ones) as last
-        read; a read older than PROGRESS_REFRESH starts another in the background, so no round waits for one."""
-        cache = self._progress_state()
-        if (cache["task"] is None or cache["task"].done()) and time.monotonic() - cache["read_at"] > PROGRESS_REFRESH:
-            cache["read_at"] = time.monotonic()
-            cache["task"] = asyncio.ensure_future(self._read_signed_progress(cache))
-        return cache["records"]
-
-    def _progress_state(self) -> dict:
-        """(the averager's process) The last read of the records, when it started, and the read under way."""
-        return self.__dict__.setdefault("_progress_cache", {"read_at": float("-inf"), "records": {}, "task": None})
-
-    async def _read_signed_progress(self, cache: dict) -> None:
-        try:
-            records = await asyncio.get_event_loop().run_in_executor(
-                None, progress_records, self.dht, run_id_of(self.prefix))
-            # an empty read (a walk that found nothing: on a busy machine one can time out) keeps the records it
-            # had, the trainer's view among them (read_progress_soon): a plan from those beats none
-            if records or not cache["records"]:
-                cache["records"] = records
-        except Exception as e:  # no records: no caps from them this time (the median cap still holds)
-            logging.getLogger(__name__).debug(f"could not read the run's progress: {e!r}")
-        finally:
-            cache["read_once"] = True
-
-    async def _first_progress_read(self, timeout: float = FIRST_READ_WAIT) -> None:
-        """A peer's first rounds come before its first read of the records is back: without them, only the
-        group's median bounds a weight, and an honest peer's whole outer step (472 samples beside a late joiner's
-        8) was capped at 10x it. Wait a moment for that first read; later rounds use the last one at once."""
-        cache = self.__dict__.get("_progress_cache")
-        if cache is not None and not cache.get("read_once") and cache["task"] is not None:
-            await asyncio.wait({cache["task"]}, timeout=timeout)
-
     def _recent_norms(self, phase: bytes = b"") -> list:
         if not hasattr(self, "_norms"):
             self._norms = {}
         return self._norms.setdefault(phase, [])
-
-
-def _peers_training(records: dict, last_group: frozenset = frozenset()) -> Optional[int]:
-    """How many peers the progress records show training (collab.averaging.planned_leader.peers_training; None:
-    fewer than two). Counting the last group's peers matters: two of 12 peers that had just averaged with this one
-    showed two epochs behind, the target fell to 10, and the leader began without them (groups of 9 + 3 from then
-    on)."""
-    training = len(peers_training(records, last_group))
-    return training if training >= 2 else None
-
-
-def run_id_of(prefix: str) -> str:
-    """hivemind names a run's averagers RUN_ID + "_grad_averager" / "_state_averager"."""
-    for suffix in ("_grad_averager", "_state_averager"):
-        if prefix.endswith(suffix):
-            return prefix[:-len(suffix)]
-    return prefix
 
 
 def _norm(tensors) -> float:

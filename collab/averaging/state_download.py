@@ -27,7 +27,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.logging import get_logger
 
 from collab.averaging.members_only import _NoState  # a donor that is not asked: hivemind hears "no state"
-from collab.averaging.robust_rounds import run_id_of
+from collab.averaging.signed_progress import run_id_of
 from collab.hivemind_hooks.averager import AveragerHooks
 from collab.hivemind_hooks.patches import donors_reached_through
 from collab.records.untrusted import progress_records

@@ -134,7 +134,7 @@ class SwarmOptimizer(OptimizerHooks):
 
     def read_progress_soon(self) -> None:
         """Hand the gradient averager this peer's view of who trains, for its first round's group target and planned
-        leader (collab.averaging.robust_rounds), and have it read the run's records now, not when that round begins."""
+        leader (collab.averaging.round_plans), and have it read the run's records now, not when that round begins."""
         averager = self.grad_averager if self.use_gradient_averaging else None
         if averager is not None and hasattr(averager, "read_progress_soon"):
             seen = getattr(self.tracker, "records_seen", {})  # (collab.modes.tracker: signed records only)

@@ -122,7 +122,7 @@ def test_peers_blind_to_each_others_search_group_whole_around_the_planned_leader
     from hivemind.averaging.key_manager import GroupKeyManager
     from hivemind.optim.progress_tracker import LocalTrainingProgress
 
-    from collab.averaging import robust_rounds
+    from collab.averaging import signed_progress
     from collab.averaging.grad_averager import CollabGradientAverager
     from collab.averaging.planned_leader import planned_leader
 
@@ -145,7 +145,7 @@ def test_peers_blind_to_each_others_search_group_whole_around_the_planned_leader
             return []
 
         # the averager processes fork at start and keep both patches; this process gets its own back below
-        monkeypatch.setattr(robust_rounds, "progress_records", lambda dht, run_id: records)
+        monkeypatch.setattr(signed_progress, "progress_records", lambda dht, run_id: records)
         monkeypatch.setattr(GroupKeyManager, "get_averagers", blind_read)
         params = [torch.nn.Parameter(torch.zeros(size)) for _ in dhts]
         averagers, prefix = [], f"planned-{time.time_ns()}_grad_averager"

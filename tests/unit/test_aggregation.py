@@ -65,7 +65,7 @@ def test_a_huge_claimed_weight_is_capped_and_reported():
 
 def test_a_weight_above_the_senders_signed_progress_is_capped_there():
     """A sender claiming 5x the samples its own signed progress record makes plausible counts for the plausible amount
-    (collab.averaging.robust_rounds computes the caps from the run's records); within its cap, a weight stands."""
+    (collab.averaging.signed_progress computes the caps from the run's records); within its cap, a weight stands."""
     parts = honest(4)
     result, found = reduce(parts, [8.0, 8.0, 8.0, 40.0], Aggregation(method="mean"), caps={2: 16.0, 3: 16.0})
     expected = (8 * (parts[0] + parts[1] + parts[2]) + 16 * parts[3]) / 40
@@ -151,7 +151,7 @@ def test_weight_caps_follow_each_senders_signed_progress():
     rate: a peer's first rates are underestimates) times the record's age (records lag the round), times a slack of
     2; a peer that reported nothing yet gets the floor of 1 sample, one with no rate yet (just started) no cap.
     (This peer's own record counts toward the median rate; the reducer never caps its own part: below)"""
-    from collab.averaging.robust_rounds import PROGRESS_SLACK
+    from collab.averaging.signed_progress import PROGRESS_SLACK
 
     own = "own-peer-id"
     rounds = rounds_reading({"fast": progress_record(100, 10.0, 2.0), "idle": progress_record(0, 0.1, 0.0),

@@ -15,7 +15,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.matching_budget import MatchingBudget
-from collab.averaging.robust_rounds import CheckedRounds, _peers_training
+from collab.averaging.robust_rounds import CheckedRounds
+from collab.averaging.round_plans import _peers_training
 from collab.hivemind_hooks.dht_node import count_dht_requests
 from collab.hivemind_hooks.patches import pace_group_reads, time_matchmaking
 from collab.swarm.dht_traffic import DHTRequests, known_keys
@@ -259,7 +260,7 @@ def test_a_first_gradient_round_is_planned_from_the_records_its_read_brings_back
     # later rounds use the last read at once; a first read that never comes back holds a round FIRST_PLAN_WAIT
     assert asyncio.run(first_round(30.0, 12)) < 0.1 and averager.planned == (12, 4)
     cache.clear(), cache.update(records={}, task=None)
-    import collab.averaging.robust_rounds as rounds
+    import collab.averaging.round_plans as rounds
     waited = rounds.FIRST_PLAN_WAIT
     try:
         rounds.FIRST_PLAN_WAIT = 0.2

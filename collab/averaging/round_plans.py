@@ -1,0 +1,131 @@
+"""How a gradient round's group is planned from the run's progress records (a CheckedRounds mixin).
+
+hivemind's leader waits out matchmaking_time for peers that may not exist, and its peers find leaders only through
+DHT reads of the group key. Here a round's group target is every peer the records show training (`_fit_group_to_swarm`,
+its search's length following what the last rounds found: collab.averaging.matching_budget), a round that carries
+its epoch is matched under that epoch's key (`_match_within_epoch`), and every peer asks the epoch's planned leader
+first (`_plan_round`, `_plan`; collab.averaging.planned_leader). The records come from
+collab.averaging.signed_progress.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from collab.averaging.matching_budget import MatchingBudget
+from collab.averaging.planned_leader import PLAN_SHARE, peers_training, planned_leader
+
+BUDGET_CEILING = 3.0  # a search waits at most this many times the configured matchmaking_time (matching_budget)
+FIRST_PLAN_WAIT = 5.0  # seconds a first gradient round waits for the records its plan is made from (reads: <= 3.2 s)
+
+
+class PlansRounds:
+    """A mixin of a DecentralizedAverager that reads the signed progress (collab.averaging.signed_progress) and
+    knows whom it bans (`banned`)."""
+
+    async def _plan_gradient_round(self, matchmaking, step, records: dict) -> None:
+        """The group size and plan of a gradient round, from the run's progress records. A peer's first round
+        comes as its first read of the records has only just begun, and without them there is no planned leader
+        and no group target (12 peers' first rounds, hivemind's search alone, split 5 + 5 + 2 at start-up on 2
+        cores, and no group was the many to re-sync from). The trainer hands over its own view first
+        (read_progress_soon); without that, the round waits for the read, at most FIRST_PLAN_WAIT."""
+        if not records:
+            await self._first_progress_read(FIRST_PLAN_WAIT)
+        records = self._progress_state()["records"]  # the read waited for may have replaced them
+        self._fit_group_to_swarm(matchmaking, records, step.deadline)
+        self._plan_round(matchmaking, step, self._match_within_epoch(matchmaking, step))
+
+    _budget: Optional[MatchingBudget] = None  # set when a gradient round's group size follows the swarm
+    _last_group: frozenset = frozenset()  # the base58 ids of this peer's last gradient group
+
+    def _fit_group_to_swarm(self, matchmaking, records: dict, deadline: Optional[float] = None) -> None:
+        """averaging.group_size unset: a leader begins its round as soon as every peer the run's progress records
+        show training (within an epoch of the furthest) has joined, instead of waiting out matchmaking_time for
+        peers that do not exist (a 2-peer swarm spent 3 of every 3.5 s matching). Records are at most
+        PROGRESS_REFRESH s old: a peer that just joined may miss one round; one that just left makes that round wait
+        the whole search. How long a search waits follows what the last rounds found (MatchingBudget), and leaves
+        at least two thirds of the round's time (to `deadline`, dht time) to its all-reduce."""
+        configured = self.__dict__.setdefault("_configured_group_size", matchmaking.target_group_size)
+        if configured is not None:
+            return
+        if self._budget is None:
+            self._budget = MatchingBudget(matchmaking.min_matchmaking_time,
+                                          ceiling=BUDGET_CEILING * matchmaking.min_matchmaking_time)
+        # a client never leads, and a leader refuses a follower whose search ends before its own: a client searches
+        # as long as any leader may (at 3x a NAT'd peer found no group in 3 of 4 rounds while the leaders' searches
+        # had grown past its own)
+        seconds = self._budget.ceiling if getattr(matchmaking, "client_mode", False) else self._budget.seconds
+        if deadline is not None:
+            seconds = max(self._budget.configured, min(seconds, (deadline - get_dht_time()) / 3))
+        # both copies: the search's requests read the Matchmaking's, its declared deadline the PotentialLeaders'
+        matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = seconds
+        matchmaking.target_group_size = _peers_training(records, self._last_group)
+        # the records read while the group is matched (the first round's first read among them) may show more
+        # peers than the last read did: the target follows them up, never down, within the round
+        task = self.__dict__.get("_progress_cache", {}).get("task")
+        if task is not None and not task.done():
+            task.add_done_callback(lambda _: self._raise_group_target(matchmaking))
+        logging.getLogger(__name__).debug(
+            f"round: group target {matchmaking.target_group_size}, searching for at least "
+            f"{matchmaking.min_matchmaking_time:.1f} s")
+
+    def _match_within_epoch(self, matchmaking, step) -> None:
+        """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that
+        epoch: hivemind's leaders refuse a request made under another key, and no search sees another epoch's."""
+        keys = matchmaking.group_key_manager
+        base = self.__dict__.setdefault("_base_group_prefix", keys.prefix)
+        try:
+            _bandwidth, _mode, user_data = self.serializer.loads(step.data_for_gather)
+            epoch = self.serializer.loads(user_data)
+        except Exception:  # (our own process's data: a round without an epoch keeps the run's key)
+            epoch = None
+        # hivemind's group keys are PREFIX.0bBITS with no dot in PREFIX
+        keys.prefix = f"{base}_epoch{epoch}" if type(epoch) is int else base
+        self._round_epoch = epoch if type(epoch) is int else None
+        return self._round_epoch
+
+    _round_plan: Optional[tuple] = None  # (epoch, until): this search asks the epoch's planned leader until then
+    _round_epoch: Optional[int] = None  # the epoch this gradient round averages toward (None: it carries none)
+
+    def _plan_round(self, matchmaking, step, epoch: Optional[int]) -> None:
+        """A round matched within its epoch, with a group that follows the swarm, asks the epoch's planned leader
+        (collab.averaging.planned_leader) for the first PLAN_SHARE of its search."""
+        if epoch is None or self.__dict__.get("_configured_group_size") is not None:
+            self._round_plan = None
+            return
+        now = get_dht_time()
+        ends = max(step.scheduled_time, now + matchmaking.min_matchmaking_time)
+        if step.deadline is not None:
+            ends = min(ends, step.deadline)
+        self._round_plan = (epoch, now + PLAN_SHARE * max(0.0, ends - now))
+
+    def _plan(self) -> Optional[tuple]:
+        """(planned leader's PeerID, until) for the search under way, from the records as last read; None: none."""
+        if self._round_plan is None:
+            return None
+        epoch, until = self._round_plan
+        records = self.__dict__.get("_progress_cache", {}).get("records", {})
+        leader = planned_leader(records, epoch, self._last_group)
+        if leader is None:
+            return None
+        leader_id = PeerID.from_base58(leader)
+        return None if self.banned(leader_id) else (leader_id, until)
+
+    def _raise_group_target(self, matchmaking) -> None:
+        training = _peers_training(self._progress_cache["records"], self._last_group)
+        if training is not None and training > (matchmaking.target_group_size or 0):
+            matchmaking.target_group_size = training
+            logging.getLogger(__name__).debug(f"group target raised to {training} by a fresh read")
+
+
+def _peers_training(records: dict, last_group: frozenset = frozenset()) -> Optional[int]:
+    """How many peers the progress records show training (collab.averaging.planned_leader.peers_training; None:
+    fewer than two). Counting the last group's peers matters: two of 12 peers that had just averaged with this one
+    showed two epochs behind, the target fell to 10, and the leader began without them (groups of 9 + 3 from then
+    on)."""
+    training = len(peers_training(records, last_group))
+    return training if training >= 2 else None
