@@ -106,7 +106,8 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
             report=lambda sender, reason: on_finding(self.sender_peer_ids[sender], reason), excluded=banned,
             report_clipping=report_clipping,
             own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
-            caps={i: weight_caps[p.to_base58()] for i, p in enumerate(self.sender_peer_ids) if p.to_base58() in weight_caps})
+            caps={i: weight_caps[p.to_base58()] for i, p in enumerate(self.sender_peer_ids)
+                  if p.to_base58() in weight_caps})
         clipped_group = rule.method == "centered_clip" and len(self.sender_peer_ids) >= 3
 
         def checked(peer_index: int, part_index: int, returned: torch.Tensor):
@@ -136,8 +137,8 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
             raise
 
 
-class CheckedRounds(LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly, PlansRounds,
-                    ReadsSignedProgress):
+# the two mixins of collab's own names first: a name hivemind's classes gain in an upgrade cannot hide theirs
+class CheckedRounds(PlansRounds, ReadsSignedProgress, LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly):
     """A DecentralizedAverager mixin. Set `rule`, `kind` ("gradients" or "state") and `findings` (a queue, or
     None) before hivemind's constructor starts the averager process."""
 
