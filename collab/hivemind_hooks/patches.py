@@ -22,7 +22,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from collab.hivemind_hooks.locks import DeathSafeLock
@@ -216,6 +216,22 @@ def sign_progress_with(private_key) -> None:
     into the first: make that key the libp2p identity's, so each record this peer writes is signed by the key its
     peer id derives from, and readers can check that."""
     RSAPrivateKey._process_wide_key = private_key
+
+
+def public_keys_also_read_by(prefix: bytes, read: Callable[[bytes], object]) -> None:
+    """hivemind reads every public key a record's owner marker or an access token names with RSAPublicKey.from_bytes
+    (its signature validator, its TokenAuthorizerBase): keys that start with `prefix` are read by `read` instead
+    (collab.records.keys: Ed25519), so a run's records and requests may be signed by either kind. Once per process,
+    before the DHT's process forks."""
+    if getattr(RSAPublicKey.from_bytes, "_collab_also_read", False):
+        return
+    read_rsa = RSAPublicKey.from_bytes
+
+    def from_bytes(cls, key: bytes):
+        return read(key) if isinstance(key, bytes) and key.startswith(prefix) else read_rsa(key)
+
+    from_bytes._collab_also_read = True
+    RSAPublicKey.from_bytes = classmethod(from_bytes)
 
 
 def step_controls_in_flight() -> list:

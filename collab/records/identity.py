@@ -1,10 +1,12 @@
-"""Who a peer is: one RSA key that is both its libp2p identity (its peer id) and the key that signs its records.
+"""Who a peer is: one key that is both its libp2p identity (its peer id) and the key that signs its records.
 
-hivemind signs DHT records with an RSA key named in each record's subkey ("[owner:ssh-rsa ...]"), and
-libp2p derives a peer id from its own key. When the two keys are different, a record's `peer_id`
-field is only what the sender wrote: a fresh key could claim another peer's id and take over its row
-on the dashboard. With one key, a reader recomputes the peer id from the signer's public key and
-ignores a record that claims any other (`signer_peer_id`).
+hivemind signs DHT records with the key named in each record's subkey ("[owner:KEY]"), and libp2p derives a peer
+id from its own key. When the two keys are different, a record's `peer_id` field is only what the sender wrote: a
+fresh key could claim another peer's id and take over its row on the dashboard. With one key, a reader recomputes
+the peer id from the signer's public key and ignores a record that claims any other (`signer_peer_id`).
+
+A new identity is an Ed25519 key (collab.records.keys: a record a third of its RSA size); an identity file made
+before 2026-12-05 holds an RSA key, which still works, in a swarm of either kind.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ _OWNER = re.compile(rb"\[owner:(.+?)\]")  # hivemind.dht.crypto.RSASignatureVali
 
 @dataclass
 class Identity:
-    key: "object"  # hivemind.utils.crypto.RSAPrivateKey
+    key: "object"  # collab.records.keys.Ed25519PrivateKey, or hivemind's RSAPrivateKey (an older identity file)
     peer_id: str  # base58, as libp2p derives it from `key`
     path: Optional[Path] = None  # the identity file (--identity); None: this key lives for this run only
 
@@ -48,13 +50,13 @@ class Identity:
 
 
 def load_or_create_identity(path: Optional[Path]) -> Identity:
-    """The key in `path` (hivemind's identity format, created if missing), or a new one for this run only."""
-    from hivemind.utils.crypto import RSAPrivateKey
+    """The key in `path` (libp2p's private key format, created if missing), or a new one for this run only."""
+    from collab.records.keys import Ed25519PrivateKey
 
     if path is not None and Path(path).is_file():
         key = _read_identity(Path(path))
         return Identity(key, peer_id_of(key.get_public_key()), Path(path))
-    key = RSAPrivateKey()
+    key = Ed25519PrivateKey()
     if path is not None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,9 +66,17 @@ def load_or_create_identity(path: Optional[Path]) -> Identity:
 
 
 def _serialized(key) -> bytes:
+    """libp2p's PrivateKey message, which p2pd reads (-id): an Ed25519 key as its seed and public key, 64 bytes."""
     from hivemind.proto import crypto_pb2
 
-    return crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+    from collab.records.keys import Ed25519PrivateKey
+
+    if isinstance(key, Ed25519PrivateKey):
+        pair = key.raw() + key.get_public_key().raw()
+        message = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=pair)
+    else:
+        message = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes())
+    return message.SerializeToString()
 
 
 def _read_identity(path: Path):
@@ -74,15 +84,27 @@ def _read_identity(path: Path):
     from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import crypto_pb2
 
+    from collab.records.keys import Ed25519PrivateKey
+
     try:
         message = crypto_pb2.PrivateKey.FromString(path.read_bytes())
-        private = serialization.load_der_private_key(message.data, password=None)
     except Exception:
-        raise UserError(f"{path} is not a peer identity file; pass another --identity path (a new one is "
-                        "created if the file does not exist)") from None
-    if message.key_type != crypto_pb2.KeyType.RSA or not isinstance(private, rsa.RSAPrivateKey):
-        raise UserError(f"{path} holds a non-RSA key; collab signs records with the identity key, which must be "
-                        "RSA: pass a new --identity path")
+        message = None
+    if message is not None and message.key_type not in (crypto_pb2.KeyType.Ed25519, crypto_pb2.KeyType.RSA):
+        raise UserError(f"{path} holds a {crypto_pb2.KeyType.Name(message.key_type)} key; collab signs records with "
+                        "the identity key, which must be Ed25519 or RSA: pass a new --identity path")
+    try:
+        if message.key_type == crypto_pb2.KeyType.Ed25519:
+            key = Ed25519PrivateKey.from_raw(message.data[:32])
+            if len(message.data) != 64 or key.get_public_key().raw() != message.data[32:]:
+                raise ValueError("the seed and the public key do not match")
+            return key
+        private = serialization.load_der_private_key(message.data, password=None)
+        if not isinstance(private, rsa.RSAPrivateKey):
+            raise ValueError("not an RSA key")
+    except Exception:
+        raise UserError(f"{path} is not a peer identity file; pass another --identity path (a new one is created "
+                        "if the file does not exist)") from None
     return wrap_rsa_key(private)
 
 
@@ -103,12 +125,18 @@ def wrap_rsa_key(private):
 
 
 def peer_id_of(public_key) -> str:
-    """The libp2p peer id (base58) of an RSA public key (hivemind's RSAPublicKey), as libp2p computes it."""
+    """The libp2p peer id (base58) of a public key (Ed25519, or hivemind's RSAPublicKey), as libp2p computes it: a
+    key's protobuf encoding, inlined when it is short (Ed25519's: the "identity" multihash), else its sha2-256."""
     from cryptography.hazmat.primitives import serialization
     from hivemind.p2p import PeerID
     from hivemind.proto import crypto_pb2
     from multihash import coerce_code, encode
 
+    from collab.records.keys import Ed25519PublicKey
+
+    if isinstance(public_key, Ed25519PublicKey):
+        encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.Ed25519, data=public_key.raw()).SerializeToString()
+        return PeerID(bytes([0x00, len(encoded)]) + encoded).to_base58()  # 0x00: the identity multihash
     der = public_key._public_key.public_bytes(encoding=serialization.Encoding.DER,
                                               format=serialization.PublicFormat.SubjectPublicKeyInfo)
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
@@ -117,7 +145,7 @@ def peer_id_of(public_key) -> str:
 
 def signer_peer_id(subkey) -> Optional[str]:
     """The peer id of the key that signed a DHT record, from the record's subkey; None if it names no key."""
-    from hivemind.utils.crypto import RSAPublicKey
+    from collab.records.keys import public_key_from_bytes
 
     if not isinstance(subkey, bytes):
         return None
@@ -125,6 +153,6 @@ def signer_peer_id(subkey) -> Optional[str]:
     if len(found) != 1:
         return None
     try:
-        return peer_id_of(RSAPublicKey.from_bytes(found[0]))
+        return peer_id_of(public_key_from_bytes(found[0]))
     except Exception:
         return None

@@ -1,7 +1,7 @@
 """Each DHT record checked once: the run's record validators, with their verdicts remembered.
 
 A read of a dictionary key (the run's progress, its metrics) walks the DHT, and every node the walk reaches answers
-with every record it holds under the key; hivemind checks each one (the RSA signature over it, then the schema's
+with every record it holds under the key; hivemind checks each one (the signature over it, then the schema's
 pydantic parse). A read therefore checks N records times the nodes that answered, and most of those are the same
 records again: the same bytes from the next node, or from the last read, in which the record had not changed yet.
 Sampled in one of 12 linreg peers' DHT processes (py-spy, 2 cores), those checks were a third of the process's CPU.
@@ -21,7 +21,7 @@ from typing import Iterable
 
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 
-REMEMBERED = 4096  # records: a progress or metrics record is ~1-2 KB with its RSA key and signature
+REMEMBERED = 4096  # records: a progress or metrics record is ~0.3-2 KB with its key and signature
 REMEMBERED_BYTES = 16 * 2**20  # and at most this much of them (key, subkey and value) per DHT process
 
 

@@ -20,9 +20,9 @@ from typing import Optional
 from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
-from hivemind.utils.crypto import RSAPublicKey
 
 from collab.records.identity import peer_id_of, signer_peer_id
+from collab.records.keys import public_key_from_bytes
 from collab.run.access import AccessList, Invite, expired, invite_payload, newest_revocations, signed_by
 
 MEMBERS_SUFFIX = "_members"
@@ -58,7 +58,7 @@ class RunAuthorizer(TokenAuthorizerBase):
         if known is None:
             try:
                 expires_at = int(token.expiration_time)
-                key_owner = peer_id_of(RSAPublicKey.from_bytes(token.public_key))
+                key_owner = peer_id_of(public_key_from_bytes(token.public_key))
             except Exception:
                 return "malformed"
             if key_owner != token.username:
