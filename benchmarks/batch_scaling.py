@@ -143,13 +143,13 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=LINREG["dim"], help="linreg's dimension: its B_noise is dim + 1")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
-    from hivemind.p2p import P2P
+    from collab.records.identity import load_or_create_identity
 
     work = Path(tempfile.mkdtemp(prefix="collab-batch-scaling-"))
     print(f"peers' logs and summaries (noise_inputs: each round's norms) under {work}", flush=True)
     (work / "ids").mkdir()
     for i in range(PEERS):
-        P2P.generate_identity(str(work / "ids" / f"peer{i}.identity"))
+        load_or_create_identity(work / "ids" / f"peer{i}.identity")
     rows = [f"fixed-{args.base}", *(r for r in args.rows.split(",") if r != f"fixed-{args.base}")]
     results = {}
     for row in rows:

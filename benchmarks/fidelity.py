@@ -242,14 +242,14 @@ def main() -> int:
                         help="which tiny model the rows train (causal-lm: the Llama-style decoder)")
     args = parser.parse_args()
     codecs, seeds = args.codecs.split(","), [int(s) for s in args.seeds.split(",")]
-    from hivemind.p2p import P2P
+    from collab.records.identity import load_or_create_identity
 
     work = Path(tempfile.mkdtemp(prefix="collab-fidelity-"))
     single, single_losses, single_eval, initial_eval = {}, {}, {}, {}
     for seed in seeds:
         (work / f"ids{seed}").mkdir()
         for i in range(PEERS):
-            P2P.generate_identity(str(work / f"ids{seed}" / f"peer{i}.identity"))
+            load_or_create_identity(work / f"ids{seed}" / f"peer{i}.identity")
         initial_eval[seed] = eval_loss(args, seed)
         single_losses[seed], single_eval[seed] = single_process(args, seed)
         single[seed] = progress(single_losses[seed])

@@ -1,15 +1,18 @@
 """What a read of a run's records costs the reading peer's DHT process, as the swarm grows: hivemind's validators
-checking every record in every answer, against collab's remembered verdicts (collab.records.verdicts).
+checking every record in every answer, against collab's remembered verdicts (collab.records.verdicts); and what the
+signers' kind of key costs: Ed25519 (a new identity since 2026-12-05, collab.records.keys) against RSA-2048.
 
 `--nodes` real DHT nodes (each its own process and p2pd, on 127.0.0.1) all hold N signed metrics records under the
-run's metrics key, each signed by its own RSA key as N peers would. One node reads the key `--reads` times, as
+run's metrics key, each signed by its own key (`--keys`) as N peers would. One node reads the key `--reads` times, as
 collab's peers read the progress and metrics keys, while this script measures the CPU time of that node's process.
 Between two reads, `--changing` of the records are replaced by newer ones (a peer's record changes every 0.5-2.5 s
 and each peer reads about as often; 12 linreg peers' DHT nodes found 75-87% of the records they checked already
 seen, in `dht.records` of their summaries). Each N twice: a reader with hivemind's validators as they come, and one
-with the same validators behind RememberedVerdicts; the other nodes are the same.
+with the same validators behind RememberedVerdicts; the other nodes are the same. The bytes are those the reader's
+node received a read (collab.swarm.dht_traffic).
 
-    python3 benchmarks/record_reads.py [--peers 16,64,256] [--nodes 6] [--reads 40] [--changing 0.33]
+    python3 benchmarks/record_reads.py [--peers 16,64,256] [--keys ed25519,rsa] [--nodes 6] [--reads 40]
+        [--changing 0.33]
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from collab.hivemind_hooks.patches import public_keys_also_read_by
+from collab.records.keys import PREFIX, Ed25519PrivateKey, Ed25519PublicKey
 from collab.records.metrics import METRICS_SUFFIX, MetricsSchema, PeerMetricsRecord
 from collab.records.verdicts import RememberedVerdicts
+from collab.swarm.dht_traffic import dht_requests, start_counting
 
 RUN = "reads"
 KEY = RUN + METRICS_SUFFIX
@@ -39,11 +45,14 @@ def validators() -> list:
     return [SchemaValidator(MetricsSchema, prefix=RUN), RSASignatureValidator(RSAPrivateKey())]
 
 
+KEYS = {"ed25519": Ed25519PrivateKey, "rsa": RSAPrivateKey}
+
+
 class Signers:
     """N peers' keys, and their metrics records signed as each peer's DHT node would sign them."""
 
-    def __init__(self, peers: int):
-        self.signatures = [RSASignatureValidator(RSAPrivateKey()) for _ in range(peers)]
+    def __init__(self, peers: int, kind: str):
+        self.signatures = [RSASignatureValidator(KEYS[kind]()) for _ in range(peers)]
         self.key_id = DHTID.generate(source=KEY)
 
     def record(self, index: int, version: int, expiration: float) -> tuple[bytes, bytes, float]:
@@ -73,8 +82,8 @@ class ReaderDHT(DHT):
         super().__init__(*args, **kwargs)
 
 
-def measure(peers: int, nodes: int, reads: int, changing: float, remember: bool) -> dict:
-    signers = Signers(peers)
+def measure(peers: int, kind: str, nodes: int, reads: int, changing: float, remember: bool) -> dict:
+    signers = Signers(peers, kind)
     holders = [DHT(start=True, record_validators=validators())]
     for _ in range(nodes - 2):
         holders.append(DHT(initial_peers=holders[0].get_visible_maddrs(), start=True,
@@ -89,6 +98,7 @@ def measure(peers: int, nodes: int, reads: int, changing: float, remember: bool)
         _give(holders, signers.key_id, records)
         process = psutil.Process(reader.pid)
         assert len(reader.get(KEY, latest=True).value) == peers  # warm: routing table filled, every record there
+        start_counting(reader)
         cpu, wall, per_read = _cpu(process), time.monotonic(), max(1, round(changing * peers))
         for read in range(reads):
             changed = []
@@ -100,8 +110,10 @@ def measure(peers: int, nodes: int, reads: int, changing: float, remember: bool)
             found = reader.get(KEY, latest=True)
             assert found is not None and len(found.value) == peers, "a read lost records"
         spent, wall = _cpu(process) - cpu, time.monotonic() - wall
-        return {"cpu_ms": 1000 * spent / reads, "wall_ms": 1000 * wall / reads,
-                "counts": reader.run_coroutine(_counts)}
+        received = dht_requests(reader)["bytes_received"]
+        subkey, value, _ = records[0]
+        return {"cpu_ms": 1000 * spent / reads, "wall_ms": 1000 * wall / reads, "kb": received / reads / 1024,
+                "record_bytes": len(subkey) + len(value), "counts": reader.run_coroutine(_counts)}
     finally:
         for dht in [reader, *holders]:
             dht.shutdown()
@@ -123,22 +135,36 @@ def _cpu(process: psutil.Process) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default="16,64,256", help="records under the key (one per peer)")
+    parser.add_argument("--keys", default="ed25519,rsa", help="the signers' kind of key: ed25519, rsa or both")
     parser.add_argument("--nodes", type=int, default=6, help="DHT nodes, the reader included")
     parser.add_argument("--reads", type=int, default=40)
     parser.add_argument("--changing", type=float, default=0.33, help="share of the records replaced between reads")
     args = parser.parse_args()
+    kinds = args.keys.split(",")
+    if not set(kinds) <= set(KEYS):
+        parser.error(f"--keys {args.keys!r}: choose from {', '.join(KEYS)}")
+    public_keys_also_read_by(PREFIX, Ed25519PublicKey.from_bytes)  # as a peer does, before its DHT's process forks
     print(f"{args.nodes} DHT nodes on 127.0.0.1, {args.reads} reads of the metrics key, "
           f"{args.changing:.0%} of the records newer before each read")
-    print("| peers (records) | hivemind's checks: CPU ms/read | remembered: CPU ms/read | ratio | records checked / "
-          "remembered | read wall ms (hivemind / remembered) |")
-    print("|---|---|---|---|---|---|")
+    print("| peers (records) | signers' key | bytes/record | KB received/read | hivemind's checks: CPU ms/read | "
+          "remembered: CPU ms/read | ratio | records checked / remembered | read wall ms (hivemind / remembered) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = {}
     for peers in [int(n) for n in args.peers.split(",")]:
-        plain = measure(peers, args.nodes, args.reads, args.changing, remember=False)
-        kept = measure(peers, args.nodes, args.reads, args.changing, remember=True)
-        counts = kept["counts"]
-        print(f"| {peers} | {plain['cpu_ms']:.1f} | {kept['cpu_ms']:.1f} | {plain['cpu_ms'] / kept['cpu_ms']:.2f} | "
-              f"{counts['checked']} / {counts['remembered']} | {plain['wall_ms']:.0f} / {kept['wall_ms']:.0f} |",
-              flush=True)
+        for kind in kinds:
+            plain = measure(peers, kind, args.nodes, args.reads, args.changing, remember=False)
+            kept = rows[peers, kind] = measure(peers, kind, args.nodes, args.reads, args.changing, remember=True)
+            counts = kept["counts"]
+            print(f"| {peers} | {kind} | {kept['record_bytes']} | {kept['kb']:.1f} | {plain['cpu_ms']:.1f} | "
+                  f"{kept['cpu_ms']:.1f} | {plain['cpu_ms'] / kept['cpu_ms']:.2f} | {counts['checked']} / "
+                  f"{counts['remembered']} | {plain['wall_ms']:.0f} / {kept['wall_ms']:.0f} |", flush=True)
+    if set(kinds) == set(KEYS):
+        print("\n| peers | Ed25519 / RSA: bytes a record | KB a read | CPU a read (remembered) | wall a read |")
+        print("|---|---|---|---|---|")
+        for peers in sorted({n for n, _ in rows}):
+            ed, rsa = rows[peers, "ed25519"], rows[peers, "rsa"]
+            print(f"| {peers} | {ed['record_bytes'] / rsa['record_bytes']:.2f} | {ed['kb'] / rsa['kb']:.2f} | "
+                  f"{ed['cpu_ms'] / rsa['cpu_ms']:.2f} | {ed['wall_ms'] / rsa['wall_ms']:.2f} |")
 
 
 if __name__ == "__main__":

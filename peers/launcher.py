@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
-from hivemind.p2p import P2P, PeerID
 
 from collab.peers.forkserver import ForkServer
 from collab.process.reaper import hivemind_sockets, remove_sockets_of, running_after
+from collab.records.identity import load_or_create_identity
 
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
@@ -89,10 +89,9 @@ class PeerProcess:
         return f"/ip4/{self.placement.host}/tcp/{self.placement.port}/p2p/{self.peer_id}"
 
     def make_identity(self) -> None:
-        """Create the libp2p key now (the peer reuses it), so its peer id is known before it starts."""
-        if not self.identity_path.exists():
-            P2P.generate_identity(str(self.identity_path))
-        self.peer_id = PeerID.from_identity(self.identity_path.read_bytes()).to_base58()
+        """Create the peer's key now (the peer reuses it: `collab join` makes the same kind), so its peer id is known
+        before it starts."""
+        self.peer_id = load_or_create_identity(self.identity_path).peer_id
 
     def start(self, extra: list[str] = (), env: Optional[dict] = None, forks=None) -> None:
         """Start this peer: forked from `forks` (a started ForkServer) when it can run the command, else a process."""
