@@ -1,7 +1,7 @@
 """The dashboard at 1,000 peers, without a swarm: synthetic peers' signed records, read and served as a live run's.
 
-Each synthetic peer has its own RSA key; its metrics and progress records are signed with it by hivemind's
-RSASignatureValidator and checked by the validators every honest DHT node of the run runs (the run's
+Each synthetic peer has its own Ed25519 key, as a new peer does; its metrics and progress records are signed with
+it by hivemind's RSASignatureValidator and checked by the validators every honest DHT node of the run runs (the run's
 schemas and the signature) before a reader may see them. `SignedRecordsDHT.get` answers as hivemind's
 DHT.get does, and the dashboard's collector reads it through collab.swarm.state.read_run_state every
 interval, as it reads a live swarm (tests/unit/test_dashboard_scale.py uses the same peers).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
+import hashlib
 import socket
 import subprocess
 import sys
@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
-from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -43,37 +42,25 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collab.records.identity import peer_id_of, wrap_rsa_key  # noqa: E402
+from collab.hivemind_hooks.patches import public_keys_also_read_by  # noqa: E402
+from collab.records.identity import peer_id_of  # noqa: E402
+from collab.records.keys import PREFIX, Ed25519PrivateKey, Ed25519PublicKey  # noqa: E402
 from collab.records.metrics import PROGRESS_SUFFIX, MetricsSchema, PeerMetricsRecord, metrics_key  # noqa: E402
 
 EXPIRATION = 300.0  # seconds, as collab peers publish their metrics
 
 
-def rsa_keys(count: int, seed: int = 0) -> Iterator:
-    """`count` distinct real RSA keys (hivemind's RSAPrivateKey), 1024-bit, each from two primes of a small pool.
-
-    A peer's 2048-bit key takes ~70 ms to make (70 s for a thousand peers); the pairs of a pool of primes give a
-    thousand keys in about a second. Their signatures verify as any peer's do; the primes they share would make
-    them worthless as secrets, which synthetic peers do not need."""
-    primes: list[int] = []
-    while len(primes) * (len(primes) - 1) // 2 < count:
-        numbers = rsa.generate_private_key(public_exponent=65537, key_size=1024).private_numbers()
-        primes += [numbers.p, numbers.q]
-    pairs = [(p, q) for i, p in enumerate(primes) for q in primes[i + 1:]]
-    random.Random(seed).shuffle(pairs)
-    for p, q in pairs[:count]:
-        n, e = p * q, 65537
-        d = rsa.rsa_recover_private_exponent(e, p, q)
-        numbers = rsa.RSAPrivateNumbers(p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q),
-                                        rsa.rsa_crt_iqmp(p, q), rsa.RSAPublicNumbers(e, n))
-        yield wrap_rsa_key(numbers.private_key(unsafe_skip_rsa_key_validation=True))
+def keys(count: int, seed: int = 0) -> Iterator:
+    """`count` distinct Ed25519 keys (collab.records.keys, a new peer's kind), the same for the same seed."""
+    for index in range(count):
+        yield Ed25519PrivateKey.from_raw(hashlib.sha256(f"synthetic-{seed}-{index}".encode()).digest())
 
 
 @dataclass
 class SyntheticPeer:
-    key: object  # hivemind's RSAPrivateKey
+    key: object  # collab.records.keys.Ed25519PrivateKey
     peer_id: str  # base58, derived from the key as libp2p does
-    subkey: bytes  # "[owner:ssh-rsa ...]": the subkey its records are stored under
+    subkey: bytes  # "[owner:ed25519:...]": the subkey its records are stored under
 
     @classmethod
     def from_key(cls, key) -> "SyntheticPeer":
@@ -81,7 +68,7 @@ class SyntheticPeer:
 
 
 def synthetic_peers(count: int, seed: int = 0) -> list[SyntheticPeer]:
-    return [SyntheticPeer.from_key(key) for key in rsa_keys(count, seed)]
+    return [SyntheticPeer.from_key(key) for key in keys(count, seed)]
 
 
 def metrics_record(peer: SyntheticPeer, index: int, now: float, epoch: int = 40) -> dict:
@@ -107,10 +94,11 @@ class SignedRecordsDHT:
     def __init__(self, run_id: str):
         self.run_id = run_id
         self.records: dict[str, dict[bytes, ValueWithExpiration]] = {}
+        public_keys_also_read_by(PREFIX, Ed25519PublicKey.from_bytes)  # as a peer's node reads Ed25519 keys
         # what an honest node of the run checks every record against (collab.swarm.node, hivemind's tracker)
         self.validator = CompositeValidator([SchemaValidator(MetricsSchema, prefix=run_id),
                                              SchemaValidator(TrainingProgressSchema, prefix=run_id),
-                                             RSASignatureValidator(next(rsa_keys(1, seed=1)))])
+                                             RSASignatureValidator(next(keys(1, seed=1)))])
 
     def store(self, peer: SyntheticPeer, key: str, value: dict, expiration_time: float) -> None:
         """Sign `value` with the peer's key as hivemind does, and keep it only if the run's validators accept it."""

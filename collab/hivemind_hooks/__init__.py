@@ -148,6 +148,7 @@ PATCHED = (
     "hivemind.averaging.allreduce.deserialize_torch_tensor",  # collab's decoders (fixed 8-bit, DGC's sparse parts)
     "hivemind.utils.crypto.RSAPrivateKey._process_wide_key",  # the tracker signs with the libp2p identity's key
     "hivemind.utils.crypto.RSAPublicKey.from_bytes",  # reads collab's Ed25519 keys too (records, access tokens)
+    "hivemind.p2p.PeerID.from_identity",  # reads Ed25519 identity files too (P2P.create's is_identity_taken)
     "hivemind.averaging.matchmaking.Matchmaking._request_join_group",  # never ask a banned leader
     "hivemind.averaging.matchmaking.Matchmaking.look_for_group",  # each search for a group timed
     "hivemind.averaging.matchmaking.PotentialLeaders.pop_next_leader",  # the planned leader asked first

@@ -19,7 +19,7 @@ from hivemind.averaging import allreduce
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -232,6 +232,23 @@ def public_keys_also_read_by(prefix: bytes, read: Callable[[bytes], object]) -> 
 
     from_bytes._collab_also_read = True
     RSAPublicKey.from_bytes = classmethod(from_bytes)
+
+
+def identities_also_read_by(read: Callable[[bytes], Optional[str]]) -> None:
+    """hivemind's PeerID.from_identity reads only RSA identity files, and P2P.create calls it on every start that
+    bootstraps (to ask whether another peer runs with the same identity): `read(file bytes)` answers first with the
+    peer id (base58) of the kinds it knows (collab.records.identity: Ed25519), None for hivemind's to read. Once per
+    process, before the DHT's process forks."""
+    if getattr(PeerID.from_identity, "_collab_also_read", False):
+        return
+    read_rsa = PeerID.from_identity
+
+    def from_identity(cls, data: bytes):
+        peer_id = read(data)
+        return cls.from_base58(peer_id) if peer_id is not None else read_rsa(data)
+
+    from_identity._collab_also_read = True
+    PeerID.from_identity = classmethod(from_identity)
 
 
 def step_controls_in_flight() -> list:

@@ -143,6 +143,21 @@ def peer_id_of(public_key) -> str:
     return PeerID(encode(hashlib.sha256(encoded).digest(), coerce_code("sha2-256"))).to_base58()
 
 
+def peer_id_of_ed25519_file(data: bytes) -> Optional[str]:
+    """The peer id of an Ed25519 identity file's bytes; None for any other (hivemind reads RSA ones itself)."""
+    from hivemind.proto import crypto_pb2
+
+    from collab.records.keys import Ed25519PrivateKey
+
+    try:
+        message = crypto_pb2.PrivateKey.FromString(data)
+    except Exception:
+        return None
+    if message.key_type != crypto_pb2.KeyType.Ed25519 or len(message.data) != 64:
+        return None
+    return peer_id_of(Ed25519PrivateKey.from_raw(message.data[:32]).get_public_key())
+
+
 def signer_peer_id(subkey) -> Optional[str]:
     """The peer id of the key that signed a DHT record, from the record's subkey; None if it names no key."""
     from collab.records.keys import public_key_from_bytes

@@ -73,6 +73,8 @@ class Ed25519PrivateKey:
         return self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                        serialization.NoEncryption())
 
+    to_bytes = raw  # as hivemind's RSAPrivateKey.to_bytes: the private key's own bytes (a peer's seeds hash them)
+
     @classmethod
     def from_raw(cls, seed: bytes) -> "Ed25519PrivateKey":
         return cls(ed25519.Ed25519PrivateKey.from_private_bytes(seed))

@@ -1,6 +1,7 @@
-"""A swarm of an Ed25519 peer and an RSA peer (an identity file made before Ed25519), on real DHT nodes and p2pd:
-p2pd derives the peer id collab computes for each kind (Swarm asserts it at its start), each node's validators accept
-the other kind's signed records, and each record is attributed to its signer's own peer id."""
+"""A swarm of an RSA peer (an identity file made before Ed25519) and an Ed25519 peer that joins it, on real DHT nodes
+and p2pd: the joiner's start reads its identity file (hivemind asks whether another peer runs with it), p2pd derives
+the peer id collab computes for each kind (Swarm asserts it at its start), each node's validators accept the other
+kind's signed records, and each record is attributed to its signer's own peer id."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 from hivemind.utils.crypto import RSAPrivateKey
 
-from collab.records.identity import _serialized, signer_peer_id
+from collab.records.identity import _serialized, load_or_create_identity, signer_peer_id
 from collab.records.keys import Ed25519PrivateKey
 from collab.records.metrics import PeerMetricsRecord, metrics_key, publish
 from collab.swarm.node import PeerConfig, Swarm
@@ -31,13 +32,14 @@ def test_ed25519_and_rsa_peers_read_each_others_signed_records(tmp_path, no_left
     swarms = []
     try:
         first = Swarm(PeerConfig(run_id=run_id, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                 identity=tmp_path / "new.identity"))
+                                 identity=tmp_path / "rsa.identity"))
         swarms.append(first)
+        load_or_create_identity(tmp_path / "new.identity")  # the file exists before the start, as a volunteer's does
         second = Swarm(PeerConfig(run_id=run_id, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[first.best_maddr()], identity=tmp_path / "rsa.identity"))
+                                  initial_peers=[first.best_maddr()], identity=tmp_path / "new.identity"))
         swarms.append(second)
-        assert isinstance(first.identity.key, Ed25519PrivateKey) and first.peer_id.startswith("12D3KooW")
-        assert isinstance(second.identity.key, RSAPrivateKey) and second.peer_id.startswith("Qm")
+        assert isinstance(first.identity.key, RSAPrivateKey) and first.peer_id.startswith("Qm")
+        assert isinstance(second.identity.key, Ed25519PrivateKey) and second.peer_id.startswith("12D3KooW")
         for swarm in swarms:
             record = PeerMetricsRecord(**dict(METRICS_RECORD, peer_id=swarm.peer_id))
             publish(swarm.dht, run_id, swarm.public_key, record, expiration=60)
@@ -49,7 +51,7 @@ def test_ed25519_and_rsa_peers_read_each_others_signed_records(tmp_path, no_left
                 break
             time.sleep(0.3)
         assert all(found == expected for found in seen.values()), seen
-        assert len(first.public_key) < 100 < len(second.public_key)  # "[owner:ed25519:...]" against an RSA key's
+        assert len(second.public_key) < 100 < len(first.public_key)  # "[owner:ed25519:...]" against an RSA key's
     finally:
         for swarm in reversed(swarms):
             swarm.shutdown()
