@@ -42,9 +42,8 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collab.hivemind_hooks.patches import public_keys_also_read_by  # noqa: E402
-from collab.records.identity import peer_id_of  # noqa: E402
-from collab.records.keys import PREFIX, Ed25519PrivateKey, Ed25519PublicKey  # noqa: E402
+from collab.records.identity import hivemind_reads_ed25519, peer_id_of  # noqa: E402
+from collab.records.keys import Ed25519PrivateKey  # noqa: E402
 from collab.records.metrics import PROGRESS_SUFFIX, MetricsSchema, PeerMetricsRecord, metrics_key  # noqa: E402
 
 EXPIRATION = 300.0  # seconds, as collab peers publish their metrics
@@ -94,7 +93,7 @@ class SignedRecordsDHT:
     def __init__(self, run_id: str):
         self.run_id = run_id
         self.records: dict[str, dict[bytes, ValueWithExpiration]] = {}
-        public_keys_also_read_by(PREFIX, Ed25519PublicKey.from_bytes)  # as a peer's node reads Ed25519 keys
+        hivemind_reads_ed25519()  # as a peer's node reads Ed25519 keys
         # what an honest node of the run checks every record against (collab.swarm.node, hivemind's tracker)
         self.validator = CompositeValidator([SchemaValidator(MetricsSchema, prefix=run_id),
                                              SchemaValidator(TrainingProgressSchema, prefix=run_id),

@@ -31,8 +31,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from collab.hivemind_hooks.patches import public_keys_also_read_by
-from collab.records.keys import PREFIX, Ed25519PrivateKey, Ed25519PublicKey
+from collab.records.identity import hivemind_reads_ed25519
+from collab.records.keys import Ed25519PrivateKey
 from collab.records.metrics import METRICS_SUFFIX, MetricsSchema, PeerMetricsRecord
 from collab.records.verdicts import RememberedVerdicts
 from collab.swarm.dht_traffic import dht_requests, start_counting
@@ -143,7 +143,7 @@ def main() -> None:
     kinds = args.keys.split(",")
     if not set(kinds) <= set(KEYS):
         parser.error(f"--keys {args.keys!r}: choose from {', '.join(KEYS)}")
-    public_keys_also_read_by(PREFIX, Ed25519PublicKey.from_bytes)  # as a peer does, before its DHT's process forks
+    hivemind_reads_ed25519()  # as a peer does, before its DHT's process forks
     print(f"{args.nodes} DHT nodes on 127.0.0.1, {args.reads} reads of the metrics key, "
           f"{args.changing:.0%} of the records newer before each read")
     print("| peers (records) | signers' key | bytes/record | KB received/read | hivemind's checks: CPU ms/read | "

@@ -161,13 +161,14 @@ def _private_member(organizer_key_path: str) -> dict:
 
     from collab.averaging.members_only import MembersOnly
     from collab.hivemind_hooks.patches import sign_progress_with
-    from collab.records.identity import load_or_create_identity, rsa_key_from_der
+    from collab.records.identity import hivemind_reads_ed25519, load_or_create_identity, rsa_key_from_der
     from collab.run.access import make_invite
     from collab.run.gate import MemberGate, RunAuthorizer
 
     organizer = rsa_key_from_der(Path(organizer_key_path).read_bytes())
     identity = load_or_create_identity(None)
     sign_progress_with(identity.key)
+    hivemind_reads_ed25519()  # the other probes' access tokens name Ed25519 keys
     invite = make_invite("probe", identity.peer_id, organizer, lifetime=3600)
     gate = MemberGate("probe", invite.organizer_key)
 

@@ -143,6 +143,16 @@ def peer_id_of(public_key) -> str:
     return PeerID(encode(hashlib.sha256(encoded).digest(), coerce_code("sha2-256"))).to_base58()
 
 
+def hivemind_reads_ed25519() -> None:
+    """hivemind's readers of public keys (record signatures, access tokens) and of identity files (P2P.create) read
+    Ed25519 ones too (collab.hivemind_hooks.patches). In every process that starts a DHT, before it does."""
+    from collab.hivemind_hooks.patches import identities_also_read_by, public_keys_also_read_by
+    from collab.records.keys import PREFIX, Ed25519PublicKey
+
+    public_keys_also_read_by(PREFIX, Ed25519PublicKey.from_bytes)
+    identities_also_read_by(peer_id_of_ed25519_file)
+
+
 def peer_id_of_ed25519_file(data: bytes) -> Optional[str]:
     """The peer id of an Ed25519 identity file's bytes; None for any other (hivemind reads RSA ones itself)."""
     from hivemind.proto import crypto_pb2

@@ -28,14 +28,11 @@ from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
 from collab.hivemind_hooks.dht_node import store_walks_without_values, stores_remember_nodes
 from collab.hivemind_hooks.patches import (cancelled_enters_exit, death_safe_locks, dht_takes_requests,
-                                           failed_p2pd_starts_leave_no_file, identities_also_read_by,
-                                           pipe_reads_take_whole_messages, public_keys_also_read_by,
+                                           failed_p2pd_starts_leave_no_file, pipe_reads_take_whole_messages,
                                            sign_progress_with)
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.process.reaper import end_processes, hivemind_sockets, is_running, remove_sockets_of
-from collab.records.identity import Identity, load_or_create_identity, peer_id_of_ed25519_file
-from collab.records.keys import PREFIX as ED25519_PREFIX
-from collab.records.keys import Ed25519PublicKey
+from collab.records.identity import Identity, hivemind_reads_ed25519, load_or_create_identity
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX, MetricsSchema
 from collab.records.shared_reads import start_sharing
 from collab.records.verdicts import RememberedVerdicts
@@ -136,8 +133,7 @@ class Swarm:
         death_safe_locks()  # before the DHT's process, the first this peer forks, inherits them
         cancelled_enters_exit()
         failed_p2pd_starts_leave_no_file()
-        public_keys_also_read_by(ED25519_PREFIX, Ed25519PublicKey.from_bytes)  # records of either kind of signer
-        identities_also_read_by(peer_id_of_ed25519_file)
+        hivemind_reads_ed25519()  # identity files, records and access tokens of either kind of key
 
         self.peer = peer
         self.identity = identity if identity is not None else load_or_create_identity(peer.identity)

@@ -14,16 +14,16 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from collab.errors import UserError
-from collab.hivemind_hooks.patches import public_keys_also_read_by
-from collab.records.identity import _serialized, load_or_create_identity, peer_id_of, signer_peer_id
-from collab.records.keys import PREFIX, Ed25519PrivateKey, Ed25519PublicKey
+from collab.records.identity import (_serialized, hivemind_reads_ed25519, load_or_create_identity, peer_id_of,
+                                    signer_peer_id)
+from collab.records.keys import PREFIX, Ed25519PrivateKey
 from collab.run.access import make_invite
 from collab.run.gate import RunAuthorizer
 
 
 @pytest.fixture(autouse=True, scope="module")
 def either_kind():
-    public_keys_also_read_by(PREFIX, Ed25519PublicKey.from_bytes)  # as collab.swarm.node does before its DHT
+    hivemind_reads_ed25519()  # as collab.swarm.node does before its DHT
 
 
 def _record(validator: RSASignatureValidator, value: dict) -> DHTRecord:
