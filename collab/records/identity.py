@@ -84,28 +84,34 @@ def _read_identity(path: Path):
     from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import crypto_pb2
 
-    from collab.records.keys import Ed25519PrivateKey
-
+    not_one = UserError(f"{path} is not a peer identity file; pass another --identity path (a new one is created "
+                        "if the file does not exist)")
     try:
         message = crypto_pb2.PrivateKey.FromString(path.read_bytes())
     except Exception:
-        message = None
-    if message is not None and message.key_type not in (crypto_pb2.KeyType.Ed25519, crypto_pb2.KeyType.RSA):
+        raise not_one from None
+    if message.key_type not in (crypto_pb2.KeyType.Ed25519, crypto_pb2.KeyType.RSA):
         raise UserError(f"{path} holds a {crypto_pb2.KeyType.Name(message.key_type)} key; collab signs records with "
                         "the identity key, which must be Ed25519 or RSA: pass a new --identity path")
     try:
         if message.key_type == crypto_pb2.KeyType.Ed25519:
-            key = Ed25519PrivateKey.from_raw(message.data[:32])
-            if len(message.data) != 64 or key.get_public_key().raw() != message.data[32:]:
-                raise ValueError("the seed and the public key do not match")
-            return key
+            return _ed25519_key(message.data)
         private = serialization.load_der_private_key(message.data, password=None)
         if not isinstance(private, rsa.RSAPrivateKey):
             raise ValueError("not an RSA key")
     except Exception:
-        raise UserError(f"{path} is not a peer identity file; pass another --identity path (a new one is created "
-                        "if the file does not exist)") from None
+        raise not_one from None
     return wrap_rsa_key(private)
+
+
+def _ed25519_key(data: bytes):
+    """The key of an Ed25519 identity file's data (libp2p's: the seed, then the public key); ValueError if torn."""
+    from collab.records.keys import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.from_raw(data[:32])
+    if len(data) != 64 or key.get_public_key().raw() != data[32:]:
+        raise ValueError("the seed and the public key do not match")
+    return key
 
 
 def rsa_key_from_der(data: bytes):
@@ -157,15 +163,13 @@ def peer_id_of_ed25519_file(data: bytes) -> Optional[str]:
     """The peer id of an Ed25519 identity file's bytes; None for any other (hivemind reads RSA ones itself)."""
     from hivemind.proto import crypto_pb2
 
-    from collab.records.keys import Ed25519PrivateKey
-
     try:
         message = crypto_pb2.PrivateKey.FromString(data)
+        if message.key_type != crypto_pb2.KeyType.Ed25519:
+            return None
+        return peer_id_of(_ed25519_key(message.data).get_public_key())
     except Exception:
         return None
-    if message.key_type != crypto_pb2.KeyType.Ed25519 or len(message.data) != 64:
-        return None
-    return peer_id_of(Ed25519PrivateKey.from_raw(message.data[:32]).get_public_key())
 
 
 def signer_peer_id(subkey) -> Optional[str]:

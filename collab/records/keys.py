@@ -9,8 +9,9 @@ developers' machine a signature takes 32 us against 250 (a peer signs each progr
 against 43; a check takes 103 us against 23, mostly answered from memory (collab.records.verdicts).
 
 hivemind knows only RSA: `hivemind.utils.crypto.RSAPublicKey.from_bytes` reads every key its signature validator
-and its access tokens name. collab.hivemind_hooks.patches.public_keys_also_read_by makes it read this kind as
-well (installed by collab.swarm.node), so a swarm may mix peers whose identity files hold either kind (files made
+and its access tokens name, and PeerID.from_identity every identity file P2P.create checks; the two patches in
+collab.hivemind_hooks.patches, installed by collab.records.identity.hivemind_reads_ed25519 (Swarm calls it), make
+them read this kind as well, so a swarm may mix peers whose identity files hold either kind (files made
 before 2026-12-05 hold RSA keys).
 """
 
