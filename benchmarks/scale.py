@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -142,7 +143,7 @@ def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str 
     if "{" not in out:
         raise SystemExit(f"collab simulate --peers {peers} printed no report (rc {process.returncode}):\n{err[-3000:]}")
     report = json.loads(out[out.index("{"):])
-    return {"report": report, "cpu": cpu, "rss": rss, "wall": time.monotonic() - started}
+    return {"report": report, "cpu": cpu, "rss": rss, "wall": time.monotonic() - started, "workdir": workdir}
 
 
 def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overlap: str = "none") -> dict:
@@ -217,7 +218,8 @@ def main() -> None:
     parser.add_argument("--rtt-ms", default="0", help="comma-separated round trips between peers, e.g. 0,20,100 "
                         "(above 0: each peer in a network namespace, as root)")
     parser.add_argument("--reports", type=Path, default=None,
-                        help="a folder to keep each swarm's full `collab simulate --json` report in")
+                        help="a folder to keep each swarm's full `collab simulate --json` report and its peers' "
+                        "logs (logs-N-rttMS-OVERLAP.tar.gz) in")
     parser.add_argument("--profile", type=float, default=0.0, help="seconds of py-spy (installed separately) on "
                         "one peer of each swarm, late in its run, kept in --reports")
     args = parser.parse_args()
@@ -258,7 +260,17 @@ def _measured(peers: int, args, folder: Path, rtt_ms: float, overlap: str) -> di
         args.reports.mkdir(parents=True, exist_ok=True)
         path = args.reports / f"swarm-{peers}-rtt{rtt_ms:g}-{overlap}.json"
         path.write_text(json.dumps(result["report"], indent=1))
+        _keep_logs(result["workdir"], args.reports / f"logs-{peers}-rtt{rtt_ms:g}-{overlap}.tar.gz")
     return result
+
+
+def _keep_logs(workdir: Path, archive: Path) -> None:
+    """Every peer's log (and summaries) of one swarm, so that a slow or split run can be read afterwards: the report
+    says what happened, the logs say why. Compressed: a 64-peer run's logs are tens of MB as text."""
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(workdir.glob("*")):
+            if path.is_file() and path.suffix in (".log", ".json"):
+                tar.add(path, arcname=f"{workdir.name}/{path.name}")
 
 
 def _line(r: dict, cores: int) -> str:
