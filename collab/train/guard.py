@@ -10,6 +10,8 @@ trainer reloads the swarm's state.
 
 from __future__ import annotations
 
+import time
+
 RELOAD_AFTER = 8  # non-finite micro-batches in a row before the replica is reloaded from the swarm
 
 
@@ -37,3 +39,15 @@ class BatchGuard:
 
     def replica_is_broken(self) -> bool:
         return self.in_a_row >= RELOAD_AFTER
+
+    def reload_replica(self, opt, summary, display) -> None:
+        """Micro-batch after micro-batch gave NaN or inf: the replica itself is broken (its weights, or a corrupted
+        checkpoint it resumed from). The swarm's state replaces it; alone, there is nothing to reload from.
+        `opt`: the peer's averaging mode (collab.modes); `summary` and `display`: the trainer's."""
+        why = ", ".join(f"{n} {reason}" for reason, n in self.dropped.items())
+        display.message(f"{RELOAD_AFTER} micro-batches in a row were dropped ({why} so far): this replica is "
+                        "broken; reloading the swarm's state")
+        summary.reloads += 1
+        self.in_a_row = 0
+        if not opt.load_state_from_peers(deadline=time.monotonic() + opt.load_state_timeout):
+            display.message("No peer gave its state: training on with this replica")

@@ -17,7 +17,7 @@ from collab.data.feed import FeedStopped
 from collab.modes import AveragingMode
 from collab.process.lifecycle import StopOnSignal
 from collab.records.identity import load_or_create_identity
-from collab.records.metrics import AveragingLog, PeerMetricsRecord, loss_for_record, publish, rate_for_record
+from collab.records.metrics import AveragingLog
 from collab.run.gate import MemberGate
 from collab.run.sharer import SharedRun
 from collab.swarm.dht_traffic import READ_TIMEOUT, ask_for_counts, counts_answered
@@ -29,10 +29,11 @@ from collab.train.compiling import warm_up
 from collab.train.cpu_threads import one_thread_team
 from collab.train.data_feed import PLACE_KEY, PeerData
 from collab.train.micro_batch import with_micro_batch
-from collab.train.guard import RELOAD_AFTER, BatchGuard
+from collab.train.guard import BatchGuard
+from collab.train.announce import publish_metrics
 from collab.train.local_group import LocalGroup, resolve_devices
 from collab.train.make_optimizer import build_optimizer
-from collab.train.plan_keeper import plan_fields, plan_in_force
+from collab.train.plan_keeper import plan_in_force
 from collab.train.pipeline import BatchPipeline, bound_warning, peer_batches
 from collab.train.precision import Precision
 from collab.train.progress import ProgressDisplay, Snapshot
@@ -42,7 +43,6 @@ from collab.train.window import GradientWindow
 
 PUBLISH_EVERY = 10.0  # seconds; also at every epoch
 HOLD_POLL = 0.25  # seconds between looks at the others' progress while a --wait-peers start holds
-METRICS_RECORD_LIFETIME = 300.0  # seconds a peer's metrics record lives in the DHT unless republished
 # seconds of a signalled leave's grace kept for what follows the exit figures: the DHT's and the helpers' shutdown,
 # the summary (~1 s measured beside a CPU hog, 4 peers leaving at once on 2 cores)
 AFTER_THE_FIGURES = 2.5
@@ -310,7 +310,7 @@ class TrainingLoop:
         summary.fp16_overflows = self.precision.overflows
         summary.batches_dropped = dict(guard.dropped)
         if broken:
-            _reload_broken_replica(opt, guard, summary, self.display)
+            guard.reload_replica(opt, summary, self.display)
         eta = opt.tracker.estimated_next_update_time - get_dht_time()
         window.resize(time.monotonic() - self._window_opened, own, eta)
         return bool(good)
@@ -390,39 +390,10 @@ class TrainingLoop:
         self.summary.checkpoint = str(path)
 
     def _publish(self) -> None:
-        opt, config, swarm, summary, log = self.opt, self.config, self.swarm, self.summary, self.log
-        report = opt.mode_report()
-        gossip = report.gossip
         data = self.services.data
         if data is not None:
-            data.settle(opt.rejections)
-        record = PeerMetricsRecord(
-            peer_id=swarm.peer_id,
-            role="trainer",
-            epoch=opt.local_epoch,
-            loss=loss_for_record(self.epoch_loss.last_mean),
-            samples_per_second=rate_for_record(opt.tracker.performance_ema.samples_per_second),
-            samples_contributed=summary.samples_contributed,
-            target_batch_size=config.training.target_batch_size,
-            client_mode=swarm.peer.client_mode,
-            bandwidth_mbps=config.averaging.bandwidth,
-            rounds_joined=log.joined,
-            rounds_failed=log.failed,
-            last_group_size=log.last_group_size,
-            time=time.time(),
-            batches_dropped=sum(summary.batches_dropped.values()),
-            rejected=opt.rejections.for_record(),
-            **dict(zip(("mb_per_round", "fewer_bytes_than_fp32"), opt.traffic.per_round())),
-            mode=config.averaging.mode,
-            inner_steps=report.inner_steps,
-            pseudo_gradient_norm=report.pseudo_gradient_norm,
-            **(dict(merges_per_minute=gossip["merges_per_minute"], merge_update_norm=gossip["last_update_norm"],
-                    param_norm=gossip["param_norm"], param_sketch=gossip["sketch"]) if gossip else {}),
-            **report.noise,
-            **plan_fields(opt.plan_keeper, opt.local_epoch, config.training),
-            **(data.record_fields() if data is not None else {}),
-        )
-        publish(swarm.dht, swarm.peer.run_id, swarm.public_key, record, METRICS_RECORD_LIFETIME)
+            data.settle(self.opt.rejections)
+        publish_metrics(self.opt, self.config, self.swarm, self.summary, self.log, self.epoch_loss.last_mean, data)
 
     def _snapshot(self) -> Snapshot:
         opt = self.opt
@@ -437,18 +408,6 @@ class TrainingLoop:
             samples_contributed=self.summary.samples_contributed,
             rounds_joined=self.log.joined,
         )
-
-
-def _reload_broken_replica(opt: AveragingMode, guard: BatchGuard, summary: Summary, display: ProgressDisplay) -> None:
-    """Micro-batch after micro-batch gave NaN or inf: the replica itself is broken (its weights, or a corrupted
-    checkpoint it resumed from). The swarm's state replaces it; alone, there is nothing to reload from."""
-    why = ", ".join(f"{n} {reason}" for reason, n in guard.dropped.items())
-    display.message(f"{RELOAD_AFTER} micro-batches in a row were dropped ({why} so far): this replica is broken; "
-                    "reloading the swarm's state")
-    summary.reloads += 1
-    guard.in_a_row = 0
-    if not opt.load_state_from_peers(deadline=time.monotonic() + opt.load_state_timeout):
-        display.message("No peer gave its state: training on with this replica")
 
 
 def leave_before_start(options: JoinOptions) -> Summary:
