@@ -1,33 +1,30 @@
 """What every averaging mode's optimizer shares: hivemind.Optimizer built with collab's progress tracker and state
 averager; the swarm's epoch label, the batch plan it follows and a healed lineage split; whether the replica is the
 swarm's (collab.modes.replica_sync) and the download that makes it so; a private run's revocations; and leaving, at
---max-epochs or on a signal. Each mode composes this base with what is its own: sync (collab.modes.sync) the
-gradient rounds and what follows a failed one, diloco (on sync) its outer steps, gossip its pairwise exchanges.
+--max-epochs or on a signal (collab.modes.leaving). Each mode composes this base with what is its own: sync
+(collab.modes.sync) the gradient rounds and what follows a failed one, diloco (on sync) its outer steps, gossip its
+pairwise exchanges.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Optional
 
-from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
 
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace
 from collab.averaging.replica import RecordingStateAverager, others_present, wait_for_a_donor_at
-from collab.averaging.round_control import cancel_round
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.hivemind_hooks.optimizer import OptimizerHooks
-from collab.hivemind_hooks.patches import step_controls_in_flight, update_scheduler
+from collab.hivemind_hooks.patches import update_scheduler
 from collab.modes import ModeReport
+from collab.modes.leaving import LeavesTheSwarm, LeavingMidStep, QuietLeave
 from collab.modes.replica_sync import OwnStep, ReplicaSync
 from collab.modes.tracker import HonestProgressTracker
 from collab.records.metrics import AveragingLog
@@ -41,35 +38,7 @@ MID_STEP_PAUSE = 0.5  # this long apart (a donor's optimizer step takes millisec
 logger = get_logger(__name__)
 
 
-class LeavingMidStep(Exception):
-    """Raised inside opt.step() when the peer was asked to leave while its epoch's round ran."""
-
-
-class _QuietLeave(logging.Filter):
-    """hivemind's background step logs an error and the traceback of what its trigger raised: not for a leave.
-    One per process, on hivemind's logger; each optimizer adds its stop event."""
-
-    def __init__(self):
-        super().__init__()
-        self.stops: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, LeavingMidStep) or (record.exc_info and isinstance(record.exc_info[1], LeavingMidStep)):
-            return False
-        leaving = any(stop.is_set() for stop in list(self.stops))
-        return not (leaving and "wait_for_trigger raised exception" in str(record.msg))
-
-    @classmethod
-    def install(cls, stop: threading.Event) -> None:
-        logger = logging.getLogger("hivemind.optim.state_averager")
-        quiet = next((f for f in logger.filters if isinstance(f, cls)), None)
-        if quiet is None:
-            quiet = cls()
-            logger.addFilter(quiet)
-        quiet.stops.add(stop)
-
-
-class SwarmOptimizer(OptimizerHooks):
+class SwarmOptimizer(LeavesTheSwarm, OptimizerHooks):
     """hivemind.Optimizer with what every collab mode shares (see the module)."""
 
     sums_micro_batches = False  # (collab.modes.AveragingMode) the sync mode's does
@@ -99,7 +68,7 @@ class SwarmOptimizer(OptimizerHooks):
         self._most_peers = 1  # peers seen this epoch: those that left at --max-epochs meanwhile still made its step
         self.pace = EpochPace()  # how long this peer's epochs take: a leaving donor's patience follows it
         self._start_with: Optional[tuple[int, float]] = None  # start_together: (peers, until when)
-        _QuietLeave.install(self.stop)
+        QuietLeave.install(self.stop)
         super().__init__(**kwargs)
 
     def leave_at(self, epoch: Optional[int]) -> None:
@@ -291,40 +260,6 @@ class SwarmOptimizer(OptimizerHooks):
         if not self.client_mode:
             self.state_averager.state_sharing_priority = epoch
 
-    def settle_before_leaving(self, timeout: float) -> str:
-        """At --max-epochs: finish the last step, then make sure the replica is the swarm's before it is saved.
-        Returns "swarm" (it was), "downloaded" (it is now) or "own step" (no peer could give the state)."""
-        # our last state round, if it is still looking for a group, is left: it could only average replicas that
-        # are the swarm's already, or make one that is not the swarm's parameters without its optimizer's statistics
-        # (no re-sync: collab.modes.replica_sync; the check below downloads instead). At once when no other peer is
-        # there (the last peer of a run waited 10 s here for nobody); while others train on, after matchmaking_time
-        # as before: cancelled at once, it met their state round as it formed (2 peers, 1 leaving at --max-epochs:
-        # 1 of 4 times), and the one that stayed waited out averaging_timeout for its part
-        alone = not others_present(self.dht, self.run_id, self.dht.peer_id.to_base58())
-        patience = -math.inf if alone else self.matchmaking_time
-        if self.state_averager.give_up_matchmaking(self.local_epoch, patience, self.stop, limit=self.averaging_timeout):
-            logger.debug(f"Epoch {self.local_epoch}: left the last state-averaging round, still looking for a group")
-        self.state_averager.step(wait_for_delayed_updates=True)  # the last step (and a state round already matched)
-        self.state_averager.finish_running_rounds(self.stop, limit=self.averaging_timeout)
-        if self.in_sync():
-            return "swarm"
-        return "downloaded" if self.load_state_from_peers(deadline=time.monotonic() + timeout) else "own step"
-
-    def abort_rounds(self) -> None:
-        """On a signal: cancel averaging rounds in flight, so the training thread is not held inside
-        opt.step() for up to averaging_timeout by a round that the peers who stay will finish anyway."""
-        for control in (self.scheduled_grads, self.scheduled_state, *self.state_averager.round_controls()):
-            cancel_round(control)
-        # hivemind's background optimizer step also makes rounds of its own (when none was pre-scheduled)
-        # and keeps them nowhere we can reach; the main thread then waits on that step. Every round is a
-        # StepControl future registered by the process that made it, so cancel those too.
-        for control in step_controls_in_flight():
-            cancel_round(control)
-        # and a round already past matching runs on regardless (hivemind's cancel does not reach it): ended here
-        self.state_averager.abort_running_rounds()  # (every collab averager is a CheckedRounds)
-        if self.use_gradient_averaging:
-            self.grad_averager.abort_running_rounds()
-
     def load_state_from_peers(self, deadline: Optional[float] = None, **kwargs) -> bool:
         """hivemind's catch-up, with three changes: it says whether a state was really loaded (hivemind returns
         quietly when no peer gave one); a peer asked to leave stops retrying (hivemind retries a failed download
@@ -399,41 +334,11 @@ class SwarmOptimizer(OptimizerHooks):
                            f"epoch {self.local_epoch}")
         return loaded
 
-    def shutdown(self) -> None:
-        if not self.stop.is_set():
-            # leaving at --max-epochs: finish the delayed step (with overlap=full it holds our last gradient
-            # round, still running). Our round may be over while we still stream a client-mode (NAT'd or slow)
-            # groupmate its share: each averager's shutdown waits for the replies it still holds to be read
-            # (collab.averaging.members_only, REPLY_DRAIN) - a fixed linger here would cost every leave, needed or not
-            self._finish_before_leaving()
-            for name in ("scheduled_grads", "scheduled_state"):
-                control = getattr(self, name)
-                if control is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                    # hivemind's shutdown cancels such a round again, and its cancel raises for one that collab
-                    # already cancelled (_nobody_left_to_join), failing the peer's exit: "Can't set_result to a
-                    # future that is FINISHED"
-                    cancel_round(control)
-                    setattr(self, name, None)
-            return super().shutdown()
-        # leaving on a signal: say goodbye and go, without waiting up to averaging_timeout for a
-        # background state-averaging round (the peers that stay finish it without us)
-        self.tracker.shutdown(self.shutdown_timeout)
-        for control in (self.scheduled_grads, self.scheduled_state):
-            cancel_round(control)
-        self.state_averager.shutdown()
-        if self.use_gradient_averaging:
-            self.grad_averager.shutdown()
-
     def _alone_now(self) -> bool:
         """Whether no other peer is left to give a state: read afresh, not from the tracker's view (paused during a
         download, and seconds old). The donor list still names a peer that said goodbye: a peer whose only groupmate
         had left at --max-epochs tried it for load_state_timeout (30 s) before going on alone."""
         return not others_present(self.dht, self.run_id, self.dht.peer_id.to_base58())
-
-    def _finish_before_leaving(self) -> None:
-        """Leaving at --max-epochs: the last step and its state round (a mode adds what it owes the peers who stay)."""
-        if self.tracker.global_progress.num_peers > 1:
-            self.state_averager.step(wait_for_delayed_updates=True)
 
     def apply_revocations(self, revocations) -> None:
         """A private run's newer revocation list, into both averager processes

@@ -24,7 +24,8 @@ from collab.averaging.replica import others_epochs, peers_behind, swarm_finished
 from collab.averaging.round_control import cancel_round
 from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
-from collab.modes.base import LeavingMidStep, SwarmOptimizer
+from collab.modes.base import SwarmOptimizer
+from collab.modes.leaving import LeavingMidStep
 from collab.records.untrusted import progress_records
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
@@ -211,7 +212,8 @@ class CollabOptimizer(SwarmOptimizer):
                 # leaving: no step at all rather than one on local gradients. Loading them would also wait
                 # for the averager process, which holds the gradient buffers until its all-reduce gives up
                 # (with overlap=full, past the leave's grace: forced exits). In that mode this runs in hivemind's
-                # background step, which logs what it raises: _QuietLeave keeps that out of the peer's log.
+                # background step, which logs what it raises: collab.modes.leaving.QuietLeave keeps that out of the
+                # peer's log.
                 raise LeavingMidStep()
             if missed and self._replayed_the_missed_round(failure):
                 return
