@@ -120,8 +120,14 @@ class RobustPartReducer(TensorPartReducer):
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
         self.num_parts_received[sender_index] += 1
-        while part_index > self.current_part_index:
-            await self._wait_for_previous_parts()
+        try:
+            while part_index > self.current_part_index:
+                await self._wait_for_previous_parts()
+        except BaseException:
+            # never handed over (its stream dropped meanwhile): the ban that follows counts only the parts that
+            # came, or this part would wait for it forever (hivemind counts it as received before the wait)
+            self.num_parts_received[sender_index] -= 1
+            raise
         if self.sender_failed_after[sender_index] != float("inf"):
             raise BannedException(f"sender {sender_index} was banned in background")
         assert part_index == self.current_part_index
@@ -130,7 +136,10 @@ class RobustPartReducer(TensorPartReducer):
             self.received.append((sender_index, tensor_part, weight))
             self.current_part_accumulated_from += 1
             self.check_current_part_finished()
-        return await current_part_future
+        # every sender of the part awaits this one future: shielded, so that a sender's handler cancelled here (its
+        # peer dropped as a round began) does not cancel the average for the others. Unshielded, as in hivemind,
+        # every other sender's stream of the part failed at once, and this peer's own part never came
+        return await asyncio.shield(current_part_future)
 
     async def _wait_for_previous_parts(self) -> None:
         await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},

@@ -129,8 +129,14 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
             return
         try:
             await super().exchange_with_peer(peer_id)
-        except AllreduceException as e:
-            if str(e).endswith(f"sent {BAD_GROUP}") and peer_id in self.sender_peer_ids:
+        except BaseException as e:
+            if peer_id == self.peer_id:
+                # this peer's own reduction failed (no part it got could be used; cancelled): hivemind registers a
+                # failed reducer for the others only, and the round waited for this span until averaging_timeout.
+                # Lost now, with this peer's own values kept: the round ends, and runs again as for any lost reducer
+                self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
+            elif isinstance(e, AllreduceException) and str(e).endswith(f"sent {BAD_GROUP}") \
+                    and peer_id in self.sender_peer_ids:
                 # it is not in this group (collab.averaging.known_groups): its parts will not come either, so
                 # this peer's reducer need not wait next_chunk_timeout for them
                 await self.ban_sender(peer_id)
@@ -290,8 +296,9 @@ class CheckedRounds(PlansRounds, ReadsSignedProgress, LeavesNoSocketFile, ReadsW
             # nothing applied yet, and the tensors are as they were: hivemind's retry loop matches the group's
             # survivors again (they all lost the same reducer) and averages the same values, exactly. Not within
             # PowerSGD's two-phase rounds (`phase`): its retry would add the gradients to its error buffers twice
-            lost = ", ".join(runner.ordered_peer_ids[i].to_base58()[-6:] for i in sorted(runner.lost_reducers))
-            raise AllreduceException(f"reducer(s) ...{lost} left mid-round: their parts would differ from peer to "
+            lost = ", ".join("this peer" if runner.ordered_peer_ids[i] == self.peer_id else
+                             "..." + runner.ordered_peer_ids[i].to_base58()[-6:] for i in sorted(runner.lost_reducers))
+            raise AllreduceException(f"reducer(s) {lost} left mid-round: their parts would differ from peer to "
                                      f"peer; running the round again without them")
         averaged_norm = _norm([t + u for t, u in zip(tensors, updates)]) if self.kind == "gradients" else None
         why = self._refusal(runner, updates, bound, averaged_norm)

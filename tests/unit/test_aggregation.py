@@ -226,3 +226,52 @@ def test_a_late_peer_is_shown_but_not_suspect():
     _flag_suspects(peers, records)
     x = next(p for p in peers if p.peer_id == "x")
     assert not x.suspect and x.reported_by == 0 and x.rejected_by_reason == {f"{LATE_PART} (gradients)": 10}
+
+
+def test_a_sender_cancelled_while_its_part_waits_leaves_the_others_their_average():
+    """A sender's stream handler is cancelled when its peer drops (a kill -9 as a round starts) while it awaits the
+    part's average, which every sender of the part awaits too. That must not cancel the average itself: it did, and
+    every other sender's stream of the part failed at once (its peers saw this reducer as failed), while this peer's
+    own part never came (its round sat until averaging_timeout: test_diloco, in CI and here)."""
+    parts = [torch.full((4,), float(i)) for i in range(3)]
+
+    async def run():
+        reducer = RobustPartReducer([parts[0].shape], 3, Aggregation(method="mean"))
+        dying = asyncio.ensure_future(reducer.accumulate_part(0, 0, parts[0], 1.0))
+        staying = asyncio.ensure_future(reducer.accumulate_part(1, 0, parts[1], 1.0))
+        await asyncio.sleep(0)  # both parts are in; the third sender's is not
+        dying.cancel()
+        await asyncio.sleep(0)
+        own = await asyncio.wait_for(reducer.accumulate_part(2, 0, parts[2], 1.0), 5)
+        return own, await asyncio.wait_for(staying, 5)
+
+    own, staying = asyncio.run(run())
+    assert torch.equal(own, staying) and torch.allclose(own, torch.full((4,), 1.0))  # the dying sender's part counts
+
+
+def test_a_sender_cancelled_while_waiting_for_an_earlier_part_is_not_awaited_for_its_next_one():
+    """A sender whose part k+1 came while part k was still being reduced, cancelled then banned: part k+1 must not
+    wait for it (its count of parts received included the part it never handed over, and part k+1 waited for that
+    sender forever)."""
+    shapes = [torch.Size([2]), torch.Size([2])]
+    one = [torch.ones(2), torch.ones(2)]
+
+    async def run():
+        reducer = RobustPartReducer(shapes, 3, Aggregation(method="mean"))
+        first = asyncio.ensure_future(reducer.accumulate_part(0, 0, one[0] * 3, 1.0))  # sender 0: part 0 in
+        await asyncio.sleep(0)
+        early = asyncio.ensure_future(reducer.accumulate_part(0, 1, one[1] * 3, 1.0))  # its part 1 waits for part 0
+        await asyncio.sleep(0)
+        early.cancel()  # its stream dropped
+        await asyncio.sleep(0)
+        reducer.on_sender_failed(0)  # hivemind's ban, as collab's reducer loop makes it when a stream stops short
+        part0 = await asyncio.wait_for(asyncio.gather(reducer.accumulate_part(1, 0, one[0], 1.0),
+                                                      reducer.accumulate_part(2, 0, one[0], 1.0)), 5)
+        part1 = await asyncio.wait_for(asyncio.gather(reducer.accumulate_part(1, 1, one[1], 1.0),
+                                                      reducer.accumulate_part(2, 1, one[1], 1.0)), 5)
+        first.cancel()
+        return part0, part1
+
+    part0, part1 = asyncio.run(run())
+    assert torch.allclose(part0[0], torch.full((2,), 5 / 3))  # sender 0's part 0 came: it is in the average
+    assert torch.allclose(part1[0], torch.ones(2))  # its part 1 never did: the others' mean, without waiting for it

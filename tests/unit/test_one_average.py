@@ -4,9 +4,12 @@ registered by hand as its streams would register them)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from types import SimpleNamespace
 
+import pytest
 import torch
+from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import PeerID
 
 from collab.averaging.aggregation import Aggregation
@@ -43,3 +46,30 @@ def test_a_reducer_that_fails_after_sending_averages_leaves_the_rest_of_its_span
     result, lost = asyncio.run(run())
     assert lost == {1}
     assert result.tolist() == [1, 2, 3, 4, 10, 20, 7, 8], result.tolist()
+
+
+def test_this_peers_own_reduction_failing_ends_the_round_now_not_at_its_timeout():
+    """hivemind registers a failed reducer for each other peer, not for this peer's own span: when its own reduction
+    failed (here, no part it got could be used), the round waited for that span until averaging_timeout. It is
+    registered lost at once, with this peer's own values kept, and the round is run again as for any lost reducer."""
+    async def run() -> tuple[list, set]:
+        runner = _runner(torch.full((8,), float("nan")))
+        me = runner.ordered_peer_ids[0]
+        local = asyncio.ensure_future(runner.exchange_with_peer(me))
+        await asyncio.sleep(0)
+        with pytest.raises(AllreduceException):  # the other sender's part of this span is no better
+            await asyncio.wait_for(runner.tensor_part_reducer.accumulate_part(1, 0, torch.full((2,), math.nan)), 5)
+        with pytest.raises(AllreduceException):
+            await asyncio.wait_for(local, 5)
+        container = runner.tensor_part_container
+        for part in range(2):  # the other reducer's span, as its stream would register it
+            container.register_processed_part(1, part, torch.zeros(2))
+
+        async def outputs():
+            return [t async for t in container.iterate_output_tensors()]
+
+        return await asyncio.wait_for(outputs(), 5), runner.lost_reducers
+
+    deltas, lost = asyncio.run(run())
+    assert lost == {0}
+    assert len(deltas) == 1 and torch.equal(deltas[0], torch.zeros(8))  # every value as it was: nothing applied
