@@ -9,6 +9,7 @@ mixins (collab.averaging: checked rounds, members only, checked downloads) overr
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import InvalidStateError
 from typing import AsyncIterator, Optional
 
@@ -23,11 +24,34 @@ from collab.hivemind_hooks.allreduce import AggregatePartHooks
 from collab.hivemind_hooks.patches import close_p2p_client
 
 
+_KEPT_TASKS: set = set()  # (each averager process) its event loop's tasks, each until it is done
+
+
+def _kept_task(loop, coro, **kwargs) -> asyncio.Task:
+    task = asyncio.Task(coro, loop=loop, **kwargs)
+    _KEPT_TASKS.add(task)
+    task.add_done_callback(_KEPT_TASKS.discard)
+    return task
+
+
+def keep_tasks_until_done(loop) -> None:
+    """Hold every task of the averager's event loop until it is done. asyncio holds a task only weakly, and
+    hivemind's step cancels its matchmaking task without awaiting it: that task's way out (leaving the search, under
+    the matchmaker's lock) awaits the DHT process's answer, an MPFuture that only a registry of weak references
+    holds, so the whole chain could be collected mid-way ("Task was destroyed but it is pending!", "aclose():
+    asynchronous generator is already running" in a peer's log, right after a round it gave up; its later rounds then
+    found no group for averaging_timeout, twice in 16 runs of the three-peer test)."""
+    factory = loop.get_task_factory()
+    if factory is None:
+        loop.set_task_factory(_kept_task)
+
+
 class AveragerHooks(AggregatePartHooks, DecentralizedAverager):
     """DecentralizedAverager, its private steps handed to collab's public ones (see the module)."""
 
     # one averaging step in the averager's process: a refused round ends it; banned leaders are never followed
     async def _step(self, *, step, future_for_init):
+        keep_tasks_until_done(asyncio.get_running_loop())
         try:
             return await self.averaging_step(step=step, future_for_init=future_for_init)
         except InvalidStateError:

@@ -5,6 +5,7 @@ with the names, instead of somewhere in a swarm."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import pkgutil
@@ -187,3 +188,52 @@ def test_a_round_cancelled_as_it_ends_leaves_no_traceback_in_the_log():
     assert asyncio.run(averager._step(step=cancelled, future_for_init=None)) is None
     with pytest.raises(InvalidStateError):  # a step nobody cancelled: hivemind's own error, as before
         asyncio.run(averager._step(step=running, future_for_init=None))
+
+
+def test_a_cancelled_tasks_way_out_is_not_collected_midway_in_an_averagers_loop():
+    """hivemind cancels a round's matchmaking task without awaiting it; its way out awaits an answer that only a weak
+    registry holds (an MPFuture). With asyncio's weak hold the chain was collected midway, its cleanup never done;
+    held until done (collab.hivemind_hooks.averager.keep_tasks_until_done), it finishes."""
+    import gc
+    import threading
+    import weakref
+
+    from collab.hivemind_hooks.averager import keep_tasks_until_done
+
+    def run(keep: bool) -> bool:
+        async def scenario() -> bool:
+            loop, cleaned = asyncio.get_running_loop(), []
+            if keep:
+                keep_tasks_until_done(loop)
+
+            def answered_later() -> asyncio.Future:  # as an MPFuture: set from elsewhere, found by a weak reference
+                future, ref = loop.create_future(), None
+                ref = weakref.ref(future)
+                threading.Timer(0.2, lambda: ref() is not None and loop.call_soon_threadsafe(
+                    lambda: ref() is not None and not ref().done() and ref().set_result(None))).start()
+                return future
+
+            async def look_for_group():
+                try:
+                    await loop.create_future()
+                finally:
+                    await answered_later()  # e.g. telling the DHT this peer no longer looks for a group
+                    cleaned.append(True)
+
+            task = asyncio.ensure_future(look_for_group())
+            await asyncio.sleep(0.01)
+            task.cancel()  # and never awaited, as hivemind's _step does
+            del task
+            for _ in range(50):
+                gc.collect()
+                await asyncio.sleep(0.01)
+            return bool(cleaned)
+
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(scenario())
+        finally:
+            loop.close()
+
+    assert run(keep=True)
+    assert not run(keep=False)  # (asyncio's own hold: the premise of the fix)
