@@ -32,7 +32,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Optional
 
@@ -161,10 +160,6 @@ def next_look(every: float, found_new: bool) -> float:
 
 
 HIVEMIND_SOCKETS = "/tmp/hivemind-"  # hivemind's P2P puts p2pd's socket and each client's there (_UNIX_SOCKET_PREFIX)
-# multiprocessing's folder of a process's sockets (multiprocessing.util.get_temp_dir): its resource sharer listens there
-# once a file descriptor is sent to another process (a shared tensor's, between a peer and its averagers). A finalizer
-# removes it at a normal exit, which os._exit, SIGTERM and SIGKILL all skip: every peer left a pymp-* folder in /tmp
-MULTIPROCESSING_SOCKETS = os.path.join(tempfile.gettempdir(), "pymp-")
 
 
 def end_processes(processes: list, timeout: float = KILL_AFTER_SECONDS) -> None:
@@ -214,16 +209,15 @@ def _reaped_or_not_ours(zombie) -> bool:
 
 
 def hivemind_sockets(processes: list) -> dict[int, list[str]]:
-    """The socket files in /tmp that hivemind's processes among `processes` listen on (p2pd's, each p2pd client's,
-    and multiprocessing's in its pymp-* folder), by process id: read before those processes are ended, since an
-    ended process no longer shows them."""
+    """The socket files in /tmp that hivemind's processes among `processes` listen on (p2pd's, and each p2pd
+    client's), by process id: read before those processes are ended, since an ended process no longer shows them."""
     import psutil
 
     sockets = {}
     for proc in processes:
         try:
-            sockets[proc.pid] = [c.laddr for c in proc.net_connections(kind="unix") if isinstance(c.laddr, str)
-                                 and c.laddr.startswith((HIVEMIND_SOCKETS, MULTIPROCESSING_SOCKETS))]
+            sockets[proc.pid] = [c.laddr for c in proc.net_connections(kind="unix")
+                                 if isinstance(c.laddr, str) and c.laddr.startswith(HIVEMIND_SOCKETS)]
         except psutil.Error:
             pass
     return sockets
@@ -244,23 +238,19 @@ def is_running(proc) -> bool:
 
 def remove_own_sockets() -> None:
     """Remove the socket files of hivemind's p2pd clients in this process, which is about to end with os._exit (no
-    client's __del__ runs then): hivemind's cached replica, or a service thread's client still closing; and its
-    multiprocessing folder, whose finalizer os._exit skips too."""
+    client's __del__ runs then): hivemind's cached replica, or a service thread's client still closing."""
     import psutil
 
     remove_sockets_of(hivemind_sockets([psutil.Process()]))
 
 
 def remove_sockets_of(sockets: dict[int, list[str]], still_running: list = ()) -> None:
-    """Remove the socket files of processes that were ended (hivemind_sockets' answer; not those still running),
-    and a pymp-* folder they emptied: hivemind removes its files only on a graceful shutdown, and every process ended
-    from outside left its file in /tmp."""
+    """Remove the socket files of processes that were ended (hivemind_sockets' answer; not those still running):
+    hivemind removes them only on a graceful shutdown, and every process ended from outside left its file in /tmp."""
     running = {proc.pid for proc in still_running if is_running(proc)}
     for path in (path for pid, paths in sockets.items() if pid not in running for path in paths):
         try:
             os.unlink(path)
-            if path.startswith(MULTIPROCESSING_SOCKETS):
-                os.rmdir(os.path.dirname(path))  # only once empty: the process's forks listen in the same folder
         except OSError:
             pass
 
