@@ -40,7 +40,7 @@ def keep_tasks_until_done(loop) -> None:
     the matchmaker's lock) awaits the DHT process's answer, an MPFuture that only a registry of weak references
     holds, so the whole chain could be collected mid-way ("Task was destroyed but it is pending!", "aclose():
     asynchronous generator is already running" in a peer's log, right after a round it gave up; its later rounds then
-    found no group for averaging_timeout, twice in 16 runs of the three-peer test)."""
+    found no group for averaging_timeout, in 2 of 22 runs of the three-peer test)."""
     factory = loop.get_task_factory()
     if factory is None:
         loop.set_task_factory(_kept_task)
