@@ -237,3 +237,18 @@ def test_a_cancelled_tasks_way_out_is_not_collected_midway_in_an_averagers_loop(
 
     assert run(keep=True)
     assert not run(keep=False)  # (asyncio's own hold: the premise of the fix)
+
+
+def test_every_averaging_step_holds_its_loops_tasks_until_done():
+    """The hold above is installed by the averager's step, in the averager's own process and loop."""
+    import asyncio
+
+    class Stepping(AveragerHooks):
+        async def averaging_step(self, *, step, future_for_init):
+            return asyncio.get_running_loop().get_task_factory()
+
+    averager = object.__new__(Stepping)
+    averager._parent_pid = None  # (hivemind's __del__ would shut down the process this one never started)
+    from collab.hivemind_hooks import averager as hooks
+
+    assert asyncio.run(averager._step(step=None, future_for_init=None)) is hooks._kept_task
