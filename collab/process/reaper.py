@@ -18,7 +18,8 @@ us), so one small watcher process does the job for all of them:
   of the main process;
 - when the main process is gone, it sends SIGTERM to every noted process that still runs (and to
   their own children, which catches a p2pd started since the last look), then SIGKILL after 3 s, and
-  removes the socket files in /tmp that they and the main process listened on (read at each look).
+  removes the socket files in /tmp that they and the main process listened on (read at each look), and the
+  main process's own multiprocessing folder (pymp-*).
 
 A main process that exits normally has already shut its children down; the watcher then finds
 nothing left and exits at once. It ignores SIGINT, SIGTERM and SIGHUP: Ctrl-C in a terminal or a
@@ -52,9 +53,23 @@ def watch_this_process() -> None:
     if _watched_pid == os.getpid():
         return
     _watched_pid = os.getpid()
-    _watcher = subprocess.Popen([sys.executable, "-m", "collab.process.reaper", str(os.getpid())],
+    own_folder = _own_multiprocessing_folder()
+    _watcher = subprocess.Popen([sys.executable, "-m", "collab.process.reaper", str(os.getpid())] + own_folder,
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     os.register_at_fork(after_in_child=_announce_fork)
+
+
+def _own_multiprocessing_folder() -> list[str]:
+    """multiprocessing's temp folder (pymp-*) of this process, made now if it has none yet: its sockets (the resource
+    sharer's, hivemind's averagers pass connections through it) live there, and only a normal exit removes it, which
+    a peer's os._exit, a SIGTERM or a SIGKILL skip: every peer of a simulation left one in /tmp. The watcher removes
+    it once this process and all its forks are gone. One this process inherited (it was forked from a process that
+    had one) belongs to that process and its other forks: left alone ([])."""
+    from multiprocessing import process, util
+
+    if process.current_process()._config.get("tempdir") is not None:
+        return []
+    return [util.get_temp_dir()]
 
 
 def _announce_fork() -> None:
@@ -277,7 +292,20 @@ def main(argv: list[str]) -> int:
     if left:
         end_processes(left)
     remove_sockets_of({main_pid: sorted(watch.main_sockets)})  # (one that left gracefully removed its own)
+    if len(argv) > 1 and not watch.left_behind():  # (a process that would not die may still use the folder)
+        remove_multiprocessing_folder(argv[1])
     return 0
+
+
+def remove_multiprocessing_folder(path: str) -> None:
+    """Remove the main process's own pymp-* folder (see _own_multiprocessing_folder); nothing else."""
+    import shutil
+    import tempfile
+
+    folder = os.path.realpath(path)
+    if os.path.dirname(folder) == os.path.realpath(tempfile.gettempdir()) and \
+            os.path.basename(folder).startswith("pymp-"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -107,18 +107,21 @@ server = socket.socket(socket.AF_UNIX)
 server.bind(sys.argv[1])  # a client of p2pd listens on such a file (hivemind's P2P.replicate)
 server.listen()
 watch_this_process()
-print("ready", flush=True)
+from multiprocessing import util
+print("ready", util.get_temp_dir(), flush=True)
 time.sleep(120)
 """
 
 
-def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_of_its_own():
+def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_or_folder_of_its_own():
     """hivemind removes a client's socket file only on a graceful shutdown; the watcher, which reads the main
-    process's files at each look, removes them once it is gone (a gossip peer's kill -9 left its file in CI)."""
+    process's files at each look, removes them once it is gone (a gossip peer's kill -9 left its file in CI). So too
+    the main process's multiprocessing folder (pymp-*: every simulated peer left one)."""
     path = f"{reaper.HIVEMIND_SOCKETS}p2pclient-reaper-test-{os.getpid()}.sock"
     main = subprocess.Popen([sys.executable, "-c", KILLED_WITH_A_SOCKET, path], stdout=subprocess.PIPE, text=True)
     try:
-        assert main.stdout.readline().strip() == "ready" and os.path.exists(path)
+        ready, folder = main.stdout.readline().split()
+        assert ready == "ready" and os.path.exists(path) and os.path.isdir(folder), folder
         # the watcher is forked, then runs python: its command line names the reaper only once that has begun. It
         # has read the main process's files once it waits on the main process (its pidfd)
         deadline, watcher = time.monotonic() + 30, []
@@ -131,12 +134,33 @@ def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_of_its_own():
         main.wait(timeout=10)
         watcher[0].wait(timeout=10)
         assert not os.path.exists(path), "the killed main process's socket file is still in /tmp"
+        assert not os.path.exists(folder), "the killed main process's multiprocessing folder is still in /tmp"
     finally:
         if main.poll() is None:
             main.kill()
             main.wait(timeout=10)
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_forked_process_leaves_the_multiprocessing_folder_it_inherited_to_its_parent():
+    """A fork shares its parent's pymp-* folder (and so do the parent's other forks): its watcher must not remove
+    it (a cleanup that did hung a later fork's DHT in CI). Only a folder a process made itself is its own."""
+    from multiprocessing import util
+
+    parents = util.get_temp_dir()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child only answers: no thread, no torch op)
+        os.write(write, repr(reaper._own_multiprocessing_folder()).encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read) as answer:
+            assert answer.read() == "[]"
+    finally:
+        os.waitpid(pid, 0)
+    assert os.path.isdir(parents)
 
 
 def _cmdline(process) -> list:
