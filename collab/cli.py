@@ -15,7 +15,7 @@ from collab.commands import id as id_command
 from collab.errors import InternalError, UserError
 from collab.process.defaults import debug_loggers_from_env, set_process_defaults, timestamp_own_logs
 from collab.process.lifecycle import remember_early_signals
-from collab.process.reaper import remove_own_sockets, watch_this_process
+from collab.process.reaper import remove_own_multiprocessing_folder, remove_own_sockets, watch_this_process
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -63,6 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # hivemind can leave non-daemon threads behind (its ProgressTracker after a failed start); once our
         # children are reaped nothing is left to flush, so do not let them hold the process open
         remove_own_sockets()
+        remove_own_multiprocessing_folder()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

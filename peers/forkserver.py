@@ -311,6 +311,9 @@ def _child(request: dict) -> None:
         traceback.print_exc()
     finally:
         try:
+            from collab.process.reaper import remove_own_multiprocessing_folder
+
+            remove_own_multiprocessing_folder()  # (os._exit skips multiprocessing's own removal)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

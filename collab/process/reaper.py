@@ -45,6 +45,7 @@ KILL_AFTER_SECONDS = 3.0
 
 _watcher: Optional[subprocess.Popen] = None
 _watched_pid: Optional[int] = None  # a forked child is another process: it would need a watcher of its own
+_own_folder: list[str] = []  # the watched process's own multiprocessing folder, if it made one (see below)
 
 
 def watch_this_process() -> None:
@@ -53,8 +54,8 @@ def watch_this_process() -> None:
     if _watched_pid == os.getpid():
         return
     _watched_pid = os.getpid()
-    own_folder = _own_multiprocessing_folder()
-    _watcher = subprocess.Popen([sys.executable, "-m", "collab.process.reaper", str(os.getpid())] + own_folder,
+    _own_folder[:] = _own_multiprocessing_folder()
+    _watcher = subprocess.Popen([sys.executable, "-m", "collab.process.reaper", str(os.getpid())] + _own_folder,
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     os.register_at_fork(after_in_child=_announce_fork)
 
@@ -257,6 +258,23 @@ def remove_own_sockets() -> None:
     import psutil
 
     remove_sockets_of(hivemind_sockets([psutil.Process()]))
+
+
+def remove_own_multiprocessing_folder() -> None:
+    """Remove this process's own multiprocessing folder, as it is about to end with os._exit (which skips
+    multiprocessing's own removal: collab.cli's hard exit, a fork server's peer): a command that ended before its
+    watcher had begun watching (bad input) left it.
+    Not while a child other than the watcher still runs (a fork shares it): the watcher removes it then."""
+    import psutil
+
+    if _watched_pid != os.getpid() or not _own_folder:
+        return
+    try:
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid != watcher_pid()]
+    except psutil.Error:
+        return
+    if not any(is_running(child) for child in children):
+        remove_multiprocessing_folder(_own_folder[0])
 
 
 def remove_sockets_of(sockets: dict[int, list[str]], still_running: list = ()) -> None:

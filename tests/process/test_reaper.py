@@ -122,17 +122,10 @@ def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_or_folder_of_it
     try:
         ready, folder = main.stdout.readline().split()
         assert ready == "ready" and os.path.exists(path) and os.path.isdir(folder), folder
-        # the watcher is forked, then runs python: its command line names the reaper only once that has begun. It
-        # has read the main process's files once it waits on the main process (its pidfd)
-        deadline, watcher = time.monotonic() + 30, []
-        while not (watcher and _waits_on_a_pidfd(watcher[0].pid)):
-            assert time.monotonic() < deadline, f"the watcher never started watching (found: {watcher})"
-            time.sleep(0.05)
-            watcher = [p for p in psutil.Process(main.pid).children() if "collab.process.reaper" in _cmdline(p)]
-        assert len(watcher) == 1, watcher
+        watcher = _watcher_of(main.pid)
         main.kill()
         main.wait(timeout=10)
-        watcher[0].wait(timeout=10)
+        watcher.wait(timeout=10)
         assert not os.path.exists(path), "the killed main process's socket file is still in /tmp"
         assert not os.path.exists(folder), "the killed main process's multiprocessing folder is still in /tmp"
     finally:
@@ -161,6 +154,60 @@ def test_a_forked_process_leaves_the_multiprocessing_folder_it_inherited_to_its_
     finally:
         os.waitpid(pid, 0)
     assert os.path.isdir(parents)
+
+
+ENDING_WITH_OS_EXIT = """
+import os, subprocess, sys
+from multiprocessing import util
+from collab.process.reaper import remove_own_multiprocessing_folder, watch_this_process
+watch_this_process()
+folder = util.get_temp_dir()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if sys.argv[1] == "child" else None
+remove_own_multiprocessing_folder()
+print(folder, os.path.isdir(folder), flush=True)
+if child:
+    sys.stdin.readline()  # (once its watcher watches)
+    child.kill()
+    child.wait()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("child", [False, True])
+def test_a_process_ending_with_os_exit_removes_its_multiprocessing_folder_unless_a_child_still_runs(child):
+    """collab's hard exit and a fork server's peer end with os._exit, which skips multiprocessing's own removal, and a
+    quick one (bad input) ends before its watcher watches: each bad flag left a folder. A child may share it."""
+    main = subprocess.Popen([sys.executable, "-c", ENDING_WITH_OS_EXIT, "child" if child else "alone"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        folder, kept = main.stdout.readline().split()
+        assert kept == str(child)
+        if child:
+            _watcher_of(main.pid)
+            main.stdin.write("end\n")
+            main.stdin.flush()
+        assert main.wait(timeout=30) == 0
+    finally:
+        if main.poll() is None:
+            main.kill()
+            main.wait(timeout=10)
+    if child:  # (its watcher removes it once both are gone)
+        deadline = time.monotonic() + 30
+        while os.path.isdir(folder):
+            assert time.monotonic() < deadline, "the watcher left the folder of a process and child both gone"
+            time.sleep(0.1)
+
+
+def _watcher_of(pid: int):
+    """The watcher of process `pid`, once it watches. It is forked, then runs python: its command line names the
+    reaper only once that has begun. It has read the main process's files once it waits on its pidfd."""
+    deadline, watcher = time.monotonic() + 30, []
+    while not (watcher and _waits_on_a_pidfd(watcher[0].pid)):
+        assert time.monotonic() < deadline, f"the watcher never started watching (found: {watcher})"
+        time.sleep(0.05)
+        watcher = [p for p in psutil.Process(pid).children() if "collab.process.reaper" in _cmdline(p)]
+    assert len(watcher) == 1, watcher
+    return watcher[0]
 
 
 def _cmdline(process) -> list:
