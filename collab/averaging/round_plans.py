@@ -102,6 +102,11 @@ class PlansRounds:
         if step.deadline is not None:
             ends = min(ends, step.deadline)
         self._round_plan = (epoch, now + PLAN_SHARE * max(0.0, ends - now))
+        log = logging.getLogger(__name__)
+        if log.isEnabledFor(logging.DEBUG):  # (which leader each peer planned: a split's cause in its peers' logs)
+            plan = self._plan()
+            log.debug(f"round of epoch {epoch}: asks {plan[0].to_base58()[-6:] if plan else None} first, for "
+                      f"{self._round_plan[1] - now:.1f} s")
 
     def _plan(self) -> Optional[tuple]:
         """(planned leader's PeerID, until) for the search under way, from the records as last read; None: none."""
