@@ -22,8 +22,8 @@ says which keys they were for), of them the progress key's reads, and the share 
 from a read under way or just made (collab.records.shared_reads); of the reads it made, the share that asked the
 key's two nearest nodes instead of walking, the records such a read found, and the live records the last walk had
 found that it missed (none when the nearest hold every record). Why the failed rounds failed
-(collab.modes.sync.round_failure), and the replicas' spread: the furthest replica from the replicas' mean at the
-start of an epoch, relative to their norm, the worst epoch of the run (estimated from each peer's per-epoch
+(collab.modes.round_failures.round_failure), and the replicas' spread: the furthest replica from the replicas' mean
+at the start of an epoch, relative to their norm, the worst epoch of the run (estimated from each peer's per-epoch
 sketches; collab.peers.report). `--rtt-ms 0,20,100` adds rows with that round trip between any two peers (network
 namespaces, as root; peers/delayer.py where the kernel has no netem).
 """

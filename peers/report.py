@@ -61,7 +61,7 @@ class PeerReport:
     progress_reads_from_nearest: Optional[float] = None
     records_per_nearest_read: Optional[float] = None
     records_missed_per_nearest_read: Optional[float] = None
-    rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.sync.round_failure
+    rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.round_failures.round_failure
     rounds_replayed: int = 0  # failed rounds it then applied from a peer that made them (averaging.round_replay)
     # epoch -> a sketch of its replica as that epoch began (collab.train.summary.sketch_replica), the last epochs
     replica_sketches: dict = field(default_factory=dict)

@@ -372,7 +372,7 @@ def _norm(tensors) -> float:
 
 class _QuietRejections(logging.Filter):
     """hivemind logs a failed round with its traceback; a round this peer refused is reported by collab, once, and
-    so is a round that found no group (with why: collab.modes.sync.why_no_group)."""
+    so is a round that found no group (with why: collab.modes.round_failures.why_no_group)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None

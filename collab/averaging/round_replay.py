@@ -2,9 +2,9 @@
 
 A peer that reaches an epoch's end after the others have averaged it (it was starved of CPU, stalled, or its
 download of the swarm's state landed just as the swarm's round began) finds nobody left to average with
-(collab.modes.sync: NobodyLeftToJoin). Before, it stepped on its own gradients and then downloaded the whole state
-(parameters and the optimizer's statistics: three times the model for LAMB or Adam), and a peer whose download
-takes an epoch missed the next round the same way. The others' step to the next epoch was their round's average
+(collab.modes.round_failures.NobodyLeftToJoin). Before, it stepped on its own gradients and then downloaded the
+whole state (parameters and the optimizer's statistics: three times the model for LAMB or Adam), and a peer whose
+download takes an epoch missed the next round the same way. The others' step to the next epoch was their round's average
 applied to the parameters and optimizer state this peer still holds (it was in sync at this epoch), so that average
 alone, one model's worth, makes the same step here: the replica is the swarm's again with no download.
 

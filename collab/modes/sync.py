@@ -2,30 +2,29 @@
 one all-reduce per epoch, and every peer applies the same LAMB step. With `overlap` (off by default), the
 optimizer step, and with `full` the all-reduce too, run in a background thread while the next micro-batches are
 computed (hivemind's delayed optimizer step / delayed gradient averaging, one step of staleness). State rounds
-run in the background either way. What every mode shares is collab.modes.base.
+run in the background either way. What every mode shares is collab.modes.base; a leaving peer's stay as the donor
+of peers behind it is collab.modes.staying_donor, and why a round failed collab.modes.round_failures.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from functools import partial
-from concurrent.futures import CancelledError, TimeoutError as FutureTimeout
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
-from collab.averaging.donor_patience import donor_patience
-from collab.averaging.liveness import GoneWatch, Quiet, ping
 from collab.averaging.planned_leader import loses_an_even_split
-from collab.averaging.replica import others_epochs, peers_behind, swarm_finished_without
+from collab.averaging.replica import others_epochs, swarm_finished_without
 from collab.averaging.round_control import cancel_round
 from collab.averaging.round_replay import what_is_wrong
 from collab.modes import ModeContext
 from collab.modes.base import SwarmOptimizer
 from collab.modes.leaving import LeavingMidStep
+from collab.modes.round_failures import NobodyLeftToJoin, round_failure, why_no_group
+from collab.modes.staying_donor import StaysAsDonor
 from collab.records.untrusted import progress_records
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
@@ -33,11 +32,7 @@ EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a roun
 logger = get_logger(__name__)
 
 
-class NobodyLeftToJoin(Exception):
-    """A peer's last gradient round, ended because every other peer had finished that epoch without it."""
-
-
-class CollabOptimizer(SwarmOptimizer):
+class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
     """The sync mode's optimizer, on collab.modes.base.SwarmOptimizer: it records each gradient-averaging round,
     refuses averages it cannot trust, steps on its own gradients when a round fails, and re-syncs after.
 
@@ -289,60 +284,6 @@ class CollabOptimizer(SwarmOptimizer):
             return
         super().tag_along(control)
 
-    def _finish_before_leaving(self) -> None:
-        super()._finish_before_leaving()
-        # whatever this peer's view of the swarm says (it may be a minute old): the records say who is behind
-        self._serve_peers_behind()
-
-    def _serve_peers_behind(self) -> None:
-        """A peer behind ours (it missed the last step, its lineage split, or it has not noticed our step yet) will
-        want our state to leave in sync with the swarm: stay its donor while it is behind, for as long as it needs at
-        the swarm's measured pace (collab.averaging.donor_patience), rather than leave it with nobody to ask."""
-        if self.client_mode:
-            # it serves no state (nobody can dial it), so it would wait for nothing: a NAT'd peer left alone with
-            # its only server's last record cached would wait out that record's 60-s life
-            return
-        # not for a peer caught sending or returning bad parts (hard evidence): the honest peers would stay on
-        # as donors for a NaN sender one epoch behind them
-        caught = frozenset(self.rejections.caught_ever())
-        # nor for itself: after an own step this peer's record says the epoch before (a peer that could not
-        # re-sync would wait for its own record to go stale, and its groupmate for it)
-        ignore = caught | {self.dht.peer_id.to_base58()}
-        # nor for a peer that crashed: its record stays until it expires (a minute), but its DHT answers no ping
-        crashed, said_crashed = GoneWatch(partial(ping, self.dht)), set()
-        started, patience, said = time.monotonic(), 0.0, False
-        while not self.stop.is_set():
-            try:
-                behind = peers_behind(self.dht, self.run_id, self.local_epoch, ignore=ignore)
-            except Exception:  # a DHT that fails to answer here must not turn a clean leave into a traceback
-                return
-            gone = crashed.update(Quiet(b.peer, b.record_age, b.client_mode) for b in behind)
-            if gone - said_crashed:
-                logger.warning(f"Epoch {self.local_epoch}: {len(gone - said_crashed)} peer(s) behind answer no ping "
-                               f"(crashed?): not staying on for them")
-                said_crashed |= gone
-            behind = [b for b in behind if b.peer not in gone]
-            waited = time.monotonic() - started
-            epochs = [self.local_epoch - b.epochs for b in behind]
-            if not behind:
-                if said:
-                    logger.warning(f"Epoch {self.local_epoch}: no peer is behind any more; leaving after {waited:.0f} s")
-                return
-            patience = max(patience, donor_patience(
-                behind, self.tracker.target_batch_size, self.pace.seconds(), self.averaging_timeout,
-                self.matchmaking_time, self.load_state_timeout))
-            if waited > patience:
-                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) still behind (epochs {epochs}) after "
-                               f"{waited:.0f} s as their state donor; leaving")
-                return
-            if not said:
-                said = True
-                pace = self.pace.seconds()
-                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) behind (epochs {epochs}): staying on as "
-                               f"their state donor for up to {patience:.0f} s (epochs take "
-                               f"{'?' if pace is None else f'{pace:.1f}'} s here)")
-            self.stop.wait(0.5)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         # with reuse_grad_buffers hivemind accumulates in .grad itself and clears it after each epoch
         if not self.grad_averager.reuse_grad_buffers:
@@ -359,40 +300,6 @@ class CollabOptimizer(SwarmOptimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def why_no_group(epoch: int, client_mode: bool, peers_seen: list, matchmaking_time: float) -> str:
-    """Why a gradient round found no group, from the last read of the run's progress records: (epoch, client mode)
-    of each peer, this one's included. hivemind says only "could not find a group"."""
-    others = max(0, len(peers_seen) - 1)
-    if others == 0:
-        return "no group found: this peer is alone in the run (no other peer's progress record)"
-    leaders = sum(not client for _, client in peers_seen)
-    if client_mode and leaders == 0:
-        return (f"no group found: the {others} other peer(s) are clients too, and only a reachable peer can lead a "
-                "round: one of you needs an open port (collab doctor says how)")
-    same = sum(e == epoch for e, _ in peers_seen) - 1
-    if same <= 0:
-        theirs = sorted({e for e, _ in peers_seen if e != epoch})
-        return (f"no group found: the other peers are on epoch {', '.join(map(str, theirs))}, this one on {epoch} (a "
-                "round groups one epoch's peers); it re-syncs with them")
-    return (f"no group found: {same} other peer(s) on this epoch, but none matched within {matchmaking_time:g} s: on "
-            "slow or distant links raise averaging.matchmaking_time")
-
-
-def round_failure(error: BaseException) -> str:
-    """Why a gradient round failed, in a few words that add up across peers (the simulator's and scale
-    benchmark's "rounds failed, and why")."""
-    text = str(error)
-    if isinstance(error, NobodyLeftToJoin):
-        return "nobody left to join"
-    if "could not find a group" in text:
-        return "no group found"
-    if isinstance(error, (TimeoutError, FutureTimeout)):
-        return "timed out"
-    if isinstance(error, (CancelledError, asyncio.CancelledError)):
-        return "cancelled"
-    return f"{type(error).__name__}: {text[:60]}" if text else type(error).__name__
 
 
 def round_is_stale(seconds_left: float, averaging_timeout: float) -> bool:

@@ -22,7 +22,7 @@ class Summary:
     compute_seconds: float = 0.0  # of that, computing micro-batches (data, forward, backward); the rest is waiting
     rounds_joined: int = 0
     rounds_failed: int = 0
-    rounds_failed_by_reason: dict[str, int] = field(default_factory=dict)  # collab.modes.sync.round_failure
+    rounds_failed_by_reason: dict[str, int] = field(default_factory=dict)  # collab.modes.round_failures.round_failure
     rounds_replayed: int = 0  # of those, missed rounds applied from a peer that made them (collab.averaging.round_replay)
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}

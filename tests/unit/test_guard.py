@@ -50,7 +50,7 @@ def test_a_peer_caught_with_hard_evidence_is_handed_over_once_and_a_clipped_one_
     time.sleep(0.5)
     assert log.take_caught() == []
     assert log.drain()["QmNaN"] == {"part not finite (gradients)": 3}
-    # and a leaving peer does not stay on as the state donor of one it caught (collab.modes.sync._serve_peers_behind)
+    # and a leaving peer does not stay on as the state donor of one it caught (collab.modes.staying_donor)
     assert {"QmNaN", "QmGarbage"} <= log.caught_ever() and "QmFlip" not in log.caught_ever()
     # a peer that served a shard whose sha256 is not the manifest's (the trainer's own finding: collab.run.shard_fetch)
     log.add("QmBadShards", REFUSED, "data")

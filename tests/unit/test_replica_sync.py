@@ -110,7 +110,8 @@ def test_a_round_begun_with_others_is_given_up_once_all_of_them_left(monkeypatch
     from hivemind.averaging.control import AveragingStage
 
     from collab.modes import sync
-    from collab.modes.sync import CollabOptimizer, NobodyLeftToJoin
+    from collab.modes.round_failures import NobodyLeftToJoin
+    from collab.modes.sync import CollabOptimizer
 
     monkeypatch.setattr(sync, "NOBODY_LEFT_CHECK", 0.05)
 

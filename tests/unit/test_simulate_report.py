@@ -90,7 +90,7 @@ def test_a_failed_round_says_why_in_words_that_add_up_across_peers():
 
     from hivemind.averaging.allreduce import AllreduceException
 
-    from collab.modes.sync import NobodyLeftToJoin, round_failure
+    from collab.modes.round_failures import NobodyLeftToJoin, round_failure
     from collab.peers.report import _add_up
 
     reasons = [round_failure(e) for e in (AllreduceException("Averaging step failed: could not find a group"),
@@ -100,7 +100,7 @@ def test_a_failed_round_says_why_in_words_that_add_up_across_peers():
 
 
 def test_a_round_that_found_no_group_says_why():
-    from collab.modes.sync import why_no_group
+    from collab.modes.round_failures import why_no_group
 
     # (epoch, client mode) of each peer in the last read of the records, this one's included
     assert why_no_group(4, False, [(4, False)], 3.0).startswith("no group found: this peer is alone in the run")

@@ -1,0 +1,46 @@
+"""Why a gradient round failed, in words: for the peer's log (why_no_group: what hivemind's "could not find a group"
+meant here) and in a few words that add up across peers (round_failure: the simulator's and scale benchmark's
+"rounds failed, and why"). Used by collab.modes.sync."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import CancelledError, TimeoutError as FutureTimeout
+
+
+class NobodyLeftToJoin(Exception):
+    """A peer's last gradient round, ended because every other peer had finished that epoch without it."""
+
+
+def why_no_group(epoch: int, client_mode: bool, peers_seen: list, matchmaking_time: float) -> str:
+    """Why a gradient round found no group, from the last read of the run's progress records: (epoch, client mode)
+    of each peer, this one's included. hivemind says only "could not find a group"."""
+    others = max(0, len(peers_seen) - 1)
+    if others == 0:
+        return "no group found: this peer is alone in the run (no other peer's progress record)"
+    leaders = sum(not client for _, client in peers_seen)
+    if client_mode and leaders == 0:
+        return (f"no group found: the {others} other peer(s) are clients too, and only a reachable peer can lead a "
+                "round: one of you needs an open port (collab doctor says how)")
+    same = sum(e == epoch for e, _ in peers_seen) - 1
+    if same <= 0:
+        theirs = sorted({e for e, _ in peers_seen if e != epoch})
+        return (f"no group found: the other peers are on epoch {', '.join(map(str, theirs))}, this one on {epoch} (a "
+                "round groups one epoch's peers); it re-syncs with them")
+    return (f"no group found: {same} other peer(s) on this epoch, but none matched within {matchmaking_time:g} s: on "
+            "slow or distant links raise averaging.matchmaking_time")
+
+
+def round_failure(error: BaseException) -> str:
+    """Why a gradient round failed, in a few words that add up across peers (the simulator's and scale
+    benchmark's "rounds failed, and why")."""
+    text = str(error)
+    if isinstance(error, NobodyLeftToJoin):
+        return "nobody left to join"
+    if "could not find a group" in text:
+        return "no group found"
+    if isinstance(error, (TimeoutError, FutureTimeout)):
+        return "timed out"
+    if isinstance(error, (CancelledError, asyncio.CancelledError)):
+        return "cancelled"
+    return f"{type(error).__name__}: {text[:60]}" if text else type(error).__name__
