@@ -162,7 +162,9 @@ from multiprocessing import util
 from collab.process.reaper import remove_own_multiprocessing_folder, watch_this_process
 watch_this_process()
 folder = util.get_temp_dir()
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) if sys.argv[1] == "child" else None
+# (the child ends when this process does, killed or not: its stdin closes)
+child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE) \
+    if sys.argv[1] == "child" else None
 remove_own_multiprocessing_folder()
 print(folder, os.path.isdir(folder), flush=True)
 if child:
