@@ -325,6 +325,7 @@ class CheckedRounds(PlansRounds, ReadsSignedProgress, LeavesNoSocketFile, ReadsW
         self._matching_seconds = seconds
         self.group_found(group)
         matchmaking = getattr(self, "_matchmaking", None)
+        self._log_group(seconds, group, getattr(matchmaking, "target_group_size", None))
         if self._budget is not None and matchmaking is not None:
             self._budget.after_round(len(group.peer_ids) if group is not None else None,
                                      matchmaking.target_group_size)

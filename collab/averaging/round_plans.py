@@ -120,6 +120,22 @@ class PlansRounds:
         leader_id = PeerID.from_base58(leader)
         return None if self.banned(leader_id) else (leader_id, until)
 
+    def _log_group(self, seconds: float, group, target: Optional[int]) -> None:
+        """A debug line for each gradient round planned: the group against its target and plan, and which peers the
+        records showed but the target left out (why a round split: each peer's log holds its own view)."""
+        log = logging.getLogger(__name__)
+        if self._round_plan is None or not log.isEnabledFor(logging.DEBUG):
+            return
+        records = self.__dict__.get("_progress_cache", {}).get("records", {})
+        counted = peers_training(records, self._last_group)
+        leader = planned_leader(records, self._round_plan[0], self._last_group)
+        members = {peer.to_base58() for peer in group.peer_ids} if group is not None else set()
+        left_out = sorted(f"{peer[-6:]}@{getattr(records[peer], 'epoch', '?')}" for peer in set(records) - counted)
+        log.debug(f"round of epoch {self._round_plan[0]}: group of {len(members) or None} for a target of {target} "
+                  f"after {seconds:.1f} s; planned leader {leader[-6:] if leader else None} "
+                  f"{'in' if leader in members else 'not in'} it; {len(records)} records, not counted: "
+                  f"{', '.join(left_out) or 'none'}")
+
     def _raise_group_target(self, matchmaking) -> None:
         training = _peers_training(self._progress_cache["records"], self._last_group)
         if training is not None and training > (matchmaking.target_group_size or 0):
