@@ -27,7 +27,7 @@ import hashlib
 from typing import Optional
 
 PLAN_SHARE = 0.5  # of a search's time: how long a peer asks the planned leader before hivemind's own search
-ASK_AGAIN = 1.0  # seconds between asks while the planned leader is not searching yet
+ASK_AGAIN = 0.3  # seconds between asks while the planned leader is not searching yet
 
 
 def peers_training(records: dict, last_group: frozenset = frozenset()) -> set:
