@@ -226,9 +226,9 @@ class CheckedRounds(PlansRounds, ReadsSignedProgress, LeavesNoSocketFile, ReadsW
             patient_followers(matchmaking, FOLLOWER_PATIENCE, self._accepted_request_ended)
             time_matchmaking(matchmaking, self._matched_in)
             pace_group_reads(matchmaking, every=max(GROUP_READ_FLOOR, matchmaking.min_matchmaking_time / 10))
-            # a follower accepted waits for the group's start until its own search's end plus FOLLOWER_PATIENCE x
-            # request_timeout: a leader whose own search ends up to one request_timeout less than that after
-            # it can take it in (planned_leader: at 32 peers the planned leader began 5 s after the first)
+            # an accepted follower waits for the group's start until FOLLOWER_PATIENCE x request_timeout past its own
+            # search's end, so a leader whose search ends up to one request_timeout less after it can still take it
+            # in (collab.averaging.planned_leader: at 32 peers the planned leader began up to 8 s after the first)
             follow_a_plan(matchmaking, self._plan, slack=(FOLLOWER_PATIENCE - 1) * matchmaking.request_timeout,
                           ask_again=ASK_AGAIN)
         if self.kind == "gradients":
