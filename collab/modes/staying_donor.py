@@ -55,7 +55,8 @@ class StaysAsDonor:
             epochs = [self.local_epoch - b.epochs for b in behind]
             if not behind:
                 if said:
-                    logger.warning(f"Epoch {self.local_epoch}: no peer is behind any more; leaving after {waited:.0f} s")
+                    logger.warning(f"Epoch {self.local_epoch}: no peer is behind any more; leaving after "
+                                   f"{waited:.0f} s")
                 return
             patience = max(patience, donor_patience(
                 behind, self.tracker.target_batch_size, self.pace.seconds(), self.averaging_timeout,
@@ -67,7 +68,7 @@ class StaysAsDonor:
             if not said:
                 said = True
                 pace = self.pace.seconds()
-                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) behind (epochs {epochs}): staying on as "
-                               f"their state donor for up to {patience:.0f} s (epochs take "
+                logger.warning(f"Epoch {self.local_epoch}: {len(behind)} peer(s) behind (epochs {epochs}): staying on "
+                               f"as their state donor for up to {patience:.0f} s (epochs take "
                                f"{'?' if pace is None else f'{pace:.1f}'} s here)")
             self.stop.wait(0.5)
