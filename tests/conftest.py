@@ -237,6 +237,17 @@ def run_id() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_keep_temp_files_in_the_session(tmp_path_factory) -> Path:
+    """Every process a test starts keeps its temporary files in this session's folder, which pytest prunes: a peer a
+    test kills (churn, a crash) cannot remove its multiprocessing folder (pymp-*) or its torch_shm_manager's
+    (torch-shm-dir-*), and a CI run left ten of them in /tmp. hivemind's sockets keep their fixed /tmp path
+    (no_leftover_processes checks those)."""
+    folder = tmp_path_factory.mktemp("tmp")
+    os.environ["TMPDIR"] = str(folder)  # (this process's own tempfile.gettempdir() is already fixed: pytest used it)
+    return folder
+
+
 @pytest.fixture(autouse=True, scope="session")
 def hivemind_locks_a_killed_holder_releases():
     """This test process's hivemind locks as a peer's (collab.hivemind_hooks.locks): a test that kills a DHT or an
