@@ -114,7 +114,7 @@ class PlansRounds:
             return None
         epoch, until = self._round_plan
         records = self.__dict__.get("_progress_cache", {}).get("records", {})
-        leader = planned_leader(records, epoch, self._last_group)
+        leader = planned_leader(records, epoch, self._last_group, in_step=True)
         if leader is None:
             return None
         leader_id = PeerID.from_base58(leader)
@@ -128,7 +128,7 @@ class PlansRounds:
             return
         records = self.__dict__.get("_progress_cache", {}).get("records", {})
         counted = peers_training(records, self._last_group)
-        leader = planned_leader(records, self._round_plan[0], self._last_group)
+        leader = planned_leader(records, self._round_plan[0], self._last_group, in_step=True)
         members = {peer.to_base58() for peer in group.peer_ids} if group is not None else set()
         left_out = sorted(f"{peer[-6:]}@{getattr(records[peer], 'epoch', '?')}" for peer in set(records) - counted)
         log.debug(f"round of epoch {self._round_plan[0]}: group of {len(members) or None} for a target of {target} "

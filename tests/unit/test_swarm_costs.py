@@ -115,6 +115,30 @@ def test_every_peer_names_one_planned_leader_that_can_lead_and_changes_with_the_
     assert planned_leader({p: SimpleNamespace(epoch=7, client_mode=True) for p in ("a", "b")}, 7) is None
 
 
+
+def test_the_few_of_a_split_round_never_lead_the_next_and_every_peer_names_the_same_leader():
+    # 32 peers; round 7 split 20 + 12: the 12 hold their records at epoch 6 until they re-sync (a state download),
+    # and a planned leader among them began its round seconds late and split it again
+    from collab.averaging.planned_leader import planned_leader
+
+    many, few = [f"many{i}" for i in range(20)], [f"few{i}" for i in range(12)]
+    records = {**{p: SimpleNamespace(epoch=8, client_mode=False) for p in many},
+               **{p: SimpleNamespace(epoch=7, client_mode=False) for p in few}}
+    led_by_the_few = 0
+    for epoch in range(8, 48):
+        views = {planned_leader(records, epoch, frozenset(many), in_step=True),  # one of the many
+                 planned_leader(records, epoch, frozenset(few), in_step=True),  # one of the few
+                 planned_leader(records, epoch, in_step=True)}  # a peer with no last round (it just joined)
+        assert len(views) == 1 and views <= set(many), (epoch, views)
+        led_by_the_few += planned_leader(records, epoch, frozenset(many)) in few
+    assert led_by_the_few > 0  # without in_step the few lead some of these epochs
+    # the many's own records not read since their step yet (all show 7): their last group still says who stepped
+    stale = {p: SimpleNamespace(epoch=7, client_mode=False) for p in records}
+    assert {planned_leader(stale, e, frozenset(many), in_step=True) for e in range(8, 48)} <= set(many)
+    # nobody on the step can lead (the many are clients): the plan falls back to any peer that can
+    clients = dict(records, **{p: SimpleNamespace(epoch=8, client_mode=True) for p in many})
+    assert planned_leader(clients, 9, frozenset(many), in_step=True) in few
+
 def _match(prefix_before: str, gathered) -> list[str]:
     averager = type("Averager", (), {"serializer": MSGPackSerializer})()
     matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix=prefix_before))
