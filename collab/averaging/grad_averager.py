@@ -106,6 +106,7 @@ class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradien
                  findings=None, traffic=None, **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
         self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        self.listen_for_asks()  # (collab.averaging.woken_leader)
         parameters = list(parameters)
         self.prepare_served_round(parameters)
         super().__init__(parameters, *args, **kwargs)
@@ -129,6 +130,7 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradien
     def __init__(self, parameters, averager_rank: int, *, seed: int, gate: Optional[MemberGate] = None,
                  rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):
         self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        self.listen_for_asks()  # (collab.averaging.woken_leader)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             super().__init__(parameters, averager_rank, **kwargs)
@@ -163,6 +165,7 @@ class CollabDGCAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, D
     def __init__(self, *args, settings: DGCSettings, seed: int, gate: Optional[MemberGate] = None,
                  rule: Aggregation = Aggregation(), findings=None, traffic=None, **kwargs):
         self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
+        self.listen_for_asks()  # (collab.averaging.woken_leader)
         super().__init__(*args, **kwargs)
         with self.get_tensors() as averaged:
             self.dgc = DGCMemory(averaged, settings, seed)

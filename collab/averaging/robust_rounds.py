@@ -48,6 +48,7 @@ from collab.averaging.signed_progress import ReadsSignedProgress
 from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
 from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
 from collab.averaging.traffic import CountingRunner, TrafficLog
+from collab.averaging.woken_leader import WokenByAsks
 from collab.hivemind_hooks.averager import end_step_unstarted
 from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
                                            never_ask_leaders, pace_group_reads, patient_followers, time_matchmaking)
@@ -144,7 +145,8 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
 
 
 # the two mixins of collab's own names first: a name hivemind's classes gain in an upgrade cannot hide theirs
-class CheckedRounds(PlansRounds, ReadsSignedProgress, LeavesNoSocketFile, ReadsWholeRequests, KnownGroupsOnly):
+class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocketFile, ReadsWholeRequests,
+                    KnownGroupsOnly):
     """A DecentralizedAverager mixin. Set `rule`, `kind` ("gradients" or "state") and `findings` (a queue, or
     None) before hivemind's constructor starts the averager process."""
 
@@ -201,6 +203,7 @@ class CheckedRounds(PlansRounds, ReadsSignedProgress, LeavesNoSocketFile, ReadsW
         if self.banned(context.remote_id):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        self._note_ask(request.group_key)
         async for message in super().serve_join_request(request, context):
             yield message
 

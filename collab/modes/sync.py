@@ -295,7 +295,20 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
         # match; when another appears, begin_gradient_round still starts a round at the epoch's end.
         if self.tracker.global_progress.num_peers > 1:
             self.grad_averager.epoch = self.local_epoch
+            if self._asked_to_lead_now():
+                self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+                return
             super().schedule_gradient_round()
+
+    def _asked_to_lead_now(self) -> bool:
+        """Whether a peer already searching asked this one to lead this epoch's round before this peer's own reads
+        said the epoch ends (collab.averaging.woken_leader), and no round of this peer's is under way."""
+        asked = getattr(self.grad_averager, "asked_to_lead", lambda: None)()
+        control = self.scheduled_grads
+        if asked != self.local_epoch or not (control is None or control.triggered or control.done()):
+            return False
+        logger.debug(f"Epoch {self.local_epoch}: asked to lead its round by a peer already searching; beginning now")
+        return True
 
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:

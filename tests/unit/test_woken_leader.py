@@ -1,0 +1,53 @@
+"""A planned leader woken by its followers' asks (collab.averaging.woken_leader): what it notes, and when it begins."""
+
+from types import SimpleNamespace
+
+from collab.averaging.woken_leader import WokenByAsks, epoch_of_key
+from collab.modes.sync import CollabOptimizer
+
+BASE = "run_grad_averager"
+
+
+def test_only_a_gradient_rounds_key_of_this_run_names_an_epoch():
+    assert epoch_of_key(f"{BASE}_epoch7.0b", BASE) == 7
+    assert epoch_of_key(f"{BASE}_epoch12.0b0110", BASE) == 12
+    for key in ("other_grad_averager_epoch7.0b", f"{BASE}.0b", f"{BASE}_epoch7", f"{BASE}_epoch{10 ** 12}.0b",
+                f"{BASE}_epoch-1.0b", f"{BASE}_epoch7.0b2", None, b"bytes"):
+        assert epoch_of_key(key, BASE) is None, key
+
+
+def _averager(looking: bool) -> WokenByAsks:
+    averager = WokenByAsks()
+    averager._matchmaking = SimpleNamespace(is_looking_for_group=looking,
+                                            group_key_manager=SimpleNamespace(prefix=f"{BASE}_epoch3"))
+    averager._base_group_prefix = BASE  # set by the first round (round_plans._match_within_epoch)
+    averager.listen_for_asks()
+    return averager
+
+
+def test_an_ask_is_noted_only_while_this_peer_is_not_searching_and_the_newest_epoch_wins():
+    averager = _averager(looking=False)
+    assert averager.asked_to_lead() is None
+    averager._note_ask(f"{BASE}_epoch5.0b")
+    averager._note_ask(f"{BASE}_epoch4.0b")  # a late ask of an older round leaves the newest
+    averager._note_ask("forged_epoch99.0b")
+    assert averager.asked_to_lead() == 5
+    searching = _averager(looking=True)  # then the ask is an ordinary join request
+    searching._note_ask(f"{BASE}_epoch5.0b")
+    assert searching.asked_to_lead() is None
+
+
+def _optimizer(asked, local_epoch: int, control=None):
+    return SimpleNamespace(grad_averager=SimpleNamespace(asked_to_lead=lambda: asked), local_epoch=local_epoch,
+                           scheduled_grads=control)
+
+
+def test_the_trainer_begins_its_round_when_asked_for_its_own_epoch_and_no_round_is_under_way():
+    assert CollabOptimizer._asked_to_lead_now(_optimizer(5, 5))
+    done = SimpleNamespace(triggered=True, done=lambda: True)
+    assert CollabOptimizer._asked_to_lead_now(_optimizer(5, 5, done))
+    searching = SimpleNamespace(triggered=False, done=lambda: False)
+    assert not CollabOptimizer._asked_to_lead_now(_optimizer(5, 5, searching))  # its round already began
+    assert not CollabOptimizer._asked_to_lead_now(_optimizer(4, 5))  # an older epoch's ask
+    assert not CollabOptimizer._asked_to_lead_now(_optimizer(6, 5))  # a forged or future one: never early twice
+    assert not CollabOptimizer._asked_to_lead_now(_optimizer(None, 5))
