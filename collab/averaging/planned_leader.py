@@ -42,30 +42,32 @@ def peers_training(records: dict, last_group: frozenset = frozenset()) -> set:
     return {peer for peer, e in epochs.items() if e >= furthest - 1 or peer in last_group}
 
 
-def planned_leader(records: dict, epoch: int, last_group: frozenset = frozenset(), in_step: bool = False
-                   ) -> Optional[str]:
+def planned_leader(records: dict, epoch: int, last_group: frozenset = frozenset(),
+                   step_group: Optional[frozenset] = None) -> Optional[str]:
     """The round's planned leader (base58), or None when fewer than two peers are training or none can lead (a
-    client-mode peer accepts no one). `in_step`: only a peer on the swarm's step leads while there is one
-    (`on_the_swarms_step`)."""
+    client-mode peer accepts no one). `step_group` (this peer's group of the round before this one, which averaged,
+    or empty): only a peer on the swarm's step leads while there is one (`on_the_swarms_step`)."""
     training = peers_training(records, last_group)
     able = [peer for peer in training if getattr(records[peer], "client_mode", False) is False]
     if len(training) < 2 or not able:
         return None
-    if in_step:
-        on_step = on_the_swarms_step(records, training, last_group)
+    if step_group is not None:
+        on_step = on_the_swarms_step(records, training, step_group)
         able = [peer for peer in able if peer in on_step] or able
     return min(able, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).digest())
 
 
-def on_the_swarms_step(records: dict, training: set, last_group: frozenset) -> set:
+def on_the_swarms_step(records: dict, training: set, step_group: frozenset) -> set:
     """The peers training that are surely on the swarm's step, and so begin the next round on time: the few of a split
     round re-sync first (a state download: 1.5-39 s at 32 peers on 2 cores) and lead late. At 32 peers the planned
     leader of 2 of a run's 4 split rounds had been in the few of the round before, and its own round split again (the
-    same 14 of 32 apart four epochs running, in an earlier run). This peer's last group, when it held more than half
-    the peers training: exact, and every peer of it names the same set. Otherwise (this peer was in the few, or has
-    no last round) the peers whose records show the furthest epoch: the few hold their records an epoch back until
-    they re-sync (collab.modes.replica_sync)."""
-    group = last_group & training
+    same 14 of 32 apart four epochs running, in an earlier run). This peer's group of the round before, when it
+    averaged and held more than half the peers training: exact, and every peer of it names the same set. Not an older
+    round's: a peer stuck 40 s in a failed round, then re-synced, named itself from a group of four epochs before and
+    its fellows grouped apart with it. Otherwise (this peer was in the few, or has no such round) the peers whose
+    records show the furthest epoch: the few hold their records an epoch back until they re-sync
+    (collab.modes.replica_sync)."""
+    group = step_group & training
     if len(group) * 2 > len(training):
         return set(group)
     epochs = {peer: getattr(records[peer], "epoch", None) for peer in training}

@@ -325,6 +325,8 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
             recent = self._recent_norms(phase)
             recent.append(averaged_norm)
             del recent[:-16]
+        if self.kind == "gradients" and not phase:
+            self._averaged_epoch = self._round_epoch  # (collab.averaging.round_plans._step_group)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 

@@ -41,6 +41,7 @@ class PlansRounds:
 
     _budget: Optional[MatchingBudget] = None  # set when a gradient round's group size follows the swarm
     _last_group: frozenset = frozenset()  # the base58 ids of this peer's last gradient group
+    _averaged_epoch: Optional[int] = None  # the epoch of the last gradient round this peer averaged (in _last_group)
 
     def _fit_group_to_swarm(self, matchmaking, records: dict, deadline: Optional[float] = None) -> None:
         """averaging.group_size unset: a leader begins its round as soon as every peer the run's progress records
@@ -114,11 +115,15 @@ class PlansRounds:
             return None
         epoch, until = self._round_plan
         records = self.__dict__.get("_progress_cache", {}).get("records", {})
-        leader = planned_leader(records, epoch, self._last_group, in_step=True)
+        leader = planned_leader(records, epoch, self._last_group, self._step_group(epoch))
         if leader is None:
             return None
         leader_id = PeerID.from_base58(leader)
         return None if self.banned(leader_id) else (leader_id, until)
+
+    def _step_group(self, epoch: int) -> frozenset:
+        """The group this peer averaged with in the round before `epoch`'s; empty if it did not average then."""
+        return self._last_group if self._averaged_epoch == epoch - 1 else frozenset()
 
     def _log_group(self, seconds: float, group, target: Optional[int]) -> None:
         """A debug line for each gradient round planned: the group against its target and plan, and which peers the
@@ -128,7 +133,8 @@ class PlansRounds:
             return
         records = self.__dict__.get("_progress_cache", {}).get("records", {})
         counted = peers_training(records, self._last_group)
-        leader = planned_leader(records, self._round_plan[0], self._last_group, in_step=True)
+        leader = planned_leader(records, self._round_plan[0], self._last_group,
+                                self._step_group(self._round_plan[0]))
         members = {peer.to_base58() for peer in group.peer_ids} if group is not None else set()
         left_out = sorted(f"{peer[-6:]}@{getattr(records[peer], 'epoch', '?')}" for peer in set(records) - counted)
         log.debug(f"round of epoch {self._round_plan[0]}: group of {len(members) or None} for a target of {target} "

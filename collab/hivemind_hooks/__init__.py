@@ -190,6 +190,7 @@ READ = (
     "hivemind.averaging.control.StepControl.attach",  # a leaving peer's step ended before _step (end_step_unstarted)
     "hivemind.dht.protocol.DHTProtocol.call_ping",  # lost peers pinged back (rejoin)
     "hivemind.averaging.allreduce.AllReduceRunner.finalize",  # a running all-reduce ended on a signal or revocation
+    "hivemind.averaging.matchmaking.Matchmaking.is_looking_for_group",  # asked before searching (woken_leader)
 )
 
 # attributes hivemind sets on its objects (self.NAME = ...) that collab reads or writes, by the class that sets them
