@@ -6,10 +6,10 @@ late round the planned leader (collab.averaging.planned_leader) learned of its e
 its followers, past their plan windows, and the round split. But the followers' asks reach it the moment the first of
 them begins: a join request under the key of this peer's own epoch, while it is not searching, says just that.
 
-The averager's process notes the newest epoch it was asked to lead (`asked`, a shared value made before it forks);
-the trainer's process begins its round at its next micro-batch when that epoch is its own (collab.modes.sync). An
-untrusted peer can only make this peer begin its search early, by at most one epoch's (a search the trainer already
-renews when it grows stale): the epoch must equal the trainer's own.
+The averager's process notes the newest epoch it was asked to lead (`_asked`, a value shared with the trainer's
+process, made before the averager forks); the trainer's process begins its round at its next micro-batch when that
+epoch is its own (collab.modes.sync). An untrusted peer can only make this peer begin its search early, once an
+epoch (the epoch must be the trainer's own; a search that grows stale before the step is renewed, as any).
 """
 
 from __future__ import annotations
