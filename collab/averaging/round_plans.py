@@ -77,17 +77,19 @@ class PlansRounds:
     def _match_within_epoch(self, matchmaking, step) -> None:
         """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that
         epoch: hivemind's leaders refuse a request made under another key, and no search sees another epoch's."""
-        keys = matchmaking.group_key_manager
-        base = self.__dict__.setdefault("_base_group_prefix", keys.prefix)
+        base = self._run_prefix(matchmaking)
         try:
             _bandwidth, _mode, user_data = self.serializer.loads(step.data_for_gather)
             epoch = self.serializer.loads(user_data)
         except Exception:  # (our own process's data: a round without an epoch keeps the run's key)
             epoch = None
-        # hivemind's group keys are PREFIX.0bBITS with no dot in PREFIX
-        keys.prefix = f"{base}_epoch{epoch}" if type(epoch) is int else base
+        matchmaking.group_key_manager.prefix = epoch_prefix(base, epoch) if type(epoch) is int else base
         self._round_epoch = epoch if type(epoch) is int else None
         return self._round_epoch
+
+    def _run_prefix(self, matchmaking) -> str:
+        """The run's own group key prefix, as hivemind's constructor set it (before any round's epoch replaced it)."""
+        return self.__dict__.setdefault("_base_group_prefix", matchmaking.group_key_manager.prefix)
 
     _round_plan: Optional[tuple] = None  # (epoch, until): this search asks the epoch's planned leader until then
     _round_epoch: Optional[int] = None  # the epoch this gradient round averages toward (None: it carries none)
@@ -147,6 +149,12 @@ class PlansRounds:
         if training is not None and training > (matchmaking.target_group_size or 0):
             matchmaking.target_group_size = training
             logging.getLogger(__name__).debug(f"group target raised to {training} by a fresh read")
+
+
+def epoch_prefix(run_prefix: str, epoch) -> str:
+    """The group key prefix of an epoch's gradient round (collab.averaging.woken_leader parses it back). hivemind's
+    group keys are PREFIX.0bBITS with no dot in PREFIX."""
+    return f"{run_prefix}_epoch{epoch}"
 
 
 def _peers_training(records: dict, last_group: frozenset = frozenset()) -> Optional[int]:

@@ -18,11 +18,14 @@ import multiprocessing
 import re
 from typing import Optional
 
+from collab.averaging.round_plans import epoch_prefix
+
 MOST_DIGITS = 12  # an epoch in a group key: beyond this, not a round of this run
 
 
 class WokenByAsks:
-    """A CheckedRounds mixin: call `listen_for_asks()` before hivemind's constructor forks the averager process."""
+    """A CheckedRounds mixin (beside round_plans.PlansRounds, whose `_run_prefix` it reads): call `listen_for_asks()`
+    before hivemind's constructor forks the averager process."""
 
     _asked = None  # multiprocessing.RawValue("q"): the newest epoch whose round a peer asked this one to lead, or -1
 
@@ -39,16 +42,16 @@ class WokenByAsks:
         matchmaking = getattr(self, "_matchmaking", None)
         if self._asked is None or matchmaking is None or matchmaking.is_looking_for_group:
             return
-        base = self.__dict__.get("_base_group_prefix", matchmaking.group_key_manager.prefix)
-        epoch = epoch_of_key(group_key, base)
+        epoch = epoch_of_key(group_key, self._run_prefix(matchmaking))
         if epoch is not None and epoch > self._asked.value:
             self._asked.value = epoch
 
 
-def epoch_of_key(group_key, base: str) -> Optional[int]:
-    """The epoch of a gradient round's group key (collab.averaging.round_plans._match_within_epoch: BASE_epochE.0bBITS),
+def epoch_of_key(group_key, run_prefix: str) -> Optional[int]:
+    """The epoch of a gradient round's group key (collab.averaging.round_plans.epoch_prefix, then hivemind's .0bBITS),
     or None for any other string."""
     if not isinstance(group_key, str):
         return None
-    match = re.fullmatch(re.escape(base) + r"_epoch(\d{1,%d})\.0b[01]*" % MOST_DIGITS, group_key)
+    pattern = re.escape(epoch_prefix(run_prefix, "")) + r"(\d{1,%d})\.0b[01]*" % MOST_DIGITS
+    match = re.fullmatch(pattern, group_key)
     return int(match.group(1)) if match else None

@@ -16,7 +16,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.robust_rounds import CheckedRounds
-from collab.averaging.round_plans import _peers_training
+from collab.averaging.round_plans import PlansRounds, _peers_training
 from collab.hivemind_hooks.dht_node import count_dht_requests
 from collab.hivemind_hooks.patches import pace_group_reads, time_matchmaking
 from collab.swarm.dht_traffic import DHTRequests, known_keys
@@ -140,15 +140,13 @@ def test_the_few_of_a_split_round_never_lead_the_next_and_every_peer_names_the_s
     assert planned_leader(clients, 9, frozenset(many), frozenset(many)) in few
     # the group a peer averaged with counts for the next round only: one stuck in an older round's failure, then
     # re-synced, reads the records (it named itself from a group of four epochs before, and its fellows grouped apart)
-    from collab.averaging.round_plans import PlansRounds
-
     peer = PlansRounds()
     peer._last_group, peer._averaged_epoch = frozenset(many), 7
     assert peer._step_group(8) == frozenset(many)
     assert peer._step_group(11) == frozenset()
 
 def _match(prefix_before: str, gathered) -> list[str]:
-    averager = type("Averager", (), {"serializer": MSGPackSerializer})()
+    averager = type("Averager", (PlansRounds,), {"serializer": MSGPackSerializer})()
     matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix=prefix_before))
     prefixes = []
     for data in gathered:
