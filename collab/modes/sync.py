@@ -28,6 +28,10 @@ from collab.modes.staying_donor import StaysAsDonor
 from collab.records.untrusted import progress_records
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
+# the few of a split round wait this long for a record of the many's next epoch before they re-sync by download
+# instead (the many began their round first and mostly end it first; their records follow at their next micro-batch)
+DONORS_WAIT = 5.0
+DONORS_POLL = 0.5
 EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a round begun with others is given up
 logger = get_logger(__name__)
 
@@ -215,13 +219,18 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             self.load_own_gradients()
             self._record_own_step(failure)
         elif self._in_a_minority(members):
-            self._record_own_step(f"its gradient round gathered {group_size} of the "
-                                  f"{self.tracker.global_progress.num_peers} peers training", whose="a few peers' gradients")
+            peers = self.tracker.global_progress.num_peers
+            few = f"its gradient round gathered {group_size} of the {peers} peers training"
+            # the many's round is the swarm's step: applied here, this replica stays the swarm's with no download (at
+            # 32 peers on 2 cores the few re-synced for 1.5-39 s and then began their next round late, splitting it)
+            if not self._replayed_the_missed_round(few, donors_wait=DONORS_WAIT):
+                self._record_own_step(few, whose="a few peers' gradients")
 
-    def _replayed_the_missed_round(self, failure: str) -> bool:
-        """The round this peer missed (every other peer made this epoch's step without it), applied from a peer that
-        made it: the same step as theirs, with no download (collab.averaging.round_replay). Only for a replica in
-        sync at this epoch; whether it was applied."""
+    def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0) -> bool:
+        """The round this peer missed (every other peer made this epoch's step without it; or the many of a split
+        round, this peer among the few), applied from a peer that made it: the same step as theirs, with no download
+        (collab.averaging.round_replay). Only for a replica in sync at this epoch; whether it was applied. Up to
+        `donors_wait` seconds for a record of such a peer (the many may end their round after the few)."""
         averager = self.grad_averager
         if not getattr(averager, "serves_rounds", False) or self.delay_grad_averaging or not self.in_sync():
             return False
@@ -232,15 +241,10 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             # would look in step and stay one update behind: the split test's healed peer ended 0.034 from the others
             # so once. An own step instead marks it out of step, and the re-sync that follows brings it back
             return False
-        epoch, me = self.local_epoch, self.dht.peer_id.to_base58()
-        try:
-            records = progress_records(self.dht, self.run_id)
-        except Exception:
-            return False
-        # peers one epoch on keep this round (a peer further on kept a later one); a client-mode peer cannot be dialed
-        donors = [peer for peer, record in records.items()
-                  if peer != me and record.epoch == epoch + 1 and not getattr(record, "client_mode", False)]
-        started = time.monotonic()
+        epoch, started = self.local_epoch, time.monotonic()
+        donors = round_donors(self.dht, self.run_id, epoch)
+        while not donors and time.monotonic() < started + donors_wait and not self.stop.wait(DONORS_POLL):
+            donors = round_donors(self.dht, self.run_id, epoch)
         try:
             got = averager.fetch_round(epoch, donors, timeout=self.load_state_timeout) if donors else None
         except Exception as e:
@@ -256,6 +260,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             logger.warning(f"Epoch {epoch}: refused the missed round's average from {donor}: {why}")
             return False
         averager.load_replayed_(tensors)
+        averager.keep_round(epoch)  # the swarm's round, served in turn (the few's own average was kept before)
         self.load_averaged_gradients()
         self.rounds_replayed += 1
         megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
@@ -313,6 +318,18 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:
             return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def round_donors(dht, run_id: str, epoch: int) -> list[str]:
+    """Peers whose records show the epoch after `epoch`: they keep its round (a peer further on kept a later one); a
+    client-mode peer cannot be dialed."""
+    me = dht.peer_id.to_base58()
+    try:
+        records = progress_records(dht, run_id)
+    except Exception:
+        return []
+    return [peer for peer, record in records.items()
+            if peer != me and record.epoch == epoch + 1 and not getattr(record, "client_mode", False)]
 
 
 def round_is_stale(seconds_left: float, averaging_timeout: float) -> bool:
