@@ -11,6 +11,7 @@ imported collab once (collab.peers.forkserver): a peer starts in about a second 
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -28,6 +29,9 @@ from collab.process.reaper import hivemind_sockets, remove_sockets_of, running_a
 from collab.records.identity import load_or_create_identity
 
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
+REACHABLE_LINE = re.compile(r"^Reachability: ", re.MULTILINE)
+INITIAL_PEERS_MOST = 4
+RESTART_LINE = "===== restart"  # in a peer's log, before each incarnation's lines but the first
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
 LEAVE_GRACE = 15.0  # seconds a stopped swarm's peers have to leave, from the last one that left
 LEAVE_WAIT_MOST = 120.0  # and in all, however many still leave one after another
@@ -107,7 +111,7 @@ class PeerProcess:
             command += ["--bandwidth", f"{where.bandwidth_mbit:g}"]
         with open(self.log_path, "ab") as log:
             if self.starts:
-                log.write(f"\n===== restart {self.starts} =====\n".encode())
+                log.write(f"\n{RESTART_LINE} {self.starts} =====\n".encode())
                 log.flush()
             unforkable = None if forks is None else forks.why_not(command, env)
             if forks is not None and unforkable is None:
@@ -119,6 +123,7 @@ class PeerProcess:
                 self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.starts += 1
+        self._joined = False
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -179,6 +184,16 @@ class PeerProcess:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    _joined = False
+
+    def joined(self) -> bool:
+        """Whether this peer, running, has joined the swarm as a peer others can dial: the first peer's join line, or
+        its reachability check's line (collab.commands.join); a client (behind NAT) says otherwise. Remembered."""
+        if not self._joined and self.alive():
+            text = self.log_text().rsplit(RESTART_LINE, 1)[-1]  # this incarnation's lines
+            self._joined = bool(JOIN_LINE.search(text) or REACHABLE_LINE.search(text))
+        return self._joined and self.alive()
 
 
 def free_ports(count: int) -> list[int]:
@@ -258,10 +273,17 @@ class LocalSwarm:
             self.start_peer(peer.index, ["--wait-peers", wait])
 
     def start_peer(self, index: int, extra: list[str] = ()) -> None:
-        """Start (or restart) a peer, joining through every other peer that has been started."""
-        others = [p.maddr for p in self.peers if p.index != index and p.popen is not None and p.alive()]
-        self.peers[index].start(["--initial-peers", *(others or [self.initial_peer]), *extra], env=self._env(index),
-                                forks=self._fork_server())
+        """Start (or restart) a peer, joining through a few running peers, as a volunteer's join line names a few:
+        the first peer and others that said others can dial them (joined_line), a spread of them by this peer's
+        index. p2pd dials every initial peer and the DHT pings each: joining through all 26 started before it,
+        most still starting, the last 6 of 32 peers on 2 cores failed to join (p2pd's start timed out)."""
+        running = [p for p in self.peers if p.index != index and p.alive()]
+        joined = [p for p in running if p.joined()]
+        first, rest = [p for p in joined if p.index == 0], [p for p in joined if p.index != 0]
+        random.Random(index).shuffle(rest)
+        chosen = (first + rest or running)[:INITIAL_PEERS_MOST]
+        others = [p.maddr for p in chosen] or [self.initial_peer]
+        self.peers[index].start(["--initial-peers", *others, *extra], env=self._env(index), forks=self._fork_server())
 
     def _fork_server(self):
         if self.use_fork_server and self.forks is None:

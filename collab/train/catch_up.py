@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from collab.config import RunConfig
 from collab.modes import AveragingMode
 from collab.swarm.node import Swarm
 from collab.swarm.state import read_run_state
 from collab.train.progress import ProgressDisplay
+
+STALE_AFTER = 120.0  # seconds: a waiting peer's record older than this is not counted (it may have left)
+ANNOUNCE_EVERY = 30.0  # a waiting peer's record is published again this often: online while it waits
+LOOK_EVERY = 1.0  # seconds between two reads of the run's records while waiting: 32 peers read 32 records each
 
 
 def settle(opt: AveragingMode, config: RunConfig) -> str:
@@ -30,15 +35,23 @@ def settle(opt: AveragingMode, config: RunConfig) -> str:
     return outcome
 
 
-def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressDisplay, stop: threading.Event) -> None:
-    """Hold step 0 until the expected peers have published, so a simulated swarm starts together."""
+def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressDisplay, stop: threading.Event,
+                   announce: Callable[[], None]) -> None:
+    """Hold step 0 until the expected peers have published, so a simulated swarm starts together. This peer's record
+    counts as online for STALE_AFTER s from when it was published: `announce` publishes it again every ANNOUNCE_EVERY
+    s (published once, the first of 32 peers on 2 cores went stale before the last, restarted after a failed join,
+    came: none of them ever saw all 32, and the whole run went by waiting)."""
     display.message(f"Waiting for {wanted} peers to join...")
     deadline = time.monotonic() + timeout
+    announced = time.monotonic()
     while not stop.is_set() and time.monotonic() < deadline:
-        present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id).peers)
+        present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id, stale_after=STALE_AFTER).peers)
         if present >= wanted:
             return
-        stop.wait(0.25)
+        if time.monotonic() - announced >= ANNOUNCE_EVERY:
+            announce()
+            announced = time.monotonic()
+        stop.wait(LOOK_EVERY)
     if not stop.is_set():
         display.message(f"Only {present} of {wanted} peers after {timeout:.0f} s; "
                         "training anyway")

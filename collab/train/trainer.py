@@ -205,7 +205,8 @@ class TrainingLoop:
             summary.swarm_epoch_at_join = opt.tracker.global_epoch
         self._publish()  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:
-            wait_for_peers(self.swarm, options.wait_peers, options.wait_peers_timeout, self.display, self.stop)
+            wait_for_peers(self.swarm, options.wait_peers, options.wait_peers_timeout, self.display, self.stop,
+                           announce=self._publish)
             opt.start_together(options.wait_peers, options.wait_peers_timeout)  # (it reads them when all are in)
         else:
             opt.read_progress_soon()  # the swarm's records, for this peer's first round

@@ -41,3 +41,64 @@ def test_a_failed_start_is_retried_once_with_the_same_wait_and_the_others_are_le
     simulation._start_failed_starts_again()
     assert simulation.swarm.started == [(0, ["--wait-peers", "4"])]
     assert len(simulation.warnings) == 1
+
+
+def test_a_peer_joins_through_the_first_peer_and_a_few_that_others_can_dial_not_every_peer_started(tmp_path,
+                                                                                                   monkeypatch):
+    """p2pd dials every initial peer and the DHT pings each: the last 6 of 32 peers on 2 cores, given all 26 started
+    before them (most still starting), failed to join. A peer is given at most INITIAL_PEERS_MOST running peers, the
+    first one first, the rest among those whose logs say others can dial them (this incarnation's log)."""
+    import peers.launcher as launcher
+    from peers.launcher import INITIAL_PEERS_MOST, LocalSwarm, PeerProcess
+
+    monkeypatch.setattr(launcher, "free_ports", lambda count: list(range(40000, 40000 + count)))  # (no sockets here)
+    swarm = LocalSwarm(12, "run", tmp_path, fork_server=False)
+    given = {}
+    monkeypatch.setattr(PeerProcess, "start", lambda self, extra=(), env=None, forks=None:
+                        given.__setitem__(self.index, list(extra)))
+    swarm.peers[0].log_path.write_text("Started a new swarm. Others join with:\ncollab join --initial-peers /ip4/x\n")
+    for p in swarm.peers[1:9]:
+        p.log_path.write_text("Reachability: reachable on TCP 1 from 1 of 1 peers\n")
+    swarm.peers[3].log_path.write_text("Reachability: reachable\n\n===== restart 1 =====\n")  # its new start: not yet
+    swarm.peers[4].log_path.write_text("Joining as a client (it trains and sends its parts; others reduce them)\n")
+    for p in swarm.peers:
+        p.popen = SimpleNamespace(poll=lambda: None)
+    swarm.peers[5].popen = SimpleNamespace(poll=lambda: 1)  # exited
+    dialable = {swarm.peers[i].maddr for i in (1, 2, 6, 7, 8)}
+    for index in (9, 10, 11):
+        swarm.start_peer(index, ["--wait-peers", "12"])
+        initial = given[index][given[index].index("--initial-peers") + 1:given[index].index("--wait-peers")]
+        assert len(initial) == INITIAL_PEERS_MOST and initial[0] == swarm.peers[0].maddr, initial
+        assert set(initial[1:]) <= dialable, initial
+    assert len({tuple(given[i]) for i in (9, 10, 11)}) > 1  # spread over the dialable peers, not all on the same few
+    # nobody dialable yet (the others still starting): the running peers, as before
+    for p in swarm.peers:
+        p._joined = False
+        p.log_path.write_text("Waiting for the DHT...\n")
+    swarm.start_peer(11)
+    assert len(given[11]) == 1 + INITIAL_PEERS_MOST and swarm.peers[5].maddr not in given[11]
+
+
+def test_a_waiting_peer_announces_itself_again_so_the_first_stays_online_until_the_last_comes(monkeypatch):
+    """Published once, a waiting peer's record went stale (read_run_state: 120 s) before the last of 32 peers, started
+    again after a failed join, came: none of them saw all 32, and the run went by waiting."""
+    import threading
+
+    import collab.train.catch_up as catch_up
+
+    announced, looks = [], []
+
+    def state(dht, run_id, stale_after):
+        looks.append(stale_after)
+        online = 4 if len(announced) >= 3 else 3  # the 4th comes once the first have announced themselves 3 times
+        return SimpleNamespace(peers=[SimpleNamespace(online=i < online) for i in range(4)])
+
+    monkeypatch.setattr(catch_up, "read_run_state", state)
+    monkeypatch.setattr(catch_up, "ANNOUNCE_EVERY", 0.02)
+    monkeypatch.setattr(catch_up, "LOOK_EVERY", 0.005)
+    messages = []
+    swarm = SimpleNamespace(dht=None, peer=SimpleNamespace(run_id="run"))
+    catch_up.wait_for_peers(swarm, 4, 10.0, SimpleNamespace(message=messages.append), threading.Event(),
+                            announce=lambda: announced.append(1))
+    assert len(announced) == 3 and messages == ["Waiting for 4 peers to join..."]
+    assert set(looks) == {catch_up.STALE_AFTER} and catch_up.ANNOUNCE_EVERY * 2 < catch_up.STALE_AFTER
