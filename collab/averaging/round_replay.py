@@ -97,7 +97,7 @@ class ServedRounds:
                 if gate is not None and gate.access.verdict(donor) != "member":
                     continue
                 try:
-                    got = await self._ask_for_round(PeerID.from_base58(donor), timeout)
+                    got = await self._ask_for_round(PeerID.from_base58(donor), timeout, epoch)
                 except Exception as e:  # a donor that left, or does not answer: ask the next
                     logger.debug(f"No round from {donor}: {type(e).__name__}: {e}")
                     continue
@@ -108,7 +108,7 @@ class ServedRounds:
             if not future.done():
                 future.set_result(None)
 
-    async def _ask_for_round(self, peer: PeerID, timeout: float) -> Optional[tuple[int, list]]:
+    async def _ask_for_round(self, peer: PeerID, timeout: float, epoch: int) -> Optional[tuple[int, list]]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(stub.rpc_download_round(averaging_pb2.DownloadRequest()), DIAL_TIMEOUT)
         metadata, parts, tensors, received = None, [], [], 0
@@ -119,6 +119,8 @@ class ServedRounds:
                 return None  # more than this model holds: not a round of this run (nor read to its end)
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
+                if not isinstance(metadata, dict) or metadata.get("epoch") != epoch:
+                    return None  # another round (the donor is not there yet, or past it): not read to its end
             if message.tensor_part.dtype and parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []

@@ -8,6 +8,7 @@ of peers behind it is collab.modes.staying_donor, and why a round failed collab.
 
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -16,7 +17,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
-from collab.averaging.planned_leader import loses_an_even_split
+from collab.averaging.planned_leader import loses_an_even_split, planned_leader
 from collab.averaging.replica import others_epochs, swarm_finished_without
 from collab.averaging.round_control import cancel_round
 from collab.averaging.round_replay import what_is_wrong
@@ -28,8 +29,8 @@ from collab.modes.staying_donor import StaysAsDonor
 from collab.records.untrusted import progress_records
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
-# the few of a split round wait this long for a record of the many's next epoch before they re-sync by download
-# instead (the many began their round first and mostly end it first; their records follow at their next micro-batch)
+# the few of a split round ask the many for their round this long before they re-sync by download instead (the many
+# began their round first and mostly end it first)
 DONORS_WAIT = 5.0
 DONORS_POLL = 0.5
 EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a round begun with others is given up
@@ -223,14 +224,14 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             few = f"its gradient round gathered {group_size} of the {peers} peers training"
             # the many's round is the swarm's step: applied here, this replica stays the swarm's with no download (at
             # 32 peers on 2 cores the few re-synced for 1.5-39 s and then began their next round late, splitting it)
-            if not self._replayed_the_missed_round(few, donors_wait=DONORS_WAIT):
+            if not self._replayed_the_missed_round(few, donors_wait=DONORS_WAIT, group=members):
                 self._record_own_step(few, whose="a few peers' gradients")
 
-    def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0) -> bool:
+    def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0, group=()) -> bool:
         """The round this peer missed (every other peer made this epoch's step without it; or the many of a split
-        round, this peer among the few), applied from a peer that made it: the same step as theirs, with no download
-        (collab.averaging.round_replay). Only for a replica in sync at this epoch; whether it was applied. Up to
-        `donors_wait` seconds for a record of such a peer (the many may end their round after the few)."""
+        round, this peer among the few of `group`), applied from a peer that made it: the same step as theirs, with
+        no download (collab.averaging.round_replay). Only for a replica in sync at this epoch; whether it was
+        applied. Asked again for up to `donors_wait` seconds: the many may end their round after the few."""
         averager = self.grad_averager
         if not getattr(averager, "serves_rounds", False) or self.delay_grad_averaging or not self.in_sync():
             return False
@@ -241,15 +242,19 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             # would look in step and stay one update behind: the split test's healed peer ended 0.034 from the others
             # so once. An own step instead marks it out of step, and the re-sync that follows brings it back
             return False
-        epoch, started = self.local_epoch, time.monotonic()
-        donors = round_donors(self.dht, self.run_id, epoch)
-        while not donors and time.monotonic() < started + donors_wait and not self.stop.wait(DONORS_POLL):
-            donors = round_donors(self.dht, self.run_id, epoch)
-        try:
-            got = averager.fetch_round(epoch, donors, timeout=self.load_state_timeout) if donors else None
-        except Exception as e:
-            logger.warning(f"Epoch {epoch}: could not fetch the round it missed ({type(e).__name__}: {e})")
-            return False
+        epoch, started, me = self.local_epoch, time.monotonic(), self.dht.peer_id.to_base58()
+        while True:
+            # the few know the many without waiting for their records of the next epoch (on 2 cores those came
+            # seconds late): every other peer the last read showed on this epoch, the round's planned leader first
+            donors = the_many(getattr(self.tracker, "records_seen", {}), epoch, group, me) if group else []
+            donors += [peer for peer in round_donors(self.dht, self.run_id, epoch) if peer not in donors]
+            try:
+                got = averager.fetch_round(epoch, donors, timeout=self.load_state_timeout) if donors else None
+            except Exception as e:
+                logger.warning(f"Epoch {epoch}: could not fetch the round it missed ({type(e).__name__}: {e})")
+                return False
+            if got is not None or time.monotonic() >= started + donors_wait or self.stop.wait(DONORS_POLL):
+                break
         if got is None:
             return False
         donor, tensors = got
@@ -330,6 +335,18 @@ def round_donors(dht, run_id: str, epoch: int) -> list[str]:
         return []
     return [peer for peer, record in records.items()
             if peer != me and record.epoch == epoch + 1 and not getattr(record, "client_mode", False)]
+
+
+def the_many(records: dict, epoch: int, group, me: str) -> list[str]:
+    """Peers (base58) that can have made `epoch`'s round in a group other than this peer's `group`: on that epoch or
+    the next by `records` (the trainer's last read), no client (it cannot be dialed); the round's planned leader
+    first, the rest shuffled (each look asks a few: round_replay.ASK_AT_MOST)."""
+    members = set(group) | {me}
+    others = [peer for peer, record in records.items() if peer not in members
+              and record.epoch in (epoch, epoch + 1) and not getattr(record, "client_mode", False)]
+    random.shuffle(others)
+    leader = planned_leader(records, epoch)
+    return sorted(others, key=lambda peer: peer != leader)
 
 
 def round_is_stale(seconds_left: float, averaging_timeout: float) -> bool:

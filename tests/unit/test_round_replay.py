@@ -64,11 +64,11 @@ def test_a_round_is_not_replayed_onto_a_state_downloaded_in_the_same_epoch(monke
 
 class _Averager:
     """The gradient averager as CollabOptimizer.finish_gradient_round and the replay use it: the buffers hold the
-    round's average; `kept`: what it serves to peers that missed the round."""
+    round's average; `kept`: what it serves to peers that missed the round. `answers`: what each fetch returns."""
     serves_rounds, measures_noise = True, False
 
-    def __init__(self, averaged, own, donors_answer):
-        self.buffers, self._own_gradients, self.answer = [averaged.clone()], [own.clone()], donors_answer
+    def __init__(self, averaged, own, answers):
+        self.buffers, self._own_gradients, self.answers = [averaged.clone()], [own.clone()], list(answers)
         self.kept, self.asked = [], []
 
     def get_tensors(self):
@@ -79,14 +79,14 @@ class _Averager:
         self.kept.append((epoch, self.buffers[0].clone()))
 
     def fetch_round(self, epoch, donors, timeout):
-        self.asked.append((epoch, donors))
-        return self.answer
+        self.asked.append((epoch, list(donors)))
+        return self.answers.pop(0) if self.answers else None
 
     def load_replayed_(self, tensors):
         self.buffers[0].copy_(tensors[0])
 
 
-def _few_of_a_split(averaged, own, many, answer):
+def _few_of_a_split(averaged, own, answers, records_seen=None):
     """A CollabOptimizer (its constructor skipped) at epoch 8 whose round averaged with 3 of the 12 peers training."""
     import threading
     from types import SimpleNamespace
@@ -96,9 +96,10 @@ def _few_of_a_split(averaged, own, many, answer):
     peer = object.__new__(CollabOptimizer)
     applied, own_steps = [], []
     group = [SimpleNamespace(to_base58=lambda i=i: f"few{i}") for i in range(3)]
+    tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=12), records_seen=records_seen or {})
     peer.__dict__.update(
-        grad_averager=_Averager(averaged, own, answer), state_averager=SimpleNamespace(local_epoch=8),
-        tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=12)), delay_grad_averaging=False,
+        grad_averager=_Averager(averaged, own, answers), state_averager=SimpleNamespace(local_epoch=8),
+        tracker=tracker, delay_grad_averaging=False, rejections=SimpleNamespace(add=lambda *a: None),
         stop=threading.Event(), in_sync=lambda: True, downloaded_at_epoch=None, rounds_replayed=0, run_id="run",
         load_state_timeout=5.0, dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "few0")),
         averaging_log=SimpleNamespace(success=lambda *a: None), traffic=SimpleNamespace(end_round=lambda **k: None),
@@ -108,35 +109,37 @@ def _few_of_a_split(averaged, own, many, answer):
     return peer, applied, own_steps
 
 
-def test_the_few_of_a_split_round_apply_the_manys_round_once_a_record_of_it_shows_and_serve_it(monkeypatch):
+def test_the_few_of_a_split_round_apply_the_manys_round_and_serve_it(monkeypatch):
     """The few of a split (3 of 12) made a step the many did not: they re-synced by a state download, seconds at 32
-    peers, and began their next round late. Now they apply the many's round (the same step as theirs, no download)
-    as soon as a record of the many's next epoch shows, and serve that round, not their own average, to others."""
+    peers, and began their next round late. Now they ask the many for their round (the same step as theirs, with no
+    download) until one has it, and serve it, not their own average, to others."""
     from types import SimpleNamespace
 
     import collab.modes.sync as sync
 
     monkeypatch.setattr(sync, "DONORS_POLL", 0.01)
-    reads = iter([{}, {"few1": SimpleNamespace(epoch=8)}])  # the many still in their round, then one of them on
-    records = lambda dht, run_id: next(reads, {"many1": SimpleNamespace(epoch=9), "few1": SimpleNamespace(epoch=8)})
-    monkeypatch.setattr(sync, "progress_records", records)
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {})  # no record of the many's next epoch yet
+    seen = {"many1": SimpleNamespace(epoch=8), "many2": SimpleNamespace(epoch=9), "few1": SimpleNamespace(epoch=8),
+            "nat": SimpleNamespace(epoch=8, client_mode=True), "behind": SimpleNamespace(epoch=6)}
     few, many, own = torch.full((3,), 1.0), torch.full((3,), 2.0), torch.full((3,), 1.5)
-    peer, applied, own_steps = _few_of_a_split(few, own, many, answer=("many1", [many]))
+    peer, applied, own_steps = _few_of_a_split(few, own, [None, ("many2", [many])], seen)  # not kept at first ask
     peer.finish_gradient_round(SimpleNamespace())
-    assert peer.grad_averager.asked == [(8, ["many1"])] and peer.rounds_replayed == 1 and own_steps == []
-    assert torch.equal(applied[-1], many)  # the step is the many's
+    assert [sorted(donors) for _, donors in peer.grad_averager.asked] == [["many1", "many2"]] * 2
+    assert peer.rounds_replayed == 1 and own_steps == [] and torch.equal(applied[-1], many)  # the many's step
     kept = peer.grad_averager.kept  # the few's own average first (kept before the split was known), then the many's
     assert [epoch for epoch, _ in kept] == [8, 8] and torch.equal(kept[-1][1], many)
-    # no peer of the many answers (nor any record of them in DONORS_WAIT): an own step, re-synced later, as before
-    monkeypatch.setattr(sync, "DONORS_WAIT", 0.05)
-    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {"few1": SimpleNamespace(epoch=8)})
-    peer, applied, own_steps = _few_of_a_split(few, own, many, answer=None)
+    # a record of the many's next epoch names a donor too (a peer this one's last read had not shown)
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {"late": SimpleNamespace(epoch=9)})
+    peer, applied, own_steps = _few_of_a_split(few, own, [("late", [many])])
     peer.finish_gradient_round(SimpleNamespace())
-    assert peer.grad_averager.asked == [] and peer.rounds_replayed == 0 and own_steps == ["a few peers' gradients"]
+    assert peer.grad_averager.asked == [(8, ["late"])] and peer.rounds_replayed == 1
+    # none of the many has it within DONORS_WAIT: an own step, re-synced later, as before
+    monkeypatch.setattr(sync, "DONORS_WAIT", 0.05)
+    peer, applied, own_steps = _few_of_a_split(few, own, [], seen)
+    peer.finish_gradient_round(SimpleNamespace())
+    assert len(peer.grad_averager.asked) >= 2 and peer.rounds_replayed == 0 and own_steps == ["a few peers' gradients"]
     assert torch.equal(applied[-1], few)
     # a forged "average" from a peer of the many is refused: an own step, and the few's own average stays
-    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {"many1": SimpleNamespace(epoch=9)})
-    peer, applied, own_steps = _few_of_a_split(few, own, many, answer=("many1", [torch.full((3,), 1e6)]))
-    peer.rejections = SimpleNamespace(add=lambda *a: None)
+    peer, applied, own_steps = _few_of_a_split(few, own, [("many1", [torch.full((3,), 1e6)])], seen)
     peer.finish_gradient_round(SimpleNamespace())
     assert peer.rounds_replayed == 0 and own_steps == ["a few peers' gradients"] and torch.equal(applied[-1], few)
