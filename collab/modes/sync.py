@@ -29,9 +29,10 @@ from collab.modes.staying_donor import StaysAsDonor
 from collab.records.untrusted import progress_records
 
 NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still matching, at whether anyone is left
-# the few of a split round ask the many for their round this long before they re-sync by download instead (the many
-# began their round first and mostly end it first)
-DONORS_WAIT = 5.0
+# the few of a split round ask the many for their round this long before they re-sync by download instead: the many
+# made their step up to 10 s after the few's group formed at 32 peers on 2 cores (5 s missed a third of them), and the
+# download it spares took 8-14 s there
+DONORS_WAIT = 15.0
 DONORS_POLL = 0.5
 EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a round begun with others is given up
 logger = get_logger(__name__)
