@@ -179,9 +179,6 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             try:
                 group = self._wait_for_round(maybe_step_control)
                 if self._averaged_gradients_are_finite():
-                    if getattr(self.grad_averager, "serves_rounds", False) and not self.delay_grad_averaging:
-                        self.grad_averager.keep_round(self.local_epoch)  # for a peer that missed it (round_replay)
-                    self.load_averaged_gradients()
                     members = [peer.to_base58() for peer in group]
                     self.averaging_log.success(members, self.local_epoch)
                     averaged, group_size = True, len(group)
@@ -226,7 +223,12 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             # the many's round is the swarm's step: applied here, this replica stays the swarm's with no download (at
             # 32 peers on 2 cores the few re-synced for 1.5-39 s and then began their next round late, splitting it)
             if not self._replayed_the_missed_round(few, donors_wait=DONORS_WAIT, group=members):
+                self.load_averaged_gradients()  # (not kept to serve: a few's round is no peer's to replay)
                 self._record_own_step(few, whose="a few peers' gradients")
+        else:
+            if getattr(self.grad_averager, "serves_rounds", False) and not self.delay_grad_averaging:
+                self.grad_averager.keep_round(self.local_epoch)  # for a peer that missed it (round_replay)
+            self.load_averaged_gradients()
 
     def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0, group=()) -> bool:
         """The round this peer missed (every other peer made this epoch's step without it; or the many of a split
@@ -266,7 +268,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             logger.warning(f"Epoch {epoch}: refused the missed round's average from {donor}: {why}")
             return False
         averager.load_replayed_(tensors)
-        averager.keep_round(epoch)  # the swarm's round, served in turn (the few's own average was kept before)
+        averager.keep_round(epoch)  # the swarm's round, served in turn
         self.load_averaged_gradients()
         self.rounds_replayed += 1
         megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6

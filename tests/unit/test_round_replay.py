@@ -126,8 +126,8 @@ def test_the_few_of_a_split_round_apply_the_manys_round_and_serve_it(monkeypatch
     peer.finish_gradient_round(SimpleNamespace())
     assert [sorted(donors) for _, donors in peer.grad_averager.asked] == [["many1", "many2"]] * 2
     assert peer.rounds_replayed == 1 and own_steps == [] and torch.equal(applied[-1], many)  # the many's step
-    kept = peer.grad_averager.kept  # the few's own average first (kept before the split was known), then the many's
-    assert [epoch for epoch, _ in kept] == [8, 8] and torch.equal(kept[-1][1], many)
+    kept = peer.grad_averager.kept  # the many's round, never the few's own average
+    assert [epoch for epoch, _ in kept] == [8] and torch.equal(kept[0][1], many)
     # a record of the many's next epoch names a donor too (a peer this one's last read had not shown)
     monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {"late": SimpleNamespace(epoch=9)})
     peer, applied, own_steps = _few_of_a_split(few, own, [("late", [many])])
@@ -138,7 +138,15 @@ def test_the_few_of_a_split_round_apply_the_manys_round_and_serve_it(monkeypatch
     peer, applied, own_steps = _few_of_a_split(few, own, [], seen)
     peer.finish_gradient_round(SimpleNamespace())
     assert len(peer.grad_averager.asked) >= 2 and peer.rounds_replayed == 0 and own_steps == ["a few peers' gradients"]
-    assert torch.equal(applied[-1], few)
+    # the few's own average is their step, and no peer's to replay: with no majority (7 + 9 + 11 + 5 of 32), a few that
+    # served theirs had others of another few apply it and claim to be in sync
+    assert torch.equal(applied[-1], few) and peer.grad_averager.kept == []
+    # the many keep their round to serve, and ask nobody
+    peer, applied, own_steps = _few_of_a_split(few, own, [], seen)
+    peer.tracker.global_progress.num_peers = 5  # 3 of 5
+    peer.finish_gradient_round(SimpleNamespace())
+    assert peer.grad_averager.asked == [] and own_steps == [] and torch.equal(applied[-1], few)
+    assert [(epoch, torch.equal(tensor, few)) for epoch, tensor in peer.grad_averager.kept] == [(8, True)]
     # a forged "average" from a peer of the many is refused: an own step, and the few's own average stays
     peer, applied, own_steps = _few_of_a_split(few, own, [("many1", [torch.full((3,), 1e6)])], seen)
     peer.finish_gradient_round(SimpleNamespace())
