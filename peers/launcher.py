@@ -30,7 +30,7 @@ from collab.records.identity import load_or_create_identity
 
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 REACHABLE_LINE = re.compile(r"^Reachability: ", re.MULTILINE)
-INITIAL_PEERS_MOST = 4
+INITIAL_PEERS_MOST = 4  # initial peers a started peer is given (LocalSwarm.start_peer)
 RESTART_LINE = "===== restart"  # in a peer's log, before each incarnation's lines but the first
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
 LEAVE_GRACE = 15.0  # seconds a stopped swarm's peers have to leave, from the last one that left
@@ -274,8 +274,8 @@ class LocalSwarm:
 
     def start_peer(self, index: int, extra: list[str] = ()) -> None:
         """Start (or restart) a peer, joining through a few running peers, as a volunteer's join line names a few:
-        the first peer and others that said others can dial them (joined_line), a spread of them by this peer's
-        index. p2pd dials every initial peer and the DHT pings each: joining through all 26 started before it,
+        the first peer and others that said others can dial them (PeerProcess.joined), a spread of them by this
+        peer's index. p2pd dials every initial peer and the DHT pings each: joining through all 26 started before it,
         most still starting, the last 6 of 32 peers on 2 cores failed to join (p2pd's start timed out)."""
         running = [p for p in self.peers if p.index != index and p.alive()]
         joined = [p for p in running if p.joined()]
