@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import AsyncIterator, Optional
 
 import torch
@@ -35,6 +38,7 @@ from collab.averaging.state_download import DIAL_TIMEOUT  # a stream to one peer
 
 NORM_RATIO = 10.0  # a replayed average may be at most this many times the norm of this peer's own gradients
 ASK_AT_MOST = 3  # peers asked before the replay is given up (then: own step and a download, as before)
+STOP_LOOK = 0.25  # seconds between two looks, while a round is fetched, at whether this peer is leaving
 logger = get_logger(__name__)
 
 
@@ -59,12 +63,22 @@ class ServedRounds:
                 kept.copy_(tensor)
         self._served_epoch.value = epoch
 
-    def fetch_round(self, epoch: int, donors: list[str], timeout: float) -> Optional[tuple[str, list]]:
-        """(donor, tensors) of the round that ended `epoch`, from the first of `donors` (base58) that has it."""
+    def fetch_round(self, epoch: int, donors: list[str], timeout: float,
+                    stop: Optional[threading.Event] = None) -> Optional[tuple[str, list]]:
+        """(donor, tensors) of the round that ended `epoch`, from the first of `donors` (base58) that has it; None
+        at once when `stop` is set (a leaving peer: at the end of a 32-peer run the donors, leaving too, took up to a
+        dial timeout each, and 5 peers overran their leave's grace)."""
         future = MPFuture()
         self._outer_pipe.send(("_fetch_round", [], dict(epoch=epoch, donors=donors[:ASK_AT_MOST], timeout=timeout,
                                                          future=future)))
-        return future.result(timeout=(timeout + DIAL_TIMEOUT) * ASK_AT_MOST + 5)
+        deadline = time.monotonic() + (timeout + DIAL_TIMEOUT) * ASK_AT_MOST + 5
+        while stop is None or not stop.is_set():
+            try:
+                return future.result(timeout=max(0.0, min(STOP_LOOK, deadline - time.monotonic())))
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+        return None
 
     @torch.no_grad()
     def load_replayed_(self, tensors: list[torch.Tensor]) -> None:

@@ -252,7 +252,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             donors = the_many(getattr(self.tracker, "records_seen", {}), epoch, group, me) if group else []
             donors += [peer for peer in round_donors(self.dht, self.run_id, epoch) if peer not in donors]
             try:
-                got = averager.fetch_round(epoch, donors, timeout=self.load_state_timeout) if donors else None
+                got = averager.fetch_round(epoch, donors, self.load_state_timeout, self.stop) if donors else None
             except Exception as e:
                 logger.warning(f"Epoch {epoch}: could not fetch the round it missed ({type(e).__name__}: {e})")
                 return False

@@ -78,7 +78,7 @@ class _Averager:
     def keep_round(self, epoch):
         self.kept.append((epoch, self.buffers[0].clone()))
 
-    def fetch_round(self, epoch, donors, timeout):
+    def fetch_round(self, epoch, donors, timeout, stop=None):
         self.asked.append((epoch, list(donors)))
         return self.answers.pop(0) if self.answers else None
 
@@ -151,3 +151,21 @@ def test_the_few_of_a_split_round_apply_the_manys_round_and_serve_it(monkeypatch
     peer, applied, own_steps = _few_of_a_split(few, own, [("many1", [torch.full((3,), 1e6)])], seen)
     peer.finish_gradient_round(SimpleNamespace())
     assert peer.rounds_replayed == 0 and own_steps == ["a few peers' gradients"] and torch.equal(applied[-1], few)
+
+
+def test_a_leaving_peer_stops_waiting_for_a_round_it_fetches():
+    """At the end of a 32-peer run the few were fetching the many's round when told to leave; the donors, leaving
+    too, answered late, and 5 peers overran their leave's grace. A set stop ends the wait within STOP_LOOK."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from collab.averaging.round_replay import STOP_LOOK, ServedRounds
+
+    averager = object.__new__(ServedRounds)
+    averager._outer_pipe = SimpleNamespace(send=lambda message: None)  # the averager's process never answers
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    assert averager.fetch_round(8, ["many1"], timeout=30.0, stop=stop) is None
+    assert 0.2 <= time.monotonic() - started < 0.2 + 4 * STOP_LOOK
