@@ -13,7 +13,9 @@ the epoch it ended, and serves it to whoever asks (`rpc_download_round`; in a pr
 that missed the round asks peers whose records show the next epoch, checks what it gets (the shapes, finite, a norm
 at most NORM_RATIO times the gradients it computed itself) and applies it as the round's average. A peer that is out
 of sync, or finds no peer to give it, steps on its own gradients and re-syncs as before. PowerSGD and DGC keep
-per-peer error feedback that a replayed average would leave wrong: they re-sync by download, as before.
+per-peer error feedback that a replayed average would leave wrong: they re-sync by download, as before. A peer among
+the few of a split round answers with the members of its group instead (`note_few`; collab.averaging.split_rounds):
+the askers learn when no group won the round, and stop waiting for it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import multiprocessing as mp
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 import torch
@@ -42,6 +45,15 @@ STOP_LOOK = 0.25  # seconds between two looks, while a round is fetched, at whet
 logger = get_logger(__name__)
 
 
+@dataclass
+class RoundAnswers:
+    """What the peers asked for a round answered: the round, from the first that had it; and the groups that the
+    few of that round among them claimed (untrusted: collab.averaging.split_rounds checks them)."""
+
+    round: Optional[tuple[str, list]] = None  # (donor base58, tensors)
+    fews: list = field(default_factory=list)  # (donor base58, the members it claims for its group)
+
+
 class ServedRounds:
     """A GradientAverager mixin: keeps the last average the trainer applied and serves it (`rpc_download_round`).
     `prepare_served_round` must run before hivemind's constructor starts the averager's process."""
@@ -51,6 +63,7 @@ class ServedRounds:
     def prepare_served_round(self, parameters) -> None:
         self._served = [torch.zeros_like(p, device="cpu").share_memory_() for p in parameters]
         self._served_epoch = mp.Value("i", -1, lock=False)  # -1: nothing (being) kept
+        self._few_note = None  # (the averager's process) (epoch, members) of the last round this peer was a few of
 
     # -- in the trainer's process -------------------------------------------------------------------------
 
@@ -63,11 +76,15 @@ class ServedRounds:
                 kept.copy_(tensor)
         self._served_epoch.value = epoch
 
+    def note_few(self, epoch: int, members: list[str]) -> None:
+        """This peer's round of `epoch` gathered only a few of the peers (`members`, base58): say so to its askers."""
+        self._outer_pipe.send(("_note_few", [], dict(epoch=epoch, members=list(members))))
+
     def fetch_round(self, epoch: int, donors: list[str], timeout: float,
-                    stop: Optional[threading.Event] = None) -> Optional[tuple[str, list]]:
-        """(donor, tensors) of the round that ended `epoch`, from the first of `donors` (base58) that has it; None
-        at once when `stop` is set (a leaving peer: at the end of a 32-peer run the donors, leaving too, took up to a
-        dial timeout each, and 5 peers overran their leave's grace)."""
+                    stop: Optional[threading.Event] = None) -> Optional[RoundAnswers]:
+        """The round that ended `epoch`, from the first of `donors` (base58) that has it, and what the few among them
+        said of their groups; None at once when `stop` is set (a leaving peer: at the end of a 32-peer run the donors,
+        leaving too, took up to a dial timeout each, and 5 peers overran their leave's grace)."""
         future = MPFuture()
         self._outer_pipe.send(("_fetch_round", [], dict(epoch=epoch, donors=donors[:ASK_AT_MOST], timeout=timeout,
                                                          future=future)))
@@ -92,49 +109,60 @@ class ServedRounds:
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if getattr(self, "gate", None) is not None and not await self._allows(context.remote_id, "a round's average"):
             return
-        epoch = self._served_epoch.value
-        if epoch < 0:
+        epoch, few = self._served_epoch.value, self._few_note
+        tensors = [t.clone() for t in self._served] if epoch >= 0 else []
+        if epoch >= 0 and self._served_epoch.value != epoch:  # the trainer kept a newer round meanwhile
             return
-        tensors = [t.clone() for t in self._served]
-        if self._served_epoch.value != epoch:  # the trainer kept a newer round meanwhile
+        if epoch < 0 and few is None:
             return
-        metadata = self.serializer.dumps(dict(epoch=epoch))
+        metadata = self.serializer.dumps(dict(epoch=epoch, few=dict(epoch=few[0], members=few[1]) if few else None))
+        if not tensors:  # nothing kept: only the note of the few
+            yield averaging_pb2.DownloadData(metadata=metadata)
         for tensor in tensors:
             for part in split_for_streaming(serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)):
                 yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
                 metadata = None
 
+    async def _note_few(self, epoch: int, members: list[str]) -> None:
+        self._few_note = (epoch, members)
+
     async def _fetch_round(self, epoch: int, donors: list[str], timeout: float, future: MPFuture) -> None:
+        answers = RoundAnswers()
         try:
             for donor in donors:
                 gate = getattr(self, "gate", None)
                 if gate is not None and gate.access.verdict(donor) != "member":
                     continue
                 try:
-                    got = await self._ask_for_round(PeerID.from_base58(donor), timeout, epoch)
+                    got, few = await self._ask_for_round(PeerID.from_base58(donor), timeout, epoch)
                 except Exception as e:  # a donor that left, or does not answer: ask the next
                     logger.debug(f"No round from {donor}: {type(e).__name__}: {e}")
                     continue
+                if isinstance(few, dict) and few.get("epoch") == epoch:
+                    answers.fews.append((donor, few.get("members")))
                 if got is not None and got[0] == epoch:
-                    future.set_result((donor, got[1]))
+                    answers.round = (donor, got[1])
                     return
         finally:
             if not future.done():
-                future.set_result(None)
+                future.set_result(answers)
 
-    async def _ask_for_round(self, peer: PeerID, timeout: float, epoch: int) -> Optional[tuple[int, list]]:
+    async def _ask_for_round(self, peer: PeerID, timeout: float, epoch: int
+                             ) -> tuple[Optional[tuple[int, list]], object]:
+        """((epoch, tensors) of the round `peer` kept, when it is `epoch`'s; or None), and its note of the few."""
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(stub.rpc_download_round(averaging_pb2.DownloadRequest()), DIAL_TIMEOUT)
-        metadata, parts, tensors, received = None, [], [], 0
+        metadata, parts, tensors, received, few = None, [], [], 0, None
         most = 2 * sum(t.numel() * t.element_size() for t in self._served) + 2**20  # the model's bytes, and slack
         async for message in aiter_with_timeout(stream, timeout=timeout):
             received += len(message.tensor_part.buffer) + len(message.metadata)
             if received > most or len(tensors) > len(self._served):
-                return None  # more than this model holds: not a round of this run (nor read to its end)
+                return None, few  # more than this model holds: not a round of this run (nor read to its end)
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
+                few = metadata.get("few") if isinstance(metadata, dict) else None
                 if not isinstance(metadata, dict) or metadata.get("epoch") != epoch:
-                    return None  # another round (the donor is not there yet, or past it): not read to its end
+                    return None, few  # another round (the donor is not there yet, or past it): not read to its end
             if message.tensor_part.dtype and parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []
@@ -142,8 +170,8 @@ class ServedRounds:
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         if not isinstance(metadata, dict) or type(metadata.get("epoch")) is not int:
-            return None
-        return metadata["epoch"], tensors
+            return None, few
+        return (metadata["epoch"], tensors), few
 
 
 def what_is_wrong(tensors: list, like: list[torch.Tensor], own: Optional[list[torch.Tensor]]) -> Optional[str]:

@@ -8,6 +8,7 @@ of peers behind it is collab.modes.staying_donor, and why a round failed collab.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +22,7 @@ from collab.averaging.planned_leader import loses_an_even_split, planned_leader
 from collab.averaging.replica import others_epochs, swarm_finished_without
 from collab.averaging.round_control import cancel_round
 from collab.averaging.round_replay import what_is_wrong
+from collab.averaging.split_rounds import KnownGroups
 from collab.modes import ModeContext
 from collab.modes.base import SwarmOptimizer
 from collab.modes.leaving import LeavingMidStep
@@ -34,6 +36,7 @@ NOBODY_LEFT_CHECK = 2.0  # seconds between two looks, from a last round still ma
 # download it spares took 8-14 s there
 DONORS_WAIT = 15.0
 DONORS_POLL = 0.5
+DONORS_READ_EVERY = 4  # looks between two reads of the progress key for donors (the last read names most of the many)
 EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a round begun with others is given up
 logger = get_logger(__name__)
 
@@ -222,7 +225,10 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             few = f"its gradient round gathered {group_size} of the {peers} peers training"
             # the many's round is the swarm's step: applied here, this replica stays the swarm's with no download (at
             # 32 peers on 2 cores the few re-synced for 1.5-39 s and then began their next round late, splitting it)
-            if not self._replayed_the_missed_round(few, donors_wait=DONORS_WAIT, group=members):
+            if getattr(self.grad_averager, "serves_rounds", False):
+                self.grad_averager.note_few(self.local_epoch, members)  # the other few learn of a round nobody won
+            wait = min(DONORS_WAIT, self.averaging_timeout)
+            if not self._replayed_the_missed_round(few, donors_wait=wait, group=members):
                 self.load_averaged_gradients()  # (not kept to serve: a few's round is no peer's to replay)
                 self._record_own_step(few, whose="a few peers' gradients")
         else:
@@ -234,7 +240,8 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
         """The round this peer missed (every other peer made this epoch's step without it; or the many of a split
         round, this peer among the few of `group`), applied from a peer that made it: the same step as theirs, with
         no download (collab.averaging.round_replay). Only for a replica in sync at this epoch; whether it was
-        applied. Asked again for up to `donors_wait` seconds: the many may end their round after the few."""
+        applied. Asked again for up to `donors_wait` seconds (the many may end their round after the few), unless
+        the groups the other few name leave too few peers for any group to have won (collab.averaging.split_rounds)."""
         averager = self.grad_averager
         if not getattr(averager, "serves_rounds", False) or self.delay_grad_averaging or not self.in_sync():
             return False
@@ -246,15 +253,22 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             # so once. An own step instead marks it out of step, and the re-sync that follows brings it back
             return False
         epoch, started, me = self.local_epoch, time.monotonic(), self.dht.peer_id.to_base58()
-        while True:
+        known = KnownGroups(frozenset(group) | {me}) if group else None
+        for look in itertools.count():
             # the few know the many without waiting for their records of the next epoch (on 2 cores those came
-            # seconds late): every other peer the last read showed on this epoch, the round's planned leader first
-            donors = the_many(getattr(self.tracker, "records_seen", {}), epoch, group, me) if group else []
-            donors += [peer for peer in round_donors(self.dht, self.run_id, epoch) if peer not in donors]
+            # seconds late): every other peer the last read showed on this epoch, the round's planned leader first;
+            # the progress key, read every few looks, adds any peer it shows on the next epoch
+            donors = the_many(getattr(self.tracker, "records_seen", {}), epoch, known.members(), me) if known else []
+            if not donors or look % DONORS_READ_EVERY == 0:
+                donors += [peer for peer in round_donors(self.dht, self.run_id, epoch)
+                           if peer not in donors and (known is None or peer not in known.members())]
             try:
-                got = averager.fetch_round(epoch, donors, self.load_state_timeout, self.stop) if donors else None
+                answers = averager.fetch_round(epoch, donors, self.load_state_timeout, self.stop) if donors else None
             except Exception as e:
                 logger.warning(f"Epoch {epoch}: could not fetch the round it missed ({type(e).__name__}: {e})")
+                return False
+            got = answers.round if answers is not None else None
+            if got is None and known is not None and self._no_group_won(known, answers, epoch):
                 return False
             if got is not None or time.monotonic() >= started + donors_wait or self.stop.wait(DONORS_POLL):
                 break
@@ -274,6 +288,20 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
         megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
         logger.warning(f"Epoch {epoch}: {failure}; applied that round's average from {donor} instead ({megabytes:.1f} "
                        f"MB in {time.monotonic() - started:.1f} s): the swarm's step, with no state download")
+        return True
+
+    def _no_group_won(self, known: KnownGroups, answers, epoch: int) -> bool:
+        """Adds the groups the other few named in `answers` to `known` (refusing, counted, what cannot be); whether
+        they show that no group of `epoch`'s round won: then nobody will keep it to replay."""
+        for donor, claim in answers.fews if answers is not None else ():
+            why = known.add(donor, claim)
+            if why is not None:
+                self.rejections.add(donor, why, "a split round's group")
+        peers = self.tracker.global_progress.num_peers
+        if not known.no_group_won(peers):
+            return False
+        logger.warning(f"Epoch {epoch}: its round split into groups of {known.sizes()} of the {peers} peers training, "
+                       "none of them a majority: nobody has the round to replay")
         return True
 
     def load_own_gradients(self) -> None:

@@ -69,7 +69,7 @@ class _Averager:
 
     def __init__(self, averaged, own, answers):
         self.buffers, self._own_gradients, self.answers = [averaged.clone()], [own.clone()], list(answers)
-        self.kept, self.asked = [], []
+        self.kept, self.asked, self.noted = [], [], []
 
     def get_tensors(self):
         from contextlib import nullcontext
@@ -78,9 +78,15 @@ class _Averager:
     def keep_round(self, epoch):
         self.kept.append((epoch, self.buffers[0].clone()))
 
+    def note_few(self, epoch, members):
+        self.noted.append((epoch, list(members)))
+
     def fetch_round(self, epoch, donors, timeout, stop=None):
+        from collab.averaging.round_replay import RoundAnswers
+
         self.asked.append((epoch, list(donors)))
-        return self.answers.pop(0) if self.answers else None
+        answer = self.answers.pop(0) if self.answers else None
+        return answer if isinstance(answer, RoundAnswers) else RoundAnswers(round=answer)
 
     def load_replayed_(self, tensors):
         self.buffers[0].copy_(tensors[0])
@@ -94,12 +100,13 @@ def _few_of_a_split(averaged, own, answers, records_seen=None):
     from collab.modes.sync import CollabOptimizer
 
     peer = object.__new__(CollabOptimizer)
-    applied, own_steps = [], []
+    applied, own_steps, refused = [], [], []
     group = [SimpleNamespace(to_base58=lambda i=i: f"few{i}") for i in range(3)]
     tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=12), records_seen=records_seen or {})
     peer.__dict__.update(
         grad_averager=_Averager(averaged, own, answers), state_averager=SimpleNamespace(local_epoch=8),
-        tracker=tracker, delay_grad_averaging=False, rejections=SimpleNamespace(add=lambda *a: None),
+        tracker=tracker, delay_grad_averaging=False, rejections=SimpleNamespace(add=lambda *a: refused.append(a)),
+        averaging_timeout=30.0, refused=refused,
         stop=threading.Event(), in_sync=lambda: True, downloaded_at_epoch=None, rounds_replayed=0, run_id="run",
         load_state_timeout=5.0, dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "few0")),
         averaging_log=SimpleNamespace(success=lambda *a: None), traffic=SimpleNamespace(end_round=lambda **k: None),
@@ -169,3 +176,102 @@ def test_a_leaving_peer_stops_waiting_for_a_round_it_fetches():
     started = time.monotonic()
     assert averager.fetch_round(8, ["many1"], timeout=30.0, stop=stop) is None
     assert 0.2 <= time.monotonic() - started < 0.2 + 4 * STOP_LOOK
+
+
+def test_the_few_stop_waiting_once_the_other_few_show_that_no_group_won(monkeypatch):
+    """A round split with no majority (7 + 14 + 8 + 3 of 32): nobody keeps it, and each few waited the whole
+    DONORS_WAIT for it. Now a few that is asked says which group it was in; once the groups known leave too few peers
+    for any group to have won, the asker steps on its own at once. A forged claim (it names a peer of the asker's own
+    group) is refused, counted against its sender, and does not end the wait."""
+    import time
+    from types import SimpleNamespace
+
+    import collab.modes.sync as sync
+    from collab.averaging.round_replay import RoundAnswers
+
+    monkeypatch.setattr(sync, "DONORS_POLL", 0.01)
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {})
+    seen = {f"p{i}": SimpleNamespace(epoch=8) for i in range(3, 12)}
+    few, own = torch.full((3,), 1.0), torch.full((3,), 1.5)
+    forged = RoundAnswers(fews=[("p3", ["p3", "few1"])])  # few1 is in this peer's own group of 3
+    other_few = RoundAnswers(fews=[("p4", ["p4", "p5", "p6", "p7"])])  # 3 + 4 of 12 known: 5 unknown, no majority
+    peer, applied, own_steps = _few_of_a_split(few, own, [forged, RoundAnswers(), other_few], seen)
+    started = time.monotonic()
+    peer.finish_gradient_round(SimpleNamespace())
+    assert time.monotonic() - started < sync.DONORS_WAIT / 2  # not the whole wait
+    assert len(peer.grad_averager.asked) == 3 and own_steps == ["a few peers' gradients"] and peer.rounds_replayed == 0
+    assert torch.equal(applied[-1], few) and peer.grad_averager.kept == []
+    assert peer.grad_averager.noted == [(8, ["few0", "few1", "few2"])]  # it told its own askers the same
+    assert [(donor, what) for donor, _, what in peer.refused] == [("p3", "a split round's group")]
+    # the peers of a known group are asked no more: they have no round to give
+    last_donors = set(peer.grad_averager.asked[-1][1])
+    assert not last_donors & {"few0", "few1", "few2"}
+    # a group that leaves half the peers unknown (3 + 3 of 12: 6 unknown) could be beaten by one of 6: it waits on
+    monkeypatch.setattr(sync, "DONORS_WAIT", 0.2)
+    reads = []
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: reads.append(1) or {})
+    peer, applied, own_steps = _few_of_a_split(few, own, [RoundAnswers(fews=[("p4", ["p4", "p5", "p6"])])], seen)
+    peer.finish_gradient_round(SimpleNamespace())
+    looks = len(peer.grad_averager.asked)
+    assert looks > 3 and peer.refused == []
+    assert not any("p4" in donors for _, donors in peer.grad_averager.asked[1:])
+    # while the last read names peers to ask, the progress key is read once every DONORS_READ_EVERY looks, not each
+    assert len(reads) == -(-looks // sync.DONORS_READ_EVERY)
+
+
+def test_a_claim_of_a_split_rounds_group_is_checked():
+    from collab.averaging.split_rounds import KnownGroups
+
+    known = KnownGroups(frozenset({"a", "b", "c"}))
+    assert known.add("d", "d,e") == "a malformed claim of its round's group"
+    assert known.add("d", []) == "a malformed claim of its round's group"
+    assert known.add("d", ["d", 7]) == "a malformed claim of its round's group"
+    assert known.add("d", ["e", "f"]) == "a claim of a group it is not in, or that names a peer twice"
+    assert known.add("d", ["d", "d"]) == "a claim of a group it is not in, or that names a peer twice"
+    assert known.add("d", ["d", "a"]) == "a claim of a group that overlaps another group of the same round"
+    assert known.add("d", ["d", "e"]) is None and known.add("e", ["e", "d"]) is None  # the same group twice: no news
+    assert known.add("f", ["f", "e"]) == "a claim of a group that overlaps another group of the same round"
+    assert known.sizes() == [3, 2]
+    assert known.no_group_won(9)  # 5 of 9 in known groups: 4 unknown
+    assert not known.no_group_won(10)  # 5 unknown of 10: one group of 5 would be an even split's half
+    assert not known.no_group_won(12)
+
+
+def test_a_few_tells_its_askers_its_group_and_a_donor_its_round():
+    """What rpc_download_round sends, read back by _ask_for_round as the asker's process does (no sockets): a peer
+    that kept nothing but was among the few of a round says which group; one that kept a round sends it."""
+    import asyncio
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from collab.averaging.round_replay import ServedRounds
+
+    def averager():
+        one = object.__new__(ServedRounds)
+        one.serializer, one.prefix, one._p2p = MSGPackSerializer, "run", None
+        one.prepare_served_round([torch.zeros(4, 3), torch.zeros(5)])
+        return one
+
+    donor, asker = averager(), averager()
+    asker.get_stub = lambda p2p, peer, namespace: SimpleNamespace(
+        rpc_download_round=lambda request: _as_awaitable(donor.rpc_download_round(request, None)))
+
+    def ask(epoch):
+        return asyncio.run(asker._ask_for_round(None, timeout=5.0, epoch=epoch))
+
+    assert ask(8) == (None, None)  # nothing kept, no few: nothing to say
+    asyncio.run(donor._note_few(8, ["d", "e"]))
+    assert ask(8) == (None, {"epoch": 8, "members": ["d", "e"]})
+    for kept, tensor in zip(donor._served, (torch.ones(4, 3), torch.full((5,), 2.0))):
+        kept.copy_(tensor)
+    donor._served_epoch = mp.Value("i", 9, lock=False)
+    got, few = ask(9)
+    assert got[0] == 9 and torch.equal(got[1][0], torch.ones(4, 3)) and torch.equal(got[1][1], torch.full((5,), 2.0))
+    assert few == {"epoch": 8, "members": ["d", "e"]}
+    assert ask(8) == (None, {"epoch": 8, "members": ["d", "e"]})  # epoch 9's round is not epoch 8's
+
+
+async def _as_awaitable(stream):
+    return stream
