@@ -15,7 +15,10 @@ at most NORM_RATIO times the gradients it computed itself) and applies it as the
 of sync, or finds no peer to give it, steps on its own gradients and re-syncs as before. PowerSGD and DGC keep
 per-peer error feedback that a replayed average would leave wrong: they re-sync by download, as before. A peer among
 the few of a split round answers with the members of its group instead (`note_few`; collab.averaging.split_rounds):
-the askers learn when no group won the round, and stop waiting for it.
+the askers learn when no group won the round, and stop waiting for it. A donor sends the members of the group that
+made its round too: a peer that replays it takes that group as the one it stepped with, so it plans the next round's
+leader from the same set as the many (collab.averaging.planned_leader.on_the_swarms_step; from its own few's group it
+had planned another, and the round split again).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class RoundAnswers:
     few of that round among them claimed (untrusted: collab.averaging.split_rounds checks them)."""
 
     round: Optional[tuple[str, list]] = None  # (donor base58, tensors)
+    group: object = None  # the members of the group that made that round, as its donor says (untrusted)
     fews: list = field(default_factory=list)  # (donor base58, the members it claims for its group)
 
 
@@ -64,17 +68,25 @@ class ServedRounds:
         self._served = [torch.zeros_like(p, device="cpu").share_memory_() for p in parameters]
         self._served_epoch = mp.Value("i", -1, lock=False)  # -1: nothing (being) kept
         self._few_note = None  # (the averager's process) (epoch, members) of the last round this peer was a few of
+        self._served_group = None  # (the averager's process) (epoch, members) of the group that made the round kept
 
     # -- in the trainer's process -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def keep_round(self, epoch: int) -> None:
-        """The averaged buffers hold the round that ended `epoch`, about to be applied: keep a copy to serve."""
+    def keep_round(self, epoch: int, group=()) -> None:
+        """The averaged buffers hold the round that ended `epoch`, about to be applied: keep a copy to serve, with
+        `group` (base58), the members of the group that made it."""
         self._served_epoch.value = -1  # a reader mid-copy sees the epoch change and sends nothing
         with self.get_tensors() as averaged:
             for kept, tensor in zip(self._served, averaged):
                 kept.copy_(tensor)
         self._served_epoch.value = epoch
+        if group:
+            self._outer_pipe.send(("_note_served_group", [], dict(epoch=epoch, members=sorted(group))))
+
+    def adopt_step_group(self, epoch: int, group) -> None:
+        """This peer's step of `epoch` was the round of `group` (base58), replayed: plan the next round from it."""
+        self._outer_pipe.send(("_adopt_step_group", [], dict(epoch=epoch, members=sorted(group))))
 
     def note_few(self, epoch: int, members: list[str]) -> None:
         """This peer's round of `epoch` gathered only a few of the peers (`members`, base58): say so to its askers."""
@@ -115,7 +127,9 @@ class ServedRounds:
             return
         if epoch < 0 and few is None:
             return
-        metadata = self.serializer.dumps(dict(epoch=epoch, few=dict(epoch=few[0], members=few[1]) if few else None))
+        group = self._served_group[1] if self._served_group is not None and self._served_group[0] == epoch else None
+        metadata = self.serializer.dumps(dict(epoch=epoch, few=dict(epoch=few[0], members=few[1]) if few else None,
+                                              group=group))
         if not tensors:  # nothing kept: only the note of the few
             yield averaging_pb2.DownloadData(metadata=metadata)
         for tensor in tensors:
@@ -125,6 +139,13 @@ class ServedRounds:
 
     async def _note_few(self, epoch: int, members: list[str]) -> None:
         self._few_note = (epoch, members)
+
+    async def _note_served_group(self, epoch: int, members: list[str]) -> None:
+        self._served_group = (epoch, members)
+
+    async def _adopt_step_group(self, epoch: int, members: list[str]) -> None:
+        # (collab.averaging.round_plans: the group of the round before an epoch's names who may lead it)
+        self._last_group, self._averaged_epoch = frozenset(members), epoch
 
     async def _fetch_round(self, epoch: int, donors: list[str], timeout: float, future: MPFuture) -> None:
         answers = RoundAnswers()
@@ -141,15 +162,16 @@ class ServedRounds:
                 if isinstance(few, dict) and few.get("epoch") == epoch:
                     answers.fews.append((donor, few.get("members")))
                 if got is not None and got[0] == epoch:
-                    answers.round = (donor, got[1])
+                    answers.round, answers.group = (donor, got[1]), got[2]
                     return
         finally:
             if not future.done():
                 future.set_result(answers)
 
     async def _ask_for_round(self, peer: PeerID, timeout: float, epoch: int
-                             ) -> tuple[Optional[tuple[int, list]], object]:
-        """((epoch, tensors) of the round `peer` kept, when it is `epoch`'s; or None), and its note of the few."""
+                             ) -> tuple[Optional[tuple[int, list, object]], object]:
+        """((epoch, tensors, its group) of the round `peer` kept, when it is `epoch`'s; or None), and its note of the
+        few."""
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(stub.rpc_download_round(averaging_pb2.DownloadRequest()), DIAL_TIMEOUT)
         metadata, parts, tensors, received, few = None, [], [], 0, None
@@ -171,7 +193,7 @@ class ServedRounds:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         if not isinstance(metadata, dict) or type(metadata.get("epoch")) is not int:
             return None, few
-        return (metadata["epoch"], tensors), few
+        return (metadata["epoch"], tensors, metadata.get("group")), few
 
 
 def what_is_wrong(tensors: list, like: list[torch.Tensor], own: Optional[list[torch.Tensor]]) -> Optional[str]:

@@ -36,12 +36,9 @@ class KnownGroups:
     def add(self, donor: str, claim) -> Optional[str]:
         """Adds `donor`'s claim (the members of its group, a few of this epoch's round); why it was refused, or None.
         A group already known is no news, and not refused."""
-        if not isinstance(claim, (list, tuple)) or not 0 < len(claim) <= MOST_MEMBERS or not all(
-                isinstance(peer, str) and 0 < len(peer) <= MOST_ID_CHARS for peer in claim):
-            return "a malformed claim of its round's group"
-        group = frozenset(claim)
-        if len(group) != len(claim) or donor not in group:
-            return "a claim of a group it is not in, or that names a peer twice"
+        group, why = round_group(donor, claim)
+        if group is None:
+            return why or "a malformed claim of its round's group"
         if group in self.others:
             return None
         if group & self.members():
@@ -57,3 +54,18 @@ class KnownGroups:
 
     def sizes(self) -> list[int]:
         return [len(self.own)] + [len(group) for group in self.others]
+
+
+def round_group(donor: str, claim) -> tuple[Optional[frozenset], Optional[str]]:
+    """The group that made a replayed round, as its donor `donor` claims it (collab.averaging.round_replay), or None,
+    and why a claim was refused (None: taken, or no claim at all). The replaying peer plans the next round's leader from
+    it; a lie can only make it plan another leader than the many, a split round at worst."""
+    if claim is None:
+        return None, None
+    if not isinstance(claim, (list, tuple)) or not 0 < len(claim) <= MOST_MEMBERS or not all(
+            isinstance(peer, str) and 0 < len(peer) <= MOST_ID_CHARS for peer in claim):
+        return None, "a malformed claim of its round's group"
+    group = frozenset(claim)
+    if len(group) != len(claim) or donor not in group:
+        return None, "a claim of a group it is not in, or that names a peer twice"
+    return group, None

@@ -22,7 +22,7 @@ from collab.averaging.planned_leader import loses_an_even_split, planned_leader
 from collab.averaging.replica import others_epochs, swarm_finished_without
 from collab.averaging.round_control import cancel_round
 from collab.averaging.round_replay import what_is_wrong
-from collab.averaging.split_rounds import KnownGroups
+from collab.averaging.split_rounds import KnownGroups, round_group
 from collab.modes import ModeContext
 from collab.modes.base import SwarmOptimizer
 from collab.modes.leaving import LeavingMidStep
@@ -233,7 +233,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                 self._record_own_step(few, whose="a few peers' gradients")
         else:
             if getattr(self.grad_averager, "serves_rounds", False) and not self.delay_grad_averaging:
-                self.grad_averager.keep_round(self.local_epoch)  # for a peer that missed it (round_replay)
+                self.grad_averager.keep_round(self.local_epoch, members)  # for a peer that missed it (round_replay)
             self.load_averaged_gradients()
 
     def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0, group=()) -> bool:
@@ -282,7 +282,12 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             logger.warning(f"Epoch {epoch}: refused the missed round's average from {donor}: {why}")
             return False
         averager.load_replayed_(tensors)
-        averager.keep_round(epoch)  # the swarm's round, served in turn
+        many, why = round_group(donor, answers.group)  # the next round's leader is planned from the many's group
+        if why is not None:
+            self.rejections.add(donor, why, "a replayed round's group")
+        averager.keep_round(epoch, many or ())  # the swarm's round, served in turn
+        if many:
+            averager.adopt_step_group(epoch, many)
         self.load_averaged_gradients()
         self.rounds_replayed += 1
         megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6

@@ -69,14 +69,18 @@ class _Averager:
 
     def __init__(self, averaged, own, answers):
         self.buffers, self._own_gradients, self.answers = [averaged.clone()], [own.clone()], list(answers)
-        self.kept, self.asked, self.noted = [], [], []
+        self.kept, self.asked, self.noted, self.groups, self.adopted = [], [], [], [], []
 
     def get_tensors(self):
         from contextlib import nullcontext
         return nullcontext(self.buffers)
 
-    def keep_round(self, epoch):
+    def keep_round(self, epoch, group=()):
         self.kept.append((epoch, self.buffers[0].clone()))
+        self.groups.append(sorted(group))
+
+    def adopt_step_group(self, epoch, group):
+        self.adopted.append((epoch, sorted(group)))
 
     def note_few(self, epoch, members):
         self.noted.append((epoch, list(members)))
@@ -269,9 +273,44 @@ def test_a_few_tells_its_askers_its_group_and_a_donor_its_round():
     donor._served_epoch = mp.Value("i", 9, lock=False)
     got, few = ask(9)
     assert got[0] == 9 and torch.equal(got[1][0], torch.ones(4, 3)) and torch.equal(got[1][1], torch.full((5,), 2.0))
+    assert got[2] is None  # no group noted for epoch 9's round
+    asyncio.run(donor._note_served_group(9, ["a", "b", "c"]))
+    assert ask(9)[0][2] == ["a", "b", "c"]
+    asyncio.run(donor._note_served_group(7, ["a", "b"]))  # an older round's group is not epoch 9's
+    assert ask(9)[0][2] is None
     assert few == {"epoch": 8, "members": ["d", "e"]}
     assert ask(8) == (None, {"epoch": 8, "members": ["d", "e"]})  # epoch 9's round is not epoch 8's
 
 
 async def _as_awaitable(stream):
     return stream
+
+
+def test_a_peer_that_replays_the_manys_round_plans_the_next_round_from_the_manys_group(monkeypatch):
+    """The few of a split that replayed the many's round planned the next round's leader from their own few's group
+    (collab.averaging.planned_leader.on_the_swarms_step), another leader than the many's, and the next round split
+    again (26 + 6 at 32 peers). The donor names the group that made the round; the peer that replays it takes that
+    group as its step's, and serves it on. A group that does not name its donor is refused and counted."""
+    from types import SimpleNamespace
+
+    import collab.modes.sync as sync
+    from collab.averaging.round_replay import RoundAnswers
+
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {})
+    seen = {f"p{i}": SimpleNamespace(epoch=8) for i in range(3, 12)}
+    few, own, many = torch.full((3,), 1.0), torch.full((3,), 1.5), torch.full((3,), 2.0)
+    group = [f"p{i}" for i in range(3, 12)]
+    peer, applied, own_steps = _few_of_a_split(few, own, [RoundAnswers(round=("p3", [many]), group=group)], seen)
+    peer.finish_gradient_round(SimpleNamespace())
+    averager = peer.grad_averager
+    assert peer.rounds_replayed == 1 and averager.adopted == [(8, sorted(group))] and averager.groups == [sorted(group)]
+    for forged in (["p4", "p5"], ["p3", "p3"], "p3"):
+        peer, applied, own_steps = _few_of_a_split(few, own, [RoundAnswers(round=("p3", [many]), group=forged)], seen)
+        peer.finish_gradient_round(SimpleNamespace())
+        assert peer.rounds_replayed == 1 and peer.grad_averager.adopted == [] and peer.grad_averager.groups == [[]]
+        assert [(donor, what) for donor, _, what in peer.refused] == [("p3", "a replayed round's group")]
+    # the many keep their round with their own group, to serve
+    peer, applied, own_steps = _few_of_a_split(few, own, [], seen)
+    peer.tracker.global_progress.num_peers = 5  # 3 of 5
+    peer.finish_gradient_round(SimpleNamespace())
+    assert peer.grad_averager.groups == [["few0", "few1", "few2"]] and peer.grad_averager.adopted == []
