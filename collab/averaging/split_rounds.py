@@ -36,9 +36,11 @@ class KnownGroups:
     def add(self, donor: str, claim) -> Optional[str]:
         """Adds `donor`'s claim (the members of its group, a few of this epoch's round); why it was refused, or None.
         A group already known is no news, and not refused."""
+        if claim is None:
+            return "a malformed claim of its round's group"
         group, why = round_group(donor, claim)
         if group is None:
-            return why or "a malformed claim of its round's group"
+            return why
         if group in self.others:
             return None
         if group & self.members():

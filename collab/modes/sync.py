@@ -258,10 +258,11 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             # the few know the many without waiting for their records of the next epoch (on 2 cores those came
             # seconds late): every other peer the last read showed on this epoch, the round's planned leader first;
             # the progress key, read every few looks, adds any peer it shows on the next epoch
-            donors = the_many(getattr(self.tracker, "records_seen", {}), epoch, known.members(), me) if known else []
+            grouped = known.members() if known else set()  # the peers of a known group have no round to give
+            donors = the_many(getattr(self.tracker, "records_seen", {}), epoch, grouped, me) if known else []
             if not donors or look % DONORS_READ_EVERY == 0:
                 donors += [peer for peer in round_donors(self.dht, self.run_id, epoch)
-                           if peer not in donors and (known is None or peer not in known.members())]
+                           if peer not in donors and peer not in grouped]
             try:
                 answers = averager.fetch_round(epoch, donors, self.load_state_timeout, self.stop) if donors else None
             except Exception as e:
