@@ -103,12 +103,12 @@ class DGCSelection:
 class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, ServedRounds, SummedMicroBatches,
                              GradientAverager):
     def __init__(self, parameters, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
-                 findings=None, traffic=None, **kwargs):
+                 findings=None, traffic=None, replays: bool = True, **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
         self.gate, self.rule, self.kind, self.findings, self.traffic = gate, rule, "gradients", findings, traffic
         self.listen_for_asks()  # (collab.averaging.woken_leader)
         parameters = list(parameters)
-        self.prepare_served_round(parameters)
+        self.prepare_served_round(parameters, replays)
         super().__init__(parameters, *args, **kwargs)
 
 

@@ -13,6 +13,10 @@ by a leader whose start may be on its way, or its search found that group and it
 (a found group waits for the trainer's trigger). Otherwise the sender hears BAD_GROUP_ID after
 UNKNOWN_GROUP_GRACE, and its runner (collab.averaging.robust_rounds) leaves this peer out as a sender as well:
 the round runs again at once without it, while it still has time, and the peer it left out is still looking.
+
+A part for a group whose all-reduce ran here and has ended comes from a sender too late for it (this peer's
+reducer left it out after next_chunk_timeout): it hears INTERNAL_ERROR at once, as from hivemind's finished runner,
+not after the sender's whole patience (collab.averaging.left_out: the sender then replays the group's round).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ LOOK_EVERY = 0.1  # seconds between looks at whether the group came
 WAIT_FALLBACK = 60.0  # seconds the longest wait for a group on its way, when no reducer_timeout is set
 FOUND_KEPT = 4  # the last groups this peer's searches found (a found group may never start: a cancelled step)
 BAD_GROUP = averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)
+# the answer to a part of a group whose all-reduce ran here and has ended: what hivemind's runner answers once its
+# round is done (and what collab.averaging.left_out reads as "this reducer left the sender out")
+ENDED_HERE = averaging_pb2.INTERNAL_ERROR
 
 
 class KnownGroupsOnly(AveragerHooks):
@@ -44,6 +51,15 @@ class KnownGroupsOnly(AveragerHooks):
         if not hasattr(self, "_groups_found"):
             self._groups_found = deque(maxlen=FOUND_KEPT)
         return self._groups_found
+
+    def _groups_run(self) -> deque:
+        if not hasattr(self, "_groups_ran"):
+            self._groups_ran = deque(maxlen=FOUND_KEPT)
+        return self._groups_ran
+
+    def group_runs(self, group_id: bytes) -> None:
+        """This averager's all-reduce for `group_id` begins (a part for it after it ended: ENDED_HERE)."""
+        self._groups_run().append(group_id)
 
     def group_found(self, group_info: Optional[GroupInfo]) -> None:
         if group_info is not None:
@@ -65,6 +81,9 @@ class KnownGroupsOnly(AveragerHooks):
     async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         request = await anext(stream)
+        if request.group_id not in self._running_groups and request.group_id in self._groups_run():
+            yield averaging_pb2.AveragingData(code=ENDED_HERE)  # a sender too late: it was left out of this round
+            return
         if request.group_id not in self._running_groups and not await self._group_came(request.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return

@@ -46,6 +46,7 @@ from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.round_plans import PlansRounds
 from collab.averaging.signed_progress import ReadsSignedProgress
 from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
+from collab.averaging.left_out import LeftOutOfRound, left_out_error, left_this_peer_out
 from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.averaging.woken_leader import WokenByAsks
@@ -70,6 +71,15 @@ class RejectedRound(MatchmakingException):
 
 class LeavingPeer(MatchmakingException):
     """A round asked for after this peer began to leave (CheckedRounds.abort_running_rounds): never started."""
+
+
+def _end_step(error: BaseException) -> None:
+    """Fails the step in progress with `error`, and raises it: hivemind would retry a group that has finished (a
+    refused round, one this peer was left out of) or one that a leaving peer cannot finish."""
+    step = _step_in_progress.get()
+    if step is not None and not step.done():
+        step.set_exception(error)
+    raise error
 
 
 def nobody_else_sent(runner, peer_id) -> bool:
@@ -98,6 +108,7 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
         # apart). Not those this peer left out for a ban: that choice is deliberate
         self.lost_reducers: set[int] = set()
         self._keep_own_parts = before_failed_reducer(self.tensor_part_container, self.lost_reducers.add)
+        self.left_us_out: set[int] = set()  # of those, reducers that answered: they dropped this peer (left_out)
         banned = {i for i, peer_id in enumerate(self.sender_peer_ids) if is_banned(peer_id)}
         # hivemind's own reducer, replaced below, warns "Reducer: received 0.0% of input tensors" when collected
         # unless marked finished: every peer would log that false alarm once per round
@@ -136,6 +147,8 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
                 # failed reducer for the others only, and the round waited for this span until averaging_timeout.
                 # Lost now, with this peer's own values kept: the round ends, and runs again as for any lost reducer
                 self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
+            elif left_this_peer_out(e):
+                self.left_us_out.add(self.ordered_peer_ids.index(peer_id))
             elif isinstance(e, AllreduceException) and str(e).endswith(f"sent {BAD_GROUP}") \
                     and peer_id in self.sender_peer_ids:
                 # it is not in this group (collab.averaging.known_groups): its parts will not come either, so
@@ -253,13 +266,11 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
 
     @staticmethod
     def _refuse_as_leaving() -> None:
-        step = _step_in_progress.get()
-        if step is not None and not step.done():
-            step.set_exception(LeavingPeer("this peer is leaving the swarm"))  # no retry either
-        raise LeavingPeer("this peer is leaving the swarm")
+        _end_step(LeavingPeer("this peer is leaving the swarm"))
 
     async def run_allreduce(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
+        self.group_runs(group_id)
         # PowerSGD runs two all-reduces per round (its P, then its Q): each has its own history of norms
         phase = group_id[len(group_info.group_id):]
         own_norm = _norm(tensors)
@@ -299,6 +310,12 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
             # the round has time left: the missing peer is still looking for a group
             raise AllreduceException("no groupmate sent its part of this round (one missed the group's start); "
                                      "looking for the group again instead of averaging alone")
+        if runner.lost_reducers and runner.lost_reducers <= runner.left_us_out and not phase \
+                and getattr(self, "replays_rounds", False):
+            # (collab.averaging.left_out) what this peer got is kept, to check the replayed round against
+            self.keep_partial_round(self._round_epoch, [t + u for t, u in zip(tensors, updates)],
+                                    [u != 0 for u in updates])
+            _end_step(left_out_error(runner.ordered_peer_ids, self.peer_id, runner.left_us_out))
         if runner.lost_reducers and self.kind == "gradients" and not phase:
             # nothing applied yet, and the tensors are as they were: hivemind's retry loop matches the group's
             # survivors again (they all lost the same reducer) and averages the same values, exactly. Not within
@@ -310,10 +327,7 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
         averaged_norm = _norm([t + u for t, u in zip(tensors, updates)]) if self.kind == "gradients" else None
         why = self._refusal(runner, updates, bound, averaged_norm)
         if why is not None:
-            step = _step_in_progress.get()
-            if step is not None and not step.done():
-                step.set_exception(RejectedRound(why))  # ends the step: hivemind would retry a finished group
-            raise RejectedRound(why)
+            _end_step(RejectedRound(why))
         for tensor, update in zip(tensors, updates):
             tensor.add_(update, alpha=self._averaging_alpha)
         # collab.adaptive.noise_scale's inputs, exact here; not under adasum, whose result is no weighted mean
@@ -387,7 +401,7 @@ class _QuietRejections(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         while error is not None:
-            if isinstance(error, RejectedRound) or "could not find a group" in str(error):
+            if isinstance(error, (RejectedRound, LeftOutOfRound)) or "could not find a group" in str(error):
                 return False
             error = error.__cause__ or error.__context__
         return True

@@ -18,7 +18,8 @@ the few of a split round answers with the members of its group instead (`note_fe
 the askers learn when no group won the round, and stop waiting for it. A donor sends the members of the group that
 made its round too: a peer that replays it takes that group as the one it stepped with, so it plans the next round's
 leader from the same set as the many (collab.averaging.planned_leader.on_the_swarms_step; from its own few's group it
-had planned another, and the round split again).
+had planned another, and the round split again). A peer that a live reducer left out of its group's round asks its
+groupmates the same way (collab.averaging.left_out), and the round it gets must agree with the parts it did get.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from hivemind.utils.logging import get_logger
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from collab.averaging.left_out import disagreement
 from collab.averaging.state_download import DIAL_TIMEOUT  # a stream to one peer opens as a state download's does
 
 NORM_RATIO = 10.0  # a replayed average may be at most this many times the norm of this peer's own gradients
@@ -56,6 +58,7 @@ class RoundAnswers:
     round: Optional[tuple[str, list]] = None  # (donor base58, tensors)
     group: object = None  # the members of the group that made that round, as its donor says (untrusted)
     fews: list = field(default_factory=list)  # (donor base58, the members it claims for its group)
+    refused: list = field(default_factory=list)  # (donor base58, why): rounds that disagreed with this peer's parts
 
 
 class ServedRounds:
@@ -64,11 +67,15 @@ class ServedRounds:
 
     serves_rounds = True
 
-    def prepare_served_round(self, parameters) -> None:
+    def prepare_served_round(self, parameters, replays: bool = True) -> None:
+        """`replays`: whether the trainer replays rounds it missed or was left out of (not under overlap=full,
+        whose rounds end a step later)."""
+        self.replays_rounds = replays
         self._served = [torch.zeros_like(p, device="cpu").share_memory_() for p in parameters]
         self._served_epoch = mp.Value("i", -1, lock=False)  # -1: nothing (being) kept
         self._few_note = None  # (the averager's process) (epoch, members) of the last round this peer was a few of
         self._served_group = None  # (the averager's process) (epoch, members) of the group that made the round kept
+        self._partial = None  # (the averager's process) (epoch, tensors, got) of a round this peer was left out of
 
     # -- in the trainer's process -------------------------------------------------------------------------
 
@@ -137,6 +144,11 @@ class ServedRounds:
                 yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
                 metadata = None
 
+    def keep_partial_round(self, epoch: int, tensors: list, got: list) -> None:
+        """(the averager's process) What this peer got of `epoch`'s round before a reducer left it out: a replayed
+        round must agree with it where `got` (collab.averaging.left_out.disagreement)."""
+        self._partial = (epoch, tensors, got)
+
     async def _note_few(self, epoch: int, members: list[str]) -> None:
         self._few_note = (epoch, members)
 
@@ -149,11 +161,9 @@ class ServedRounds:
 
     async def _fetch_round(self, epoch: int, donors: list[str], timeout: float, future: MPFuture) -> None:
         answers = RoundAnswers()
+        partial = self._partial if self._partial is not None and self._partial[0] == epoch else None
         try:
-            for donor in donors:
-                gate = getattr(self, "gate", None)
-                if gate is not None and gate.access.verdict(donor) != "member":
-                    continue
+            for donor in filter(self._may_give_a_round, donors):
                 try:
                     got, few = await self._ask_for_round(PeerID.from_base58(donor), timeout, epoch)
                 except Exception as e:  # a donor that left, or does not answer: ask the next
@@ -162,11 +172,26 @@ class ServedRounds:
                 if isinstance(few, dict) and few.get("epoch") == epoch:
                     answers.fews.append((donor, few.get("members")))
                 if got is not None and got[0] == epoch:
+                    why = disagreement(got[1], partial[1], partial[2]) if partial is not None else None
+                    if why is not None:
+                        answers.refused.append((donor, why))
+                        continue
                     answers.round, answers.group = (donor, got[1]), got[2]
                     return
         finally:
             if not future.done():
                 future.set_result(answers)
+
+    def _may_give_a_round(self, donor: str) -> bool:
+        """Not a peer outside a private run's members, nor one this averager has banned (caught poisoning a round)."""
+        gate = getattr(self, "gate", None)
+        if gate is not None and gate.access.verdict(donor) != "member":
+            return False
+        banned = getattr(self, "banned", None)
+        try:
+            return banned is None or not banned(PeerID.from_base58(donor))
+        except Exception:  # not a peer id
+            return False
 
     async def _ask_for_round(self, peer: PeerID, timeout: float, epoch: int
                              ) -> tuple[Optional[tuple[int, list, object]], object]:

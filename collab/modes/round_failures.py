@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import CancelledError, TimeoutError as FutureTimeout
 
+from collab.averaging.left_out import LeftOutOfRound
+
 
 class NobodyLeftToJoin(Exception):
     """A peer's last gradient round, ended because every other peer had finished that epoch without it."""
@@ -37,6 +39,8 @@ def round_failure(error: BaseException) -> str:
     text = str(error)
     if isinstance(error, NobodyLeftToJoin):
         return "nobody left to join"
+    if isinstance(error, LeftOutOfRound):
+        return "left out by a reducer"
     if "could not find a group" in text:
         return "no group found"
     if isinstance(error, (TimeoutError, FutureTimeout)):

@@ -18,6 +18,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
 
+from collab.averaging.left_out import LeftOutOfRound
 from collab.averaging.planned_leader import loses_an_even_split, planned_leader
 from collab.averaging.replica import others_epochs, swarm_finished_without
 from collab.averaging.round_control import cancel_round
@@ -177,7 +178,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                                    "to average with")
 
     def finish_gradient_round(self, maybe_step_control) -> None:
-        averaged, missed = False, False
+        averaged, missed, left_out = False, False, None
         if maybe_step_control is not None:
             try:
                 group = self._wait_for_round(maybe_step_control)
@@ -191,6 +192,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                 if not self.stop.is_set():  # (a round this peer cancelled to leave did not fail)
                     self.averaging_log.failure(round_failure(e))
                 missed = isinstance(e, NobodyLeftToJoin)
+                left_out = e if isinstance(e, LeftOutOfRound) else None
                 failure = f"gradient averaging failed ({type(e).__name__}: {e})"
                 if round_failure(e) == "no group found":
                     failure = why_no_group(self.local_epoch, self.client_mode, self.tracker.peers_seen,
@@ -218,6 +220,10 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                 raise LeavingMidStep()
             if missed and self._replayed_the_missed_round(failure):
                 return
+            # its groupmates stepped on their round: the same step, from one of them (collab.averaging.left_out)
+            if left_out is not None and self._replayed_the_missed_round(
+                    failure, donors_wait=min(DONORS_WAIT, self.averaging_timeout), groupmates=left_out.members):
+                return
             self.load_own_gradients()
             self._record_own_step(failure)
         elif self._in_a_minority(members):
@@ -236,10 +242,11 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                 self.grad_averager.keep_round(self.local_epoch, members)  # for a peer that missed it (round_replay)
             self.load_averaged_gradients()
 
-    def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0, group=()) -> bool:
+    def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0, group=(), groupmates=()) -> bool:
         """The round this peer missed (every other peer made this epoch's step without it; or the many of a split
-        round, this peer among the few of `group`), applied from a peer that made it: the same step as theirs, with
-        no download (collab.averaging.round_replay). Only for a replica in sync at this epoch; whether it was
+        round, this peer among the few of `group`; or its own group's round, which a reducer left it out of:
+        `groupmates` are asked first), applied from a peer that made it: the same step as theirs, with no download
+        (collab.averaging.round_replay). Only for a replica in sync at this epoch; whether it was
         applied. Asked again for up to `donors_wait` seconds (the many may end their round after the few), unless
         the groups the other few name leave too few peers for any group to have won (collab.averaging.split_rounds)."""
         averager = self.grad_averager
@@ -260,6 +267,10 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             # the progress key, read every few looks, adds any peer it shows on the next epoch
             grouped = known.members() if known else set()  # the peers of a known group have no round to give
             donors = the_many(getattr(self.tracker, "records_seen", {}), epoch, grouped, me) if known else []
+            if groupmates:
+                caught = self.rejections.caught_ever()
+                donors = random.sample(groupmates, len(groupmates))  # (a look asks a few of them; any has the round)
+                donors = [peer for peer in donors if peer not in caught]
             if not donors or look % DONORS_READ_EVERY == 0:
                 donors += [peer for peer in round_donors(self.dht, self.run_id, epoch)
                            if peer not in donors and peer not in grouped]
@@ -268,6 +279,8 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             except Exception as e:
                 logger.warning(f"Epoch {epoch}: could not fetch the round it missed ({type(e).__name__}: {e})")
                 return False
+            for donor, why in answers.refused if answers is not None else ():
+                self.rejections.add(donor, why, "a replayed round")  # counted and attributed; the next is asked
             got = answers.round if answers is not None else None
             if got is None and known is not None and self._no_group_won(known, answers, epoch):
                 return False

@@ -109,7 +109,8 @@ def _gradient_averager(config: RunConfig, **options):
             return CollabPowerSGDAverager(parameters, config.averaging.powersgd_rank, seed=config.training.seed,
                                           **options, **kwargs)
         return powersgd
-    return partial(CollabGradientAverager, **options)
+    # a replayed round is applied at the step (collab.modes.sync); under overlap=full the round ends a step later
+    return partial(CollabGradientAverager, replays=avg.overlap != "full", **options)
 
 
 def _parameter_groups(config: RunConfig, task: Task) -> list[dict]:

@@ -4,6 +4,7 @@ The full scenarios, on whole peers over several epochs, are in benchmarks/robust
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import ExitStack
 
@@ -11,6 +12,8 @@ import torch
 
 from collab.averaging.aggregation import Aggregation, RobustPartReducer
 from collab.averaging.grad_averager import CollabGradientAverager
+from collab.averaging.left_out import LeftOutOfRound
+from collab.averaging.robust_rounds import _CheckedRunner
 from collab.records.rejections import RejectionLog
 
 SIZE = 4096  # gradient entries, sent in parts of PART_BYTES: butterfly all-reduce gives each of 4 peers one
@@ -29,7 +32,7 @@ class Averagers:
     one started here is shut down on exit, even when the test fails."""
 
     def __init__(self, stack: ExitStack, n: int, rule: Aggregation, garbage_reducer: int | None = None,
-                 clients: tuple[int, ...] = ()):
+                 clients: tuple[int, ...] = (), late_sender: int | None = None, next_chunk_timeout: float = 5.0):
         import hivemind
 
         self.prefix = f"hostile-{time.time_ns()}_grad_averager"
@@ -42,17 +45,20 @@ class Averagers:
                                initial_peers=first.get_visible_maddrs() if first else [])
             stack.callback(dht.shutdown)
             first = first or dht
-            honest_combine = RobustPartReducer.combine
+            honest_combine, punctual = RobustPartReducer.combine, _CheckedRunner.parts_for_peer
             if i == garbage_reducer:  # the averager process is forked at start: only this one keeps the patch
                 RobustPartReducer.combine = lambda reducer, received: 1000 * torch.randn(
                     reducer.part_shapes[reducer.current_part_index])
+            if i == late_sender:
+                _CheckedRunner.parts_for_peer = _late_to_one_reducer(punctual, 1.5 * next_chunk_timeout)
             try:
                 averager = CollabGradientAverager([self.params[i]], dht=dht, prefix=self.prefix, start=True,
                                                   rule=rule, findings=self.logs[i].queue, target_group_size=n,
                                                   min_matchmaking_time=3.0, request_timeout=1.0,
-                                                  part_size_bytes=PART_BYTES, client_mode=i in clients)
+                                                  part_size_bytes=PART_BYTES, client_mode=i in clients,
+                                                  next_chunk_timeout=next_chunk_timeout)
             finally:
-                RobustPartReducer.combine = honest_combine
+                RobustPartReducer.combine, _CheckedRunner.parts_for_peer = honest_combine, punctual
             stack.callback(averager.shutdown)
             self.averagers.append(averager)
 
@@ -81,6 +87,17 @@ class Averagers:
         while reason not in self.logs[i].drain().get(about, {}) and time.monotonic() < deadline:
             time.sleep(0.2)
         return self.logs[i].drain()
+
+
+def _late_to_one_reducer(parts_for_peer, seconds: float):
+    """A sender whose parts reach one reducer (the first other peer of its group) `seconds` late: a starved CPU."""
+    async def late(runner, peer_index: int):
+        others = [i for i, peer in enumerate(runner.ordered_peer_ids) if peer != runner.peer_id]
+        if peer_index == others[0]:
+            await asyncio.sleep(seconds)
+        async for message in parts_for_peer(runner, peer_index):
+            yield message
+    return late
 
 
 def test_a_huge_claimed_weight_is_capped_at_ten_times_the_median(no_leftover_processes):
@@ -126,3 +143,36 @@ def test_a_reducer_returning_noise_is_refused_banned_and_left_out(no_leftover_pr
     for i, result in enumerate(second[:3]):
         assert isinstance(result, torch.Tensor), (i, result)
         assert torch.allclose(result, honest_mean, atol=1e-4), (i, (result - honest_mean).abs().max())
+
+
+def test_a_sender_a_reducer_left_out_replays_its_groups_round_from_a_groupmate(no_leftover_processes):
+    """Peer 3's parts reach one reducer 1.5 x next_chunk_timeout late (a starved CPU): that reducer leaves it out and
+    the group averages without it. Peer 3's round ends at once as left out, naming that reducer (no retry in an
+    epoch its group has left), and the round it fetches from its groupmates is exactly theirs: the same step as
+    theirs, where it used to step on its own gradients and re-sync. A round that differs from the parts its group
+    did send it is refused (tests/unit/test_round_replay.py)."""
+    sent = gradients(4)
+    with ExitStack() as stack:
+        swarm = Averagers(stack, 4, Aggregation(method="mean"), late_sender=3, next_chunk_timeout=2.0)
+        started = time.monotonic()
+        results = swarm.round(sent, [1.0] * 4, who=[0, 1, 2, 3])
+        seconds = time.monotonic() - started
+        left_out = results[3]
+        assert isinstance(left_out, LeftOutOfRound), results[3]
+        ids = [a.peer_id.to_base58() for a in swarm.averagers]
+        assert len(left_out.by) == 1 and left_out.by[0] in ids[:3], left_out.by
+        assert sorted(left_out.members) == sorted(set(ids[:3]) - set(left_out.by)), left_out.members
+        for i in range(3):
+            assert isinstance(results[i], torch.Tensor), (i, results[i])
+            swarm.averagers[i].keep_round(0, ids)  # as the trainer does before it applies its round
+        answers = swarm.averagers[3].fetch_round(0, left_out.members, timeout=10.0)
+    assert answers.round is not None and answers.round[0] in left_out.members, answers
+    donor = ids.index(answers.round[0])
+    assert torch.equal(answers.round[1][0], results[donor]), (answers.round[1][0] - results[donor]).abs().max()
+    assert all(torch.allclose(results[0], r, atol=1e-6) for r in results[1:3])  # (one average, float32's rounding)
+    assert seconds < 30, seconds  # failed at once, not after hivemind's retries until the step's timeout
+    # the reducer's span (a quarter) was averaged without peer 3, the rest with it
+    with_it, without = sum(sent) / 4, sum(sent[:3]) / 3
+    near = torch.isclose(results[0], with_it, atol=1e-5)
+    assert 0.2 < 1 - float(near.float().mean()) < 0.3, float(near.float().mean())
+    assert torch.allclose(results[0][~near], without[~near], atol=1e-5)
