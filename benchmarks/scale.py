@@ -54,7 +54,8 @@ def linreg_config(folder: Path, peers: int, args, overlap: str) -> Path:
         "task": {"name": "linreg", "dim": args.dim},
         "training": {"micro_batch_size": 16, "target_batch_size": args.target_per_peer * peers,
                      "learning_rate": 1e-4, "warmup_steps": 0, "device": "cpu", "compile": "off"},
-        "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0, "overlap": overlap},
+        "averaging": {"matchmaking_time": 3.0, "averaging_timeout": 30.0, "overlap": overlap,
+                      "next_chunk_timeout": args.next_chunk_timeout},
     }))
     return path
 
@@ -220,6 +221,9 @@ def main() -> None:
     parser.add_argument("--reports", type=Path, default=None,
                         help="a folder to keep each swarm's full `collab simulate --json` report and its peers' "
                         "logs (logs-N-rttMS-OVERLAP.tar.gz) in")
+    parser.add_argument("--next-chunk-timeout", type=float, default=10.0,
+                        help="averaging.next_chunk_timeout: a reducer leaves out a sender whose next part takes "
+                        "longer (low values, e.g. 1.5, make the left-out senders of a starved machine common)")
     parser.add_argument("--profile", type=float, default=0.0, help="seconds of py-spy (installed separately) on "
                         "one peer of each swarm, late in its run, kept in --reports")
     args = parser.parse_args()

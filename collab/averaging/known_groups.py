@@ -14,9 +14,9 @@ by a leader whose start may be on its way, or its search found that group and it
 UNKNOWN_GROUP_GRACE, and its runner (collab.averaging.robust_rounds) leaves this peer out as a sender as well:
 the round runs again at once without it, while it still has time, and the peer it left out is still looking.
 
-A part for a group whose all-reduce ran here and has ended comes from a sender too late for it (this peer's
-reducer left it out after next_chunk_timeout): it hears INTERNAL_ERROR at once, as from hivemind's finished runner,
-not after the sender's whole patience (collab.averaging.left_out: the sender then replays the group's round).
+A part for a group whose all-reduce ended here, with most of its senders, comes from a sender too late for it (this
+peer's reducer left it out after next_chunk_timeout): it hears so at once (collab.averaging.left_out: it then
+replays its group's round), not after its whole patience and BAD_GROUP_ID.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
+from collab.averaging.left_out import left_out_answer
 from collab.hivemind_hooks.averager import AveragerHooks
 
 UNKNOWN_GROUP_GRACE = 1.0  # seconds a part's group may be unknown and not on its way before the sender is told
@@ -38,9 +39,6 @@ LOOK_EVERY = 0.1  # seconds between looks at whether the group came
 WAIT_FALLBACK = 60.0  # seconds the longest wait for a group on its way, when no reducer_timeout is set
 FOUND_KEPT = 4  # the last groups this peer's searches found (a found group may never start: a cancelled step)
 BAD_GROUP = averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)
-# the answer to a part of a group whose all-reduce ran here and has ended: what hivemind's runner answers once its
-# round is done (and what collab.averaging.left_out reads as "this reducer left the sender out")
-ENDED_HERE = averaging_pb2.INTERNAL_ERROR
 
 
 class KnownGroupsOnly(AveragerHooks):
@@ -52,14 +50,18 @@ class KnownGroupsOnly(AveragerHooks):
             self._groups_found = deque(maxlen=FOUND_KEPT)
         return self._groups_found
 
-    def _groups_run(self) -> deque:
-        if not hasattr(self, "_groups_ran"):
-            self._groups_ran = deque(maxlen=FOUND_KEPT)
-        return self._groups_ran
+    def _groups_ended(self) -> dict:
+        if not hasattr(self, "_ended_groups"):
+            self._ended_groups = {}
+        return self._ended_groups
 
-    def group_runs(self, group_id: bytes) -> None:
-        """This averager's all-reduce for `group_id` begins (a part for it after it ended: ENDED_HERE)."""
-        self._groups_run().append(group_id)
+    def group_ended(self, group_id: bytes, tell_late: bool) -> None:
+        """This averager's all-reduce for `group_id` has ended, its reductions done; `tell_late`: a sender whose parts
+        come after this hears that it was left out (collab.averaging.left_out)."""
+        ended = self._groups_ended()
+        ended[group_id] = tell_late
+        while len(ended) > FOUND_KEPT:
+            del ended[next(iter(ended))]
 
     def group_found(self, group_info: Optional[GroupInfo]) -> None:
         if group_info is not None:
@@ -81,8 +83,8 @@ class KnownGroupsOnly(AveragerHooks):
     async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         request = await anext(stream)
-        if request.group_id not in self._running_groups and request.group_id in self._groups_run():
-            yield averaging_pb2.AveragingData(code=ENDED_HERE)  # a sender too late: it was left out of this round
+        if request.group_id not in self._running_groups and self._groups_ended().get(request.group_id):
+            yield left_out_answer()  # a sender too late for a round its group made here: it was left out
             return
         if request.group_id not in self._running_groups and not await self._group_came(request.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)

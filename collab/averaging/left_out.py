@@ -8,9 +8,15 @@ reducer"; hivemind's retry then matched it again in an epoch its group had alrea
 only the others left out), stepped on its own gradients and re-synced by a download: at 32 peers on 2 cores, 14
 peers at once, and the swarm broke into seven groups for the next epoch.
 
-The reducer is alive and its group has the round: this peer now asks its groupmates for that round
-(collab.averaging.round_replay) and applies it, the same step as theirs. A lost reducer that did not answer at all
-(it died, timed out) is still hivemind's retry: then every member lost it, and the survivors average again.
+Only the reducer knows whether it left one late sender out of a round its group made, or failed its whole round
+(its runner failed or was cancelled; or it gave up on most senders, as a starved reducer did at 32 peers on 2 cores:
+31 of 32 lost it, and their retry without it was right). So the reducer says it (`TellsLeftOut`): its answer to a
+sender it banned ends with INTERNAL_ERROR marked LEFT_OUT (`AveragingData.peer_id`, a field hivemind neither sets
+nor reads there) when its own round has not failed and it banned fewer than half the senders, so most of the group
+has its whole span; and collab.averaging.known_groups answers a part that comes after such a round ended here the
+same way. A sender told so ends its round at once (no retry in an epoch its group has left) and asks its groupmates
+for the round they applied (collab.averaging.round_replay). Any other lost reducer is hivemind's retry, as before.
+A peer of an older collab sees INTERNAL_ERROR, a lost reducer, as before.
 
 A groupmate's served round is untrusted. Besides round_replay's checks (shape, finite, norm), it must agree with
 every part this peer did get from the group's other reducers (`disagreement`): only the span of the reducer that
@@ -19,11 +25,16 @@ left this peer out is taken on the donor's word, and the reducers that left it o
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 
+from collab.hivemind_hooks.allreduce import RunnerHooks
+
+LEFT_OUT = b"collab:left-out"  # on a reducer's INTERNAL_ERROR: "I left you out; the group has the round"
 AGREEMENT = 1e-4  # a served value may differ from this peer's by this much of the tensor's largest value (rounding)
 
 
@@ -40,11 +51,55 @@ class LeftOutOfRound(MatchmakingException):
         return type(self), (str(self), self.members, self.by)
 
 
-def left_this_peer_out(error: BaseException) -> bool:
-    """Whether a reducer's answer to this peer's parts says the reducer is alive and dropped them: its reply stream
-    ended short, or it answered INTERNAL_ERROR (hivemind's reducer does both to a sender it banned for lateness)."""
-    text = str(error)
-    return text.endswith(" sent INTERNAL_ERROR") or ("parts, but we expected" in text and " sent " in text)
+def leaves_out(runner, sender) -> bool:
+    """Whether `runner` (this peer's all-reduce, as a reducer) left `sender` out of a round its group still makes:
+    banned, its own round not failed, and fewer than half the senders banned."""
+    future = runner._future
+    failed = future.done() and (future.cancelled() or future.exception() is not None)
+    banned = runner.banned_senders
+    return sender in banned and not failed and 2 * len(banned) < len(runner.sender_peer_ids)
+
+
+def left_out_answer() -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR, peer_id=LEFT_OUT)
+
+
+class TellsLeftOut(RunnerHooks):
+    """An AllReduceRunner mixin: as a reducer, says which senders it left out of a round its group makes; as a
+    sender, notes the reducers that say so (`left_us_out`: peer indices)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.left_us_out: set[int] = set()
+
+    def peer_stub(self, peer: PeerID):
+        stub, runner, peer_index = super().peer_stub(peer), self, self.ordered_peer_ids.index(peer)
+
+        class ReadingStub:
+            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
+                return runner._read_left_out(await stub.rpc_aggregate_part(inputs, *args, **kwargs), peer_index)
+
+        return ReadingStub()
+
+    async def _read_left_out(self, stream: AsyncIterator, peer_index: int) -> AsyncIterator:
+        async for message in stream:
+            if message.code != averaging_pb2.AVERAGED_PART and message.peer_id == LEFT_OUT:
+                self.left_us_out.add(peer_index)
+            yield message
+
+    async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        replies, other, sender = 0, False, context.remote_id
+        async for message in super().serve_aggregate_part(stream, context):
+            if message.code == averaging_pb2.AVERAGED_PART:
+                replies += 1
+            elif message.code == averaging_pb2.INTERNAL_ERROR and leaves_out(self, sender):
+                message.peer_id = LEFT_OUT  # (hivemind's answer to a sender whose next part timed out)
+            other = other or message.code != averaging_pb2.AVERAGED_PART
+            yield message
+        # hivemind's reducer ends a banned sender's stream short, with no word: say why
+        if not other and replies < self.tensor_part_reducer.num_parts and leaves_out(self, sender):
+            yield left_out_answer()
 
 
 def left_out_error(peer_ids: list, me, left_us_out: set[int]) -> LeftOutOfRound:

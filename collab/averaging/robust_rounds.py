@@ -46,7 +46,7 @@ from collab.averaging.reply_streams import WholeReplies
 from collab.averaging.round_plans import PlansRounds
 from collab.averaging.signed_progress import ReadsSignedProgress
 from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
-from collab.averaging.left_out import LeftOutOfRound, left_out_error, left_this_peer_out
+from collab.averaging.left_out import LeftOutOfRound, TellsLeftOut, left_out_error
 from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.averaging.woken_leader import WokenByAsks
@@ -92,7 +92,7 @@ def nobody_else_sent(runner, peer_id) -> bool:
     return parts > 0 and bool(others) and not others & runner.active_senders
 
 
-class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
+class _CheckedRunner(CountingRunner, OneAverage, TellsLeftOut, WholeReplies):
     """hivemind's all-reduce runner with collab's reducer, every part other reducers return checked, its
     bytes counted (collab.averaging.traffic), one rounded average for the whole group
     (collab.averaging.one_average) and its reply streams closed by the side that is done
@@ -108,7 +108,6 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
         # apart). Not those this peer left out for a ban: that choice is deliberate
         self.lost_reducers: set[int] = set()
         self._keep_own_parts = before_failed_reducer(self.tensor_part_container, self.lost_reducers.add)
-        self.left_us_out: set[int] = set()  # of those, reducers that answered: they dropped this peer (left_out)
         banned = {i for i, peer_id in enumerate(self.sender_peer_ids) if is_banned(peer_id)}
         # hivemind's own reducer, replaced below, warns "Reducer: received 0.0% of input tensors" when collected
         # unless marked finished: every peer would log that false alarm once per round
@@ -147,8 +146,6 @@ class _CheckedRunner(CountingRunner, OneAverage, WholeReplies):
                 # failed reducer for the others only, and the round waited for this span until averaging_timeout.
                 # Lost now, with this peer's own values kept: the round ends, and runs again as for any lost reducer
                 self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
-            elif left_this_peer_out(e):
-                self.left_us_out.add(self.ordered_peer_ids.index(peer_id))
             elif isinstance(e, AllreduceException) and str(e).endswith(f"sent {BAD_GROUP}") \
                     and peer_id in self.sender_peer_ids:
                 # it is not in this group (collab.averaging.known_groups): its parts will not come either, so
@@ -270,7 +267,6 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
 
     async def run_allreduce(self, tensors, group_info: GroupInfo, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
-        self.group_runs(group_id)
         # PowerSGD runs two all-reduces per round (its P, then its Q): each has its own history of norms
         phase = group_id[len(group_info.group_id):]
         own_norm = _norm(tensors)
@@ -300,6 +296,8 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
         started = time.monotonic()
         try:
             updates = [update async for _, update in azip(as_aiter(*tensors), runner)]
+            # a sender whose parts come after this now hears that it was left out, if most of the group was not
+            self.group_ended(group_id, tell_late=2 * len(runner.banned_senders) < len(runner.sender_peer_ids))
         finally:
             TrafficLog.put(self.traffic, runner, self._values_per_round(), self.total_size,
                            seconds=(self._matching_seconds, time.monotonic() - started))

@@ -87,10 +87,11 @@ def test_a_part_for_a_group_that_cannot_come_is_refused_within_the_grace_and_one
     assert not came and 0.8 <= seconds < 0.95, seconds
 
 
-def test_a_part_for_a_group_that_ran_here_and_ended_hears_internal_error_at_once():
-    """A sender too late for a group whose all-reduce ran here and ended (this peer's reducer left it out) is told at
-    once, as hivemind's finished runner tells it, not after its whole patience: it then replays its group's round
-    (collab.averaging.left_out). A group found but not yet run here still waits for its start."""
+def test_a_part_for_a_round_that_ended_here_with_most_of_its_senders_hears_left_out_at_once():
+    """A sender too late for a group whose all-reduce ended here (this peer's reducer left it out) is told at once,
+    not after its whole patience: it then replays its group's round (collab.averaging.left_out). Not when the round
+    here ended with most senders left out (nobody has a round to replay: the retry is right), nor for a group found
+    but not yet run here, which still waits for its start."""
     import asyncio
     import time
 
@@ -98,22 +99,25 @@ def test_a_part_for_a_group_that_ran_here_and_ended_hears_internal_error_at_once
     from hivemind.utils.asyncio import as_aiter
 
     from collab.averaging.known_groups import KnownGroupsOnly
+    from collab.averaging.left_out import LEFT_OUT
 
     averager = object.__new__(KnownGroupsOnly)
     averager._running_groups, averager._matchmaking = {}, SimpleNamespace(current_leader=None,
                                                                           assembled_group=None)
     averager.allreduce_kwargs = {"reducer_timeout": 0.5}
-    averager.group_found(SimpleNamespace(group_id=b"group-1"))
-    averager.group_runs(b"group-1")
+    for group in (b"group-1", b"group-2", b"group-3"):
+        averager.group_found(SimpleNamespace(group_id=group))
+    averager.group_ended(b"group-1", tell_late=True)
+    averager.group_ended(b"group-2", tell_late=False)
 
     async def answers(group_id: bytes):
         started = time.monotonic()
         stream = as_aiter(averaging_pb2.AveragingData(group_id=group_id))
-        got = [m.code async for m in averager.serve_aggregate_part(stream, None)]
+        got = [(m.code, m.peer_id) async for m in averager.serve_aggregate_part(stream, None)]
         return got, time.monotonic() - started
 
     got, seconds = asyncio.run(answers(b"group-1"))
-    assert got == [averaging_pb2.INTERNAL_ERROR] and seconds < 0.1, (got, seconds)
-    # PowerSGD's second phase (the group's id and a suffix) has not run here: found, so it waits as before
-    got, seconds = asyncio.run(answers(b"group-1P"))
-    assert got == [averaging_pb2.BAD_GROUP_ID] and seconds >= 0.5, (got, seconds)
+    assert got == [(averaging_pb2.INTERNAL_ERROR, LEFT_OUT)] and seconds < 0.1, (got, seconds)
+    for waits in (b"group-2", b"group-3", b"group-1P"):  # (PowerSGD's second phase has not run here)
+        got, seconds = asyncio.run(answers(waits))
+        assert got == [(averaging_pb2.BAD_GROUP_ID, b"")] and seconds >= 0.5, (waits, got, seconds)
