@@ -51,13 +51,17 @@ class LeftOutOfRound(MatchmakingException):
         return type(self), (str(self), self.members, self.by)
 
 
+def leaves_few_out(runner) -> bool:
+    """Whether `runner`, as a reducer, banned fewer than half its senders: the rest of its group has its span."""
+    return 2 * len(runner.banned_senders) < len(runner.sender_peer_ids)
+
+
 def leaves_out(runner, sender) -> bool:
     """Whether `runner` (this peer's all-reduce, as a reducer) left `sender` out of a round its group still makes:
     banned, its own round not failed, and fewer than half the senders banned."""
     future = runner._future
     failed = future.done() and (future.cancelled() or future.exception() is not None)
-    banned = runner.banned_senders
-    return sender in banned and not failed and 2 * len(banned) < len(runner.sender_peer_ids)
+    return sender in runner.banned_senders and not failed and leaves_few_out(runner)
 
 
 def left_out_answer() -> averaging_pb2.AveragingData:
@@ -65,8 +69,9 @@ def left_out_answer() -> averaging_pb2.AveragingData:
 
 
 class TellsLeftOut(RunnerHooks):
-    """An AllReduceRunner mixin: as a reducer, says which senders it left out of a round its group makes; as a
-    sender, notes the reducers that say so (`left_us_out`: peer indices)."""
+    """An AllReduceRunner mixin: as a reducer, says which senders it left out of a round its group makes, and fails
+    the round for all when it left out most of them; as a sender, notes the reducers that say so (`left_us_out`:
+    peer indices)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -93,6 +98,10 @@ class TellsLeftOut(RunnerHooks):
         async for message in super().serve_aggregate_part(stream, context):
             if message.code == averaging_pb2.AVERAGED_PART:
                 replies += 1
+                if replies == self.tensor_part_reducer.num_parts and not leaves_few_out(self):
+                    # most senders were left out and run the round again without this reducer: the few it kept must
+                    # too, not step on a span only they have (its last reply withheld: a lost reducer to them)
+                    message = averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             elif message.code == averaging_pb2.INTERNAL_ERROR and leaves_out(self, sender):
                 message.peer_id = LEFT_OUT  # (hivemind's answer to a sender whose next part timed out)
             other = other or message.code != averaging_pb2.AVERAGED_PART

@@ -32,7 +32,8 @@ class Averagers:
     one started here is shut down on exit, even when the test fails."""
 
     def __init__(self, stack: ExitStack, n: int, rule: Aggregation, garbage_reducer: int | None = None,
-                 clients: tuple[int, ...] = (), late_sender: int | None = None, next_chunk_timeout: float = 5.0):
+                 clients: tuple[int, ...] = (), late_sender: int | None = None, next_chunk_timeout: float = 5.0,
+                 late_to_first: tuple[int, ...] = ()):
         import hivemind
 
         self.prefix = f"hostile-{time.time_ns()}_grad_averager"
@@ -49,8 +50,9 @@ class Averagers:
             if i == garbage_reducer:  # the averager process is forked at start: only this one keeps the patch
                 RobustPartReducer.combine = lambda reducer, received: 1000 * torch.randn(
                     reducer.part_shapes[reducer.current_part_index])
-            if i == late_sender:
-                _CheckedRunner.parts_for_peer = _late_to_one_reducer(punctual, 1.5 * next_chunk_timeout)
+            if i == late_sender or i in late_to_first:
+                _CheckedRunner.parts_for_peer = _late_to_one_reducer(
+                    punctual, 1.5 * next_chunk_timeout, first.peer_id if i in late_to_first else None)
             try:
                 averager = CollabGradientAverager([self.params[i]], dht=dht, prefix=self.prefix, start=True,
                                                   rule=rule, findings=self.logs[i].queue, target_group_size=n,
@@ -62,14 +64,14 @@ class Averagers:
             stack.callback(averager.shutdown)
             self.averagers.append(averager)
 
-    def round(self, sent: list[torch.Tensor], weights: list[float], who: list[int]) -> list:
+    def round(self, sent: list[torch.Tensor], weights: list[float], who: list[int], timeout: float = 20.0) -> list:
         """Peers `who` send `sent[i]` with weight `weights[i]` in one round; each one's averaged gradient, or the
         exception its round ended with."""
         controls = {}
         for i in who:
             self.params[i].grad = sent[i].clone()
             self.averagers[i].accumulate_grads_(batch_size=1)
-            controls[i] = self.averagers[i].step(weight=weights[i], wait=False, timeout=20)
+            controls[i] = self.averagers[i].step(weight=weights[i], wait=False, timeout=timeout)
         results = []
         for i in who:
             try:
@@ -89,11 +91,12 @@ class Averagers:
         return self.logs[i].drain()
 
 
-def _late_to_one_reducer(parts_for_peer, seconds: float):
-    """A sender whose parts reach one reducer (the first other peer of its group) `seconds` late: a starved CPU."""
+def _late_to_one_reducer(parts_for_peer, seconds: float, reducer=None):
+    """A sender whose parts reach one reducer (`reducer`, or the first other peer of its group) `seconds` late: a
+    starved CPU."""
     async def late(runner, peer_index: int):
         others = [i for i, peer in enumerate(runner.ordered_peer_ids) if peer != runner.peer_id]
-        if peer_index == others[0]:
+        if peer_index == (others[0] if reducer is None else runner.ordered_peer_ids.index(reducer)):
             await asyncio.sleep(seconds)
         async for message in parts_for_peer(runner, peer_index):
             yield message
@@ -176,3 +179,14 @@ def test_a_sender_a_reducer_left_out_replays_its_groups_round_from_a_groupmate(n
     near = torch.isclose(results[0], with_it, atol=1e-5)
     assert 0.2 < 1 - float(near.float().mean()) < 0.3, float(near.float().mean())
     assert torch.allclose(results[0][~near], without[~near], atol=1e-5)
+
+
+def test_a_reducer_that_left_out_most_of_its_group_fails_the_round_for_all(no_leftover_processes):
+    """Peers 2 and 3 are late to peer 0's reducer: it leaves out half its senders, so it does not say "left out" (they
+    retry, as after any lost reducer), and neither it nor peer 1, whose parts it took, may step on a span only they
+    have (31 of 32 peers retried so while the one stepped on its own). Nobody applies anything."""
+    sent = gradients(4)
+    with ExitStack() as stack:
+        swarm = Averagers(stack, 4, Aggregation(method="mean"), late_to_first=(2, 3), next_chunk_timeout=1.0)
+        results = swarm.round(sent, [1.0] * 4, who=[0, 1, 2, 3], timeout=8.0)
+    assert all(isinstance(r, Exception) and not isinstance(r, LeftOutOfRound) for r in results), results

@@ -60,7 +60,8 @@ def _reducer(banned: int, senders: int = 4, failed: bool = False, parts: int = 3
 def test_a_reducer_says_left_out_only_when_most_of_its_group_has_the_round():
     """Its answer to a banned sender is marked LEFT_OUT while its own round goes on and it banned under half the
     senders; not when its round failed or it gave up on most senders (a starved reducer at 32 peers: 31 lost it,
-    and their retry without it was right); and never to a sender it did not ban."""
+    and their retry without it was right: then the few it kept lose its last reply, and retry too); and never to a
+    sender it did not ban."""
     from hivemind.proto import averaging_pb2
 
     from collab.averaging.left_out import LEFT_OUT
@@ -74,6 +75,8 @@ def test_a_reducer_says_left_out_only_when_most_of_its_group_has_the_round():
         assert _reducer(replies=[part], **unmarked) == [(part, b"")], unmarked
         assert _reducer(replies=[error], **unmarked) == [(error, b"")], unmarked
     assert _reducer(banned=1) == [(part, b"")] * 3  # every reply sent: nothing to say
+    # most senders left out: the few it kept lose its last reply (a lost reducer: they retry with the rest)
+    assert _reducer(banned=2) == [(part, b"")] * 2 + [(error, b"")]
 
 
 def test_the_failure_names_the_reducer_and_crosses_processes_with_the_groupmates_to_ask():
