@@ -146,8 +146,8 @@ class ServedRounds:
 
     def keep_partial_round(self, epoch: int, tensors: list, got: list) -> None:
         """(the averager's process) What this peer got of `epoch`'s round before a reducer left it out: a replayed
-        round must agree with it where `got` (collab.averaging.left_out.disagreement)."""
-        self._partial = (epoch, tensors, got)
+        round must agree with it where `got` (collab.averaging.left_out.disagreement); None: nothing kept."""
+        self._partial = (epoch, tensors, got) if epoch is not None else None
 
     async def _note_few(self, epoch: int, members: list[str]) -> None:
         self._few_note = (epoch, members)

@@ -142,6 +142,8 @@ def test_a_groupmate_whose_round_disagrees_is_refused_and_the_next_one_asked():
     assert answers.round[0] == ids[1] and torch.equal(answers.round[1][0], torch.tensor([1.0, 2.0, 3.0, 8.0]))
     answers = fetch([ids[2], ids[0]])  # the banned groupmate is not asked at all
     assert answers.round is None and [donor for donor, _ in answers.refused] == [ids[0]]
+    asker.keep_partial_round(None, None, None)  # let go after a later round (robust_rounds): no agreement asked
+    assert fetch([ids[0]]).round[0] == ids[0]
 
 
 def test_a_peer_left_out_asks_its_groupmates_for_the_round_and_applies_it(monkeypatch):
