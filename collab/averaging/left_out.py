@@ -29,7 +29,7 @@ from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from collab.hivemind_hooks.allreduce import RunnerHooks
@@ -77,14 +77,8 @@ class TellsLeftOut(RunnerHooks):
         super().__init__(**kwargs)
         self.left_us_out: set[int] = set()
 
-    def peer_stub(self, peer: PeerID):
-        stub, runner, peer_index = super().peer_stub(peer), self, self.ordered_peer_ids.index(peer)
-
-        class ReadingStub:
-            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
-                return runner._read_left_out(await stub.rpc_aggregate_part(inputs, *args, **kwargs), peer_index)
-
-        return ReadingStub()
+    def replies_from(self, stream: AsyncIterator, peer_index: int) -> AsyncIterator:
+        return self._read_left_out(super().replies_from(stream, peer_index), peer_index)
 
     async def _read_left_out(self, stream: AsyncIterator, peer_index: int) -> AsyncIterator:
         async for message in stream:

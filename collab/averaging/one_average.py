@@ -54,14 +54,8 @@ class OneAverage(RunnerHooks):
                 message.peer_id, first = MARK, False
             yield message
 
-    def peer_stub(self, peer: PeerID):
-        stub, runner, peer_index = super().peer_stub(peer), self, self.ordered_peer_ids.index(peer)
-
-        class MarkReadingStub:
-            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
-                return runner._read_mark(await stub.rpc_aggregate_part(inputs, *args, **kwargs), peer_index)
-
-        return MarkReadingStub()
+    def replies_from(self, stream: AsyncIterator, peer_index: int) -> AsyncIterator:
+        return self._read_mark(super().replies_from(stream, peer_index), peer_index)
 
     async def _read_mark(self, stream: AsyncIterator, peer_index: int) -> AsyncIterator:
         first = True

@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from collab.hivemind_hooks.allreduce import RunnerHooks
@@ -34,15 +34,10 @@ _in_flight = 0  # reply streams this process is serving now (one averager per pr
 class WholeReplies(RunnerHooks):
     """An AllReduceRunner whose reply streams end when the sender has read them (see the module)."""
 
-    def peer_stub(self, peer: PeerID):
-        stub = super().peer_stub(peer)
-        expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
-
-        class ClosingStub:
-            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
-                return _first(await stub.rpc_aggregate_part(inputs, *args, **kwargs), expected)
-
-        return ClosingStub()
+    def replies_from(self, stream: AsyncIterator, peer_index: int) -> AsyncIterator:
+        # (last in collab's runner's method order: `stream` is the reply stream itself, which _first closes)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        return _first(super().replies_from(stream, peer_index), expected)
 
     async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                    ) -> AsyncIterator[averaging_pb2.AveragingData]:

@@ -18,7 +18,6 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
 from collab.hivemind_hooks.allreduce import RunnerHooks
@@ -59,14 +58,8 @@ class CountingRunner(RunnerHooks):
         async for message in super().parts_for_peer(peer_index):
             yield self._count(message, sent=True)
 
-    def peer_stub(self, peer: PeerID):
-        stub, runner = super().peer_stub(peer), self
-
-        class CountingStub:
-            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
-                return runner._counted(await stub.rpc_aggregate_part(inputs, *args, **kwargs), sent=False)
-
-        return CountingStub()
+    def replies_from(self, stream, peer_index: int):
+        return self._counted(super().replies_from(stream, peer_index), sent=False)
 
     async def reduce_stream(self, stream, sender_index: int):
         async for message in super().reduce_stream(self._counted(stream, sent=False), sender_index):

@@ -32,12 +32,22 @@ class AggregatePartHooks:
 class RunnerHooks(AggregatePartHooks, AllReduceRunner):
     """AllReduceRunner, its private steps handed to collab's public ones (see the module)."""
 
-    # the stub a sender streams its parts through: wrapped to count bytes, read replies whole, take averages
+    # the stub a sender streams its parts through: its reply stream read through `replies_from` (bytes counted,
+    # replies read whole, averages taken, a reducer's word that it left this peer out noted)
     def _get_peer_stub(self, peer: PeerID):
-        return self.peer_stub(peer)
+        stub, runner, peer_index = super()._get_peer_stub(peer), self, self.ordered_peer_ids.index(peer)
 
-    def peer_stub(self, peer: PeerID):
-        return super()._get_peer_stub(peer)
+        class ReplyReadingStub:
+            async def rpc_aggregate_part(self, inputs, *args, **kwargs):
+                return runner.replies_from(await stub.rpc_aggregate_part(inputs, *args, **kwargs), peer_index)
+
+        return ReplyReadingStub()
+
+    def replies_from(self, stream: AsyncIterator[averaging_pb2.AveragingData], peer_index: int
+                     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The reply stream of reducer `peer_index` as this sender reads it. A mixin wraps what super() returns, so
+        the last mixin in the method order wraps the stream itself."""
+        return stream
 
     # what a sender streams to one reducer: counted, and its first part marked "send me the average"
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
