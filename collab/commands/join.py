@@ -87,7 +87,8 @@ def add_join_flags(p) -> None:
     p.add_argument("--bandwidth", type=float, default=None, metavar="MBPS",
                    help="your upload bandwidth in Mbit/s; slow peers get a smaller share of the all-reduce")
     p.add_argument("--wait-peers", type=int, default=1, metavar="N",
-                   help="wait (up to 3 minutes) until N peers are in the run before training; for simulations")
+                   help="wait until N peers are in the run before training (giving up after 3 minutes in which "
+                        "no new peer came); for simulations")
     p.add_argument("--dashboard-port", type=int, default=None, metavar="P",
                    help="also serve the run's dashboard from this peer on 127.0.0.1:P")
     p.add_argument("--summary-json", type=Path, default=None, help="write a JSON summary here when the peer exits")

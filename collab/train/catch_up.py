@@ -16,6 +16,7 @@ from collab.train.progress import ProgressDisplay
 STALE_AFTER = 120.0  # seconds: a waiting peer's record older than this is not counted (it may have left)
 ANNOUNCE_EVERY = 30.0  # a waiting peer's record is published again this often: online while it waits
 LOOK_EVERY = 1.0  # seconds between two reads of the run's records while waiting: 32 peers read 32 records each
+WAIT_AT_MOST = 4  # x the wait's timeout (counted from the last new peer): the longest a peer waits for the others
 
 
 def settle(opt: AveragingMode, config: RunConfig) -> str:
@@ -37,24 +38,29 @@ def settle(opt: AveragingMode, config: RunConfig) -> str:
 
 def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressDisplay, stop: threading.Event,
                    announce: Callable[[], None]) -> None:
-    """Hold step 0 until the expected peers have published, so a simulated swarm starts together. This peer's record
-    counts as online for STALE_AFTER s from when it was published: `announce` publishes it again every ANNOUNCE_EVERY
-    s (published once, the first of 32 peers on 2 cores went stale before the last, restarted after a failed join,
-    came: none of them ever saw all 32, and the whole run went by waiting)."""
+    """Hold step 0 until the expected peers have published, so a simulated swarm starts together. Gives up after
+    `timeout` s in which no more peers came, and after WAIT_AT_MOST x `timeout` in all: 64 peers started together on 2
+    cores took 3.5 minutes to all publish, and the first, waiting a fixed 180 s, trained without the last 6.
+
+    This peer's record counts as online for STALE_AFTER s from when it was published: `announce` publishes it again
+    every ANNOUNCE_EVERY s (published once, the first of 32 peers on 2 cores went stale before the last, restarted
+    after a failed join, came: none of them ever saw all 32, and the whole run went by waiting)."""
     display.message(f"Waiting for {wanted} peers to join...")
-    deadline = time.monotonic() + timeout
-    announced = time.monotonic()
+    began = announced = time.monotonic()
+    deadline, most = began + timeout, 0
     while not stop.is_set() and time.monotonic() < deadline:
         present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id, stale_after=STALE_AFTER).peers)
         if present >= wanted:
             return
+        if present > most:  # peers still coming: wait on
+            most, deadline = present, min(time.monotonic() + timeout, began + WAIT_AT_MOST * timeout)
         if time.monotonic() - announced >= ANNOUNCE_EVERY:
             announce()
             announced = time.monotonic()
         stop.wait(LOOK_EVERY)
     if not stop.is_set():
-        display.message(f"Only {present} of {wanted} peers after {timeout:.0f} s; "
-                        "training anyway")
+        display.message(f"Only {most} of {wanted} peers after {time.monotonic() - began:.0f} s (none new for "
+                        f"{min(timeout, time.monotonic() - began):.0f} s); training anyway")
 
 
 def catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Event,

@@ -102,3 +102,25 @@ def test_a_waiting_peer_announces_itself_again_so_the_first_stays_online_until_t
                             announce=lambda: announced.append(1))
     assert len(announced) == 3 and messages == ["Waiting for 4 peers to join..."]
     assert set(looks) == {catch_up.STALE_AFTER} and catch_up.ANNOUNCE_EVERY * 2 < catch_up.STALE_AFTER
+
+
+def test_the_wait_for_peers_goes_on_while_peers_still_come_and_ends_when_none_came_for_its_timeout(monkeypatch):
+    """64 peers started together on 2 cores took 3.5 minutes to all publish: the first, waiting a fixed 180 s, trained
+    without the last 6. The timeout now counts from the last new peer, within WAIT_AT_MOST x timeout in all."""
+    import collab.train.catch_up as catch_up
+
+    clock = [0.0]
+    arrivals = [0.0, 0.0, 9.0, 18.0, 27.0]  # when each of 5 peers publishes; then nobody for longer than the timeout
+    monkeypatch.setattr(catch_up, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(catch_up, "read_run_state", lambda dht, run_id, stale_after: SimpleNamespace(
+        peers=[SimpleNamespace(online=when <= clock[0]) for when in arrivals]))
+    stop = SimpleNamespace(is_set=lambda: False, wait=lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+    swarm, messages = SimpleNamespace(dht=None, peer=SimpleNamespace(run_id="run")), []
+    catch_up.wait_for_peers(swarm, 6, 10.0, SimpleNamespace(message=messages.append), stop, announce=lambda: None)
+    assert 37.0 <= clock[0] <= 38.0, clock  # 10 s after the last new peer, not 10 s after its start
+    assert messages[-1] == "Only 5 of 6 peers after 37 s (none new for 10 s); training anyway", messages
+
+    clock[0], arrivals[:] = 0.0, [0.0] + [9.0 * i for i in range(1, 20)]  # one new peer every 9 s, 20 wanted of 21
+    catch_up.wait_for_peers(swarm, 21, 10.0, SimpleNamespace(message=messages.append), stop, announce=lambda: None)
+    assert catch_up.WAIT_AT_MOST * 10.0 <= clock[0] <= catch_up.WAIT_AT_MOST * 10.0 + 1.0, clock
+    assert messages[-1].startswith("Only 5 of 21 peers after 40 s"), messages
