@@ -46,6 +46,7 @@ import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+LONE_SECONDS = 120.0  # the most the one peer alone runs
 
 
 def linreg_config(folder: Path, peers: int, args, overlap: str) -> Path:
@@ -126,10 +127,12 @@ def latency_profile(folder: Path, rtt_ms: float) -> list[str]:
 
 def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str = "none") -> dict:
     config = linreg_config(folder, peers, args, overlap)
+    # one peer alone reaches its rate within seconds: a long --duration is for the big swarms' start-up and rounds
+    duration = min(args.duration, LONE_SECONDS) if peers == 1 else args.duration
     workdir = folder / f"swarm-{peers}-{rtt_ms:g}-{overlap}"
     started = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "collab", "simulate", "--peers", str(peers), "--config",
-                                str(config), "--duration", str(args.duration), "--workdir", str(workdir), "--json",
+                                str(config), "--duration", str(duration), "--workdir", str(workdir), "--json",
                                 *latency_profile(folder, rtt_ms)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -137,7 +140,7 @@ def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str 
     if args.profile and args.reports:
         name = f"profile-{peers}-rtt{rtt_ms:g}-{overlap}.txt"
         threading.Thread(target=profile_one_peer, args=(process.pid, args, args.reports / name), daemon=True).start()
-    out, err = process.communicate(timeout=args.duration + 600)
+    out, err = process.communicate(timeout=duration + 600)
     cpu, rss = sampler.stop()
     if process.returncode not in (0, 1):  # 1: the report's own verdict (e.g. loss did not fall), still a report
         raise SystemExit(f"collab simulate --peers {peers} failed ({process.returncode}):\n{err[-3000:]}")
@@ -209,7 +212,9 @@ def _fmt(value: Optional[float], digits: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default="4,8,16", help="comma-separated swarm sizes")
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds each swarm trains")
+    parser.add_argument("--duration", type=float, default=120.0,
+                        help="seconds each swarm runs, its start-up included (64 peers on 2 cores take ~3.5 min to "
+                        "start); the one peer alone runs at most 120 s")
     parser.add_argument("--dim", type=int, default=100_000, help="linreg's parameters")
     parser.add_argument("--target-per-peer", type=int, default=64, help="the target batch is this x N: 64 makes an "
                         "epoch's compute a few hundredths of a second (the protocol is the bound); thousands make "

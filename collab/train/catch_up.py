@@ -37,10 +37,11 @@ def settle(opt: AveragingMode, config: RunConfig) -> str:
 
 
 def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressDisplay, stop: threading.Event,
-                   announce: Callable[[], None]) -> None:
+                   announce: Callable[[], None]) -> int:
     """Hold step 0 until the expected peers have published, so a simulated swarm starts together. Gives up after
     `timeout` s in which no more peers came, and after WAIT_AT_MOST x `timeout` in all: 64 peers started together on 2
-    cores took 3.5 minutes to all publish, and the first, waiting a fixed 180 s, trained without the last 6.
+    cores took 3.5 minutes to all publish, and the first, waiting a fixed 180 s, trained without the last 6. Returns how
+many peers it saw (the first step waits for as many: not for those that never came).
 
     This peer's record counts as online for STALE_AFTER s from when it was published: `announce` publishes it again
     every ANNOUNCE_EVERY s (published once, the first of 32 peers on 2 cores went stale before the last, restarted
@@ -51,7 +52,7 @@ def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressD
     while not stop.is_set() and time.monotonic() < deadline:
         present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id, stale_after=STALE_AFTER).peers)
         if present >= wanted:
-            return
+            return present
         if present > most:  # peers still coming: wait on
             most, deadline = present, min(time.monotonic() + timeout, began + WAIT_AT_MOST * timeout)
         if time.monotonic() - announced >= ANNOUNCE_EVERY:
@@ -61,6 +62,7 @@ def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressD
     if not stop.is_set():
         display.message(f"Only {most} of {wanted} peers after {time.monotonic() - began:.0f} s (none new for "
                         f"{min(timeout, time.monotonic() - began):.0f} s); training anyway")
+    return max(most, 1)
 
 
 def catch_up(opt: AveragingMode, display: ProgressDisplay, stop: threading.Event,

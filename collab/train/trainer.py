@@ -205,9 +205,10 @@ class TrainingLoop:
             summary.swarm_epoch_at_join = opt.tracker.global_epoch
         self._publish()  # announces this peer (and lets --wait-peers count it)
         if options.wait_peers > 1:
-            wait_for_peers(self.swarm, options.wait_peers, options.wait_peers_timeout, self.display, self.stop,
-                           announce=self._publish)
-            opt.start_together(options.wait_peers, options.wait_peers_timeout)  # (it reads them when all are in)
+            present = wait_for_peers(self.swarm, options.wait_peers, options.wait_peers_timeout, self.display,
+                                     self.stop, announce=self._publish)
+            # the first step waits for the peers that came (a run of 64 where 4 never came waited 180 s more for them)
+            opt.start_together(present, options.wait_peers_timeout)  # (it reads them when all are in)
         else:
             opt.read_progress_soon()  # the swarm's records, for this peer's first round
         summary.start_epoch = opt.local_epoch
