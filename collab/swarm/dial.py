@@ -66,13 +66,17 @@ def reach_all(maddrs: list[str]) -> list[tuple[Optional[float], Optional[str]]]:
         return list(pool.map(one, maddrs))
 
 
-def why_not_joined(maddrs: list[str]) -> str:
+def why_not_joined(maddrs: list[str], pinged: int = 0) -> str:
     """One line for a DHT node that could not join through `maddrs`: the first one TCP did not reach, with its fix;
-    or, when TCP reached them all, that they answer but not as those libp2p peers."""
+    or, when TCP reached them all, that their DHT nodes did not answer this node's pings in time (`pinged`: in as many
+    tries, the join failed so), or else that they answer but not as those libp2p peers."""
     for maddr, (_, error) in zip(maddrs, reach_all(maddrs)):
         if error is not None:
             target = tcp_target(maddr)
             return f"{maddr}: {error} ({target[0]}:{target[1]}); {what_to_check(maddr, error)}"
+    if pinged:
+        return (f"{', '.join(maddrs)} answers TCP, but no DHT node there answered a ping in time ({pinged} tries): "
+                "that machine (or this one) is too busy, or the peer is still starting; try again in a minute")
     return (f"{', '.join(maddrs)} answers TCP but not as that libp2p peer: the peer restarted with a new identity, or "
             "another program holds its port; ask the organizer for a current join line (or start a new swarm "
             "without --initial-peers)")

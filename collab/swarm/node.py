@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shlex
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional
@@ -87,7 +88,12 @@ def peer_config_from_flags(**flags) -> PeerConfig:
         raise UserError(err["msg"].removeprefix("Value error, ")) from None
 
 
-BOOTSTRAP_ATTEMPTS = 2  # p2pd's own dial of the initial peers, at most this many times
+BOOTSTRAP_ATTEMPTS = 3  # a join through the initial peers, at most this many times, when they were only slow:
+# p2pd's own dial of them failed, or its DHT node's pings of them (hivemind: 3 s each; 4 of 64 peers starting
+# together on 2 cores failed twice so)
+SLOW_BOOTSTRAP = ("failed to connect to bootstrap peers", "none of the initial_peers responded to a ping")
+UNANSWERED_PING = SLOW_BOOTSTRAP[1]
+BOOTSTRAP_PAUSE = 5.0  # seconds between two attempts
 # hivemind's DHT keeps a copy of every value a read finds (cache_locally), answers other nodes' finds from it, and
 # stores it on one more node (cache_nearest). Every collab read asks for the latest value (latest=True), which walks
 # the whole beam and merges what each node holds, so the copies never spare a read; they multiply it: once every
@@ -167,10 +173,11 @@ class Swarm:
                         )
                     break
                 except Exception as e:
-                    # p2pd dials the initial peers once, with a fixed timeout of its own: on a busy machine (a peer
-                    # starved of CPU) a live initial peer can miss it. Once more, then say so
-                    if attempt + 1 == BOOTSTRAP_ATTEMPTS or "failed to connect to bootstrap peers" not in str(e):
+                    # p2pd dials the initial peers once, and the DHT node pings them once, with fixed timeouts: on a
+                    # busy machine (a peer starved of CPU) a live initial peer can miss them. Again, then say so
+                    if attempt + 1 == BOOTSTRAP_ATTEMPTS or not any(slow in str(e) for slow in SLOW_BOOTSTRAP):
                         raise
+                    time.sleep(BOOTSTRAP_PAUSE)
         except Exception as e:
             if peer.initial_peers:  # refused because the run is private (and this peer's invite is none, or void)?
                 _refuse_if_private(self.identity, peer)
@@ -279,7 +286,7 @@ def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:
         # p2pd's own words ("Daemon failed to start: <timestamp> ...") say nothing a volunteer can act on: they go to
         # the debug log, and a TCP connect to each initial peer says which one failed, how, and what to check
         logging.getLogger(__name__).debug(f"the DHT node did not join: {text}")
-        return f"could not join the swarm: {why_not_joined(peer.initial_peers)}"
+        return f"could not join the swarm: {why_not_joined(peer.initial_peers, pinged=BOOTSTRAP_ATTEMPTS * (UNANSWERED_PING in text))}"
     return f"could not start the DHT node ({text}); check --host-maddrs (is the port free?)"
 
 
