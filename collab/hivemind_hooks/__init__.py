@@ -167,7 +167,8 @@ PATCHED = (
     "hivemind.averaging.allreduce.AllReduceRunner._ban_sender",  # called by collab's reducer loop (one_average)
     "hivemind.dht.dht.DHT._get_p2p_daemon_listen_maddr",  # a second client of the DHT's p2pd (run files)
     "hivemind.p2p.p2p_daemon.P2P._terminate",  # that client closed, the daemon left to the DHT
-    "hivemind.p2p.p2p_daemon.P2P.create",  # a p2pd that failed to start: its socket file removed
+    "hivemind.p2p.p2p_daemon.P2P.create",  # a p2pd that failed to start: its socket file removed; the identity
+    # check's p2pd (is_identity_taken, which names no startup_timeout) given the peer's startup_timeout
     "hivemind.dht.node.DHTNode.create",  # a DHT node that failed to start: the p2pd it started shut down
     "hivemind.utils.mpfuture.MPFuture._active_futures",  # rounds cancelled on a signal
     "hivemind.utils.mpfuture.MPFuture.reset_backend",  # the fork server's forks

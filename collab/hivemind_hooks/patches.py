@@ -428,6 +428,23 @@ def failed_p2pd_starts_leave_no_file() -> None:
     P2P._collab_tidy_starts = True
 
 
+def p2pd_starts_given(seconds: float) -> None:
+    """hivemind's P2P.create first checks that the peer's identity is not in use, with a second, anonymous p2pd
+    (is_identity_taken) started with create's default startup_timeout, 15 s, whatever the peer gave its own: on a busy
+    machine that start failed ("Daemon failed to start in 15.0 seconds": 3 of 64 peers started together on 2 cores),
+    where the peer's own p2pd has 60 s. Here a create that names no startup_timeout gets `seconds`. Before the DHT's
+    process forks (it inherits the patch)."""
+    if not getattr(P2P, "_collab_startup_timeout", None):
+        create = P2P.create.__func__
+
+        async def create_given(cls, *args, **kwargs):
+            kwargs.setdefault("startup_timeout", P2P._collab_startup_timeout)
+            return await create(cls, *args, **kwargs)
+
+        P2P.create = classmethod(create_given)
+    P2P._collab_startup_timeout = seconds
+
+
 @contextmanager
 def donors_reached_through(averager, stub: Callable) -> Iterator[None]:
     """While a state download runs, hivemind reaches each donor through one call of the averager's get_stub:

@@ -29,8 +29,8 @@ from collab.config import RUN_ID_PATTERN
 from collab.errors import UserError
 from collab.hivemind_hooks.dht_node import store_walks_without_values, stores_remember_nodes
 from collab.hivemind_hooks.patches import (cancelled_enters_exit, death_safe_locks, dht_takes_requests,
-                                           failed_p2pd_starts_leave_no_file, pipe_reads_take_whole_messages,
-                                           sign_progress_with)
+                                           failed_p2pd_starts_leave_no_file, p2pd_starts_given,
+                                           pipe_reads_take_whole_messages, sign_progress_with)
 from collab.process.lifecycle import quiet_orphaned_requests
 from collab.process.reaper import end_processes, hivemind_sockets, is_running, remove_sockets_of
 from collab.records.identity import Identity, hivemind_reads_ed25519, load_or_create_identity
@@ -139,6 +139,7 @@ class Swarm:
         death_safe_locks()  # before the DHT's process, the first this peer forks, inherits them
         cancelled_enters_exit()
         failed_p2pd_starts_leave_no_file()
+        p2pd_starts_given(peer.startup_timeout)  # hivemind's check that the identity is free too
         hivemind_reads_ed25519()  # identity files, records and access tokens of either kind of key
 
         self.peer = peer
