@@ -287,7 +287,8 @@ def _explain_dht_failure(error: Exception, peer: PeerConfig) -> str:
         # p2pd's own words ("Daemon failed to start: <timestamp> ...") say nothing a volunteer can act on: they go to
         # the debug log, and a TCP connect to each initial peer says which one failed, how, and what to check
         logging.getLogger(__name__).debug(f"the DHT node did not join: {text}")
-        return f"could not join the swarm: {why_not_joined(peer.initial_peers, pinged=BOOTSTRAP_ATTEMPTS * (UNANSWERED_PING in text))}"
+        pinged = BOOTSTRAP_ATTEMPTS if UNANSWERED_PING in text else 0
+        return f"could not join the swarm: {why_not_joined(peer.initial_peers, pinged=pinged)}"
     return f"could not start the DHT node ({text}); check --host-maddrs (is the port free?)"
 
 

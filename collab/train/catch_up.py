@@ -40,28 +40,31 @@ def wait_for_peers(swarm: Swarm, wanted: int, timeout: float, display: ProgressD
                    announce: Callable[[], None]) -> int:
     """Hold step 0 until the expected peers have published, so a simulated swarm starts together. Gives up after
     `timeout` s in which no more peers came, and after WAIT_AT_MOST x `timeout` in all: 64 peers started together on 2
-    cores took 3.5 minutes to all publish, and the first, waiting a fixed 180 s, trained without the last 6. Returns how
-many peers it saw (the first step waits for as many: not for those that never came).
+    cores took 3.5 minutes to all publish, and the first, waiting a fixed 180 s, trained without the last 6. Returns
+how many peers it saw (the first step waits for as many: not for those that never came).
 
     This peer's record counts as online for STALE_AFTER s from when it was published: `announce` publishes it again
     every ANNOUNCE_EVERY s (published once, the first of 32 peers on 2 cores went stale before the last, restarted
     after a failed join, came: none of them ever saw all 32, and the whole run went by waiting)."""
     display.message(f"Waiting for {wanted} peers to join...")
-    began = announced = time.monotonic()
+    began = announced = came = time.monotonic()
     deadline, most = began + timeout, 0
     while not stop.is_set() and time.monotonic() < deadline:
         present = sum(p.online for p in read_run_state(swarm.dht, swarm.peer.run_id, stale_after=STALE_AFTER).peers)
-        if present >= wanted:
-            return present
+        if present >= wanted:  # (a peer that just left still counts here for STALE_AFTER s: not more than wanted)
+            return wanted
         if present > most:  # peers still coming: wait on
-            most, deadline = present, min(time.monotonic() + timeout, began + WAIT_AT_MOST * timeout)
+            most, came = present, time.monotonic()
+            deadline = min(came + timeout, began + WAIT_AT_MOST * timeout)
         if time.monotonic() - announced >= ANNOUNCE_EVERY:
             announce()
             announced = time.monotonic()
         stop.wait(LOOK_EVERY)
     if not stop.is_set():
-        display.message(f"Only {most} of {wanted} peers after {time.monotonic() - began:.0f} s (none new for "
-                        f"{min(timeout, time.monotonic() - began):.0f} s); training anyway")
+        now = time.monotonic()
+        why = (f"none new for {now - came:.0f} s" if now - came >= timeout
+               else f"the longest wait, {WAIT_AT_MOST} x {timeout:.0f} s")
+        display.message(f"Only {most} of {wanted} peers after {now - began:.0f} s ({why}); training anyway")
     return max(most, 1)
 
 
