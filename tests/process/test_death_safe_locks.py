@@ -15,6 +15,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from collab.hivemind_hooks.patches import death_safe_locks
+from collab.swarm.node import shut_down_dht
 
 FORK = mp.get_context("fork")
 
@@ -51,7 +52,7 @@ def test_a_process_killed_while_it_held_the_update_lock_leaves_the_next_dht_able
         dht.store("answered", 1, expiration_time=get_dht_time() + 30)
         assert dht.get("answered", latest=True).value == 1
     finally:
-        dht.shutdown()
+        shut_down_dht(dht)
     print(f"the DHT started and answered in {time.monotonic() - began:.1f} s")
 
 

@@ -22,7 +22,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from benchmarks.lab.averager_pair import start_averager_pair
 from collab.averaging.robust_rounds import CheckedRounds
-from collab.swarm.node import OwnGroupDHT
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 PAYLOAD = 64 * 1024  # bytes
 
@@ -65,7 +65,7 @@ def test_a_request_that_arrives_in_pieces_is_answered_and_so_is_the_next(no_left
             assert not asker.is_alive(), f"the DHT's process did not answer a request of {len(payload)} bytes"
         assert answers == [PAYLOAD, 5], answers
     finally:
-        dht.shutdown()
+        shut_down_dht(dht)
 
 
 def test_an_averagers_process_answers_a_request_that_arrives_in_pieces_and_the_next(no_leftover_processes):

@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 from collab.hivemind_hooks.dht_node import STORE_BEAM, store_walks_without_values, stores_remember_nodes
 from collab.records.metrics import METRICS_SUFFIX, PROGRESS_SUFFIX, PeerMetricsRecord, publish
 from collab.swarm.dht_traffic import dht_requests, start_counting
-from collab.swarm.node import OwnGroupDHT
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 from tests.conftest import METRICS_RECORD
 
 RUN = "walks"
@@ -76,7 +76,7 @@ def swarm():
         yield nodes
     finally:
         for node in nodes:
-            node.shutdown()
+            shut_down_dht(node)
 
 
 @pytest.fixture()
@@ -90,7 +90,7 @@ def collab_swarm():
         yield nodes
     finally:
         for node in nodes:
-            node.shutdown()
+            shut_down_dht(node)
 
 
 def _walk_of_one_store(writer, subkey: str) -> dict:
@@ -239,7 +239,7 @@ def test_a_keys_next_stores_go_where_its_walk_found_until_a_nearer_node_joins_or
     # node gone before it); the last lands on the key's 5 nearest nodes that are left
     leaver = next(dht for dht in sorted(_nearest(swarm), key=swarm.index) if dht is not writer)
     swarm.remove(leaver)
-    leaver.shutdown()
+    shut_down_dht(leaver)
     walked = [_store_and_walks(writer, subkey) for subkey in ("after-leave-0", "after-leave-1", "after-leave-2")]
     assert sum(walked) >= 1, f"no store walked after one of the key's nodes left: {walked}"
     assert _holders(swarm, "after-leave-2") == _nearest(swarm)

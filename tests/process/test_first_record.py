@@ -13,6 +13,7 @@ import time
 import hivemind
 
 from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
+from collab.swarm.node import shut_down_dht
 
 SEEN_WITHIN = 5.0  # seconds: the reporter stores at once when told; its own wake-up is 30 s away
 
@@ -41,4 +42,4 @@ def test_the_first_micro_batch_after_a_catch_up_is_stored_at_once(no_leftover_pr
         assert records == [(4, 8)], f"no record within {SEEN_WITHIN:g} s of the first micro-batch: {records}"
     finally:
         tracker.shutdown(5.0)
-        dht.shutdown()
+        shut_down_dht(dht)

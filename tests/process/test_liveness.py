@@ -10,6 +10,7 @@ import psutil
 
 from collab.process.reaper import hivemind_sockets, remove_sockets_of
 from collab.averaging.liveness import PING_EVERY, QUIET_SECONDS, GoneWatch, Quiet, ping
+from collab.swarm.node import shut_down_dht
 
 
 def test_a_killed_peer_answers_no_ping_and_is_taken_as_gone_a_live_one_is_not(no_leftover_processes):
@@ -33,5 +34,5 @@ def test_a_killed_peer_answers_no_ping_and_is_taken_as_gone_a_live_one_is_not(no
         assert watch.update(quiet, now=PING_EVERY) == {victim}
     finally:
         for dht in [first, others[0]]:
-            dht.shutdown()
+            shut_down_dht(dht)
         others[1].join(5)

@@ -11,6 +11,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from benchmarks.lab.averager_pair import shut_down_averager
 from collab.averaging.served_state import ServesItsSteps
+from collab.swarm.node import shut_down_dht
 
 
 class _Served(ServesItsSteps, TrainingStateAverager):
@@ -23,7 +24,7 @@ def dht(no_leftover_processes):
     try:
         yield node
     finally:
-        node.shutdown()
+        shut_down_dht(node)
 
 
 def _served_during_a_step(kind, dht) -> tuple:

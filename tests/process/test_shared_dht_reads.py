@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time
 import collab.records.shared_reads as shared_reads
 from collab.records.metrics import PROGRESS_SUFFIX
 from collab.swarm.dht_traffic import dht_requests, start_counting
-from collab.swarm.node import OwnGroupDHT
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 from collab.records.shared_reads import READ_REPLICAS, recent_or_new, share_for, shared_counts, start_sharing
 
 RUN = "shared"
@@ -87,7 +87,7 @@ def test_readers_take_a_read_made_less_than_the_period_ago_and_walk_after_it(no_
     finally:
         for dht in (theirs, ours):
             if dht is not None:
-                dht.shutdown()
+                shut_down_dht(dht)
 
 
 async def _nearest(_dht, _node) -> list:
@@ -130,7 +130,7 @@ def test_the_streams_reads_ask_the_keys_nearest_nodes_and_walk_when_one_is_gone(
 
         # one of the nearest leaves: the next read walks, finds every record on the others, and finds the nearest anew
         gone = next(dht for dht in dhts[1:] if str(dht.peer_id) in nearest)
-        gone.shutdown()
+        shut_down_dht(gone)
         dhts.remove(gone)
         assert set(bounded(ours.get, KEY, True).value) == {f"peer{i}" for i in range(5)}
         counts = bounded(shared_counts, ours)
@@ -138,4 +138,4 @@ def test_the_streams_reads_ask_the_keys_nearest_nodes_and_walk_when_one_is_gone(
         assert str(gone.peer_id) not in bounded(ours.run_coroutine, _nearest)
     finally:
         for dht in reversed(dhts):
-            dht.shutdown()
+            shut_down_dht(dht)

@@ -12,6 +12,7 @@ import time
 import hivemind
 
 from collab.averaging.replica import RecordingStateAverager
+from collab.swarm.node import shut_down_dht
 from tests.conftest import filled_state_averager, held_values
 
 ROUND_TIMEOUT = 4.0  # seconds the in-step averager looks for a group
@@ -60,4 +61,4 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
         for averager in (in_step, out_of_step):
             averager.shutdown()
         for dht in (second, first):
-            dht.shutdown()
+            shut_down_dht(dht)

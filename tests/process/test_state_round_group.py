@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import hivemind
 
 from collab.averaging.replica import RecordingStateAverager
+from collab.swarm.node import shut_down_dht
 from tests.conftest import filled_state_averager, held_values
 
 MATCHMAKING_TIME = 8.0  # what hivemind's leader waits for more peers, without a group target
@@ -58,4 +59,4 @@ def test_a_state_round_begins_once_the_peers_training_have_joined(no_leftover_pr
         for averager in averagers:
             averager.shutdown()
         for dht in (second, first):
-            dht.shutdown()
+            shut_down_dht(dht)

@@ -18,6 +18,7 @@ from benchmarks.dashboard_scale import SignedRecordsDHT, synthetic_peers
 from collab.dashboard.collector import Collector
 from collab.dashboard.server import BackgroundDashboard
 from collab.peers.launcher import LocalSwarm
+from collab.swarm.node import shut_down_dht
 from tests.conftest import MICRO_CONFIG, fork_server, peer_env, swarm_config, wait_for
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -214,4 +215,4 @@ def test_rogue_records_are_refused_and_the_page_survives(live):
         assert sorted(p["role"] for p in run["peers"]) == ["trainer", "trainer"], run["peers"]
         assert get(dashboard, "/").status_code == 200 and get(dashboard, "/metrics").status_code == 200
     finally:
-        rogue.shutdown()
+        shut_down_dht(rogue)

@@ -15,6 +15,7 @@ from collab.averaging.grad_averager import CollabGradientAverager
 from collab.averaging.left_out import LeftOutOfRound
 from collab.averaging.robust_rounds import _CheckedRunner
 from collab.records.rejections import RejectionLog
+from collab.swarm.node import shut_down_dht
 
 SIZE = 4096  # gradient entries, sent in parts of PART_BYTES: butterfly all-reduce gives each of 4 peers one
 PART_BYTES = 4096  # (hivemind's default part, 512 KB, would make one peer the reducer of everything)
@@ -44,7 +45,7 @@ class Averagers:
         for i in range(n):
             dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                initial_peers=first.get_visible_maddrs() if first else [])
-            stack.callback(dht.shutdown)
+            stack.callback(shut_down_dht, dht)
             first = first or dht
             honest_combine, punctual = RobustPartReducer.combine, _CheckedRunner.parts_for_peer
             if i == garbage_reducer:  # the averager process is forked at start: only this one keeps the patch

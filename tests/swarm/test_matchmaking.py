@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from collab.config import join_request_timeout
+from collab.swarm.node import shut_down_dht
 
 MATCHMAKING_TIME = 8.0  # the new timeout (6.4 s) leaves a CPU-starved test room; the old one was 3 s
 LEADER_DELAY = 3.5  # seconds the leader takes to answer a join request: a peer whose CPU is busy training
@@ -137,7 +138,7 @@ def test_peers_blind_to_each_others_search_group_whole_around_the_planned_leader
         for _ in range(PLANNED):
             dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                initial_peers=first.get_visible_maddrs() if first else [])
-            stack.callback(dht.shutdown)
+            stack.callback(shut_down_dht, dht)
             dhts.append(dht)
             first = first or dht
         records = {dht.peer_id.to_base58(): LocalTrainingProgress(

@@ -14,6 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 import collab.records.shared_reads as shared_reads
 from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
 from collab.records.identity import hivemind_reads_ed25519, load_or_create_identity
+from collab.swarm.node import shut_down_dht
 
 
 @contextlib.contextmanager
@@ -35,7 +36,7 @@ def two_trackers(tmp_path, target_batch_size: int):
         for tracker in trackers:
             tracker.shutdown(timeout=5)
         for dht in dhts:
-            dht.shutdown()
+            shut_down_dht(dht)
 
 
 def records_visible(tracker: HonestProgressTracker, count: int, timeout: float = 10.0) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from collab.averaging.dgc import DGCSettings
+from collab.swarm.node import shut_down_dht
 
 
 def test_two_peers_average_their_sparse_selections_exactly_through_hivemind(no_leftover_processes):
@@ -59,8 +60,8 @@ def test_two_peers_average_their_sparse_selections_exactly_through_hivemind(no_l
     finally:
         for averager in averagers:
             averager.shutdown()
-        second.shutdown()
-        first.shutdown()
+        shut_down_dht(second)
+        shut_down_dht(first)
 
 
 @pytest.mark.parametrize("older_peer", [False, True], ids=["all-current", "one-older-collab"])
@@ -105,7 +106,7 @@ def test_every_member_of_an_fp16_group_applies_the_same_average(older_peer, no_l
         for averager in averagers:
             averager.shutdown()
         for dht in reversed(dhts):
-            dht.shutdown()
+            shut_down_dht(dht)
     for got in results:
         for tensor, *own in zip(got, *sent):
             mean = sum(n * g for n, g in zip(samples, own)) / sum(samples)
@@ -144,7 +145,7 @@ def test_powersgd_peers_start_with_identical_projections():
         torch.manual_seed(5)
         assert torch.equal(after, torch.rand(3)), "the seeded draw moved the process's own random stream"
     finally:
-        dht.shutdown()
+        shut_down_dht(dht)
 
 
 def test_a_failed_round_keeps_the_gradients_this_peer_sent(no_leftover_processes):
@@ -173,7 +174,7 @@ def test_a_failed_round_keeps_the_gradients_this_peer_sent(no_leftover_processes
         assert averager.take_own_gradients() is None  # used once
     finally:
         averager.shutdown()
-        dht.shutdown()
+        shut_down_dht(dht)
 
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["in-grad", "own-accumulators"])
@@ -204,7 +205,7 @@ def test_a_window_of_summed_micro_batches_counts_as_that_many(reuse, no_leftover
                 torch.testing.assert_close(got, sum(parts) / 3)
     finally:
         averager.shutdown()
-        dht.shutdown()
+        shut_down_dht(dht)
 
 
 def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer_epoch(no_leftover_processes):
@@ -249,4 +250,4 @@ def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer
         for averager in averagers:
             averager.shutdown()
         for dht in dhts:
-            dht.shutdown()
+            shut_down_dht(dht)
