@@ -31,6 +31,6 @@ class LeavesNoSocketFile:
         except psutil.Error:
             sockets = {}
         super().shutdown()
-        # not waited for: a process that SIGTERM is ending has no use for its file, and a leave has 7 s in all (an
-        # 8-peer swarm's leave overran them once it waited here)
+        # not waited for: a process that SIGTERM is ending has no use for its file, and a leave has 7 s on an idle
+        # machine (an 8-peer swarm's leave overran them once it waited here)
         remove_sockets_of(sockets)

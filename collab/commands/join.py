@@ -104,11 +104,20 @@ def _number_or_auto(value: str):
         raise argparse.ArgumentTypeError(f"{value!r} is neither a whole number nor 'auto'") from None
 
 
+# a forced exit reaps the children and exits within its reap's timeouts (collab.process.lifecycle._force_exit)
+FORCED_EXIT_WAIT = 10.0
+
+
 def raise_internal_error(error: Exception):
     """A bug, not a user mistake: one line on the terminal, the traceback in a file to attach to a report."""
+    from collab.process.lifecycle import StopOnSignal
+
+    StopOnSignal.wait_out_forced_exit(FORCED_EXIT_WAIT)  # an error of the forced exit's own making: no report
+    # formatted first, written in one call: a report is whole or absent, never an empty file
+    text = "".join(traceback.format_exception(error))
     fd, path = tempfile.mkstemp(prefix="collab-crash-", suffix=".log")
     with open(fd, "w") as f:
-        traceback.print_exception(error, file=f)
+        f.write(text)
     raise InternalError(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
                         f"(traceback in {path}; please report it)") from None
 
