@@ -25,6 +25,7 @@ from typing import Optional
 import psutil
 
 from collab.peers.forkserver import ForkServer
+from collab.process.lifecycle import leave_grace
 from collab.process.reaper import hivemind_sockets, remove_sockets_of, running_after
 from collab.records.identity import load_or_create_identity
 
@@ -34,6 +35,8 @@ INITIAL_PEERS_MOST = 4  # initial peers a started peer is given (LocalSwarm.star
 RESTART_LINE = "===== restart"  # in a peer's log, before each incarnation's lines but the first
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
 LEAVE_GRACE = 15.0  # seconds a stopped swarm's peers have to leave, from the last one that left
+# beyond a peer's own grace (collab.process.lifecycle.leave_grace): its forced exit writes the summary, then reaps
+FORCED_EXIT_SECONDS = 5.0
 LEAVE_WAIT_MOST = 120.0  # and in all, however many still leave one after another
 
 
@@ -320,10 +323,14 @@ class LocalSwarm:
                 return False
         return True
 
-    def stop(self, grace: float = LEAVE_GRACE, most: float = LEAVE_WAIT_MOST) -> None:
+    def stop(self, grace: Optional[float] = None, most: float = LEAVE_WAIT_MOST) -> None:
         """SIGTERM (a graceful leave) to every peer, then SIGKILL to those still running once `grace` seconds
         passed with no peer leaving, or `most` in all: peers stopped at once on a machine they share leave one
-        after another (32 on 2 cores: 17 overran a fixed 15 s), and while they do, the rest are given time."""
+        after another (32 on 2 cores: 17 overran a fixed 15 s), and while they do, the rest are given time.
+        `grace` None: LEAVE_GRACE, or longer where the machine's load lengthens each peer's own grace (a SIGKILL
+        before that would lose the summary its forced exit writes)."""
+        if grace is None:
+            grace = max(LEAVE_GRACE, leave_grace() + FORCED_EXIT_SECONDS)
         for peer in self.peers:
             if peer.alive():
                 peer.signal_session(signal.SIGCONT)  # a frozen peer cannot handle SIGTERM
