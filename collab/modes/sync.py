@@ -178,7 +178,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                                    "to average with")
 
     def finish_gradient_round(self, maybe_step_control) -> None:
-        averaged, missed, left_out = False, False, None
+        averaged, missed, left_out, ungrouped = False, False, None, False
         if maybe_step_control is not None:
             try:
                 group = self._wait_for_round(maybe_step_control)
@@ -197,6 +197,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                 if round_failure(e) == "no group found":
                     failure = why_no_group(self.local_epoch, self.client_mode, self.tracker.peers_seen,
                                            self.grad_averager.matchmaking_kwargs["min_matchmaking_time"])
+                    ungrouped = self._others_on_this_epoch()  # others on its epoch may have made the round
             else:
                 failure = "the averaged gradients were not finite" if not averaged else None
         else:
@@ -224,23 +225,38 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             if left_out is not None and self._replayed_the_missed_round(
                     failure, donors_wait=min(DONORS_WAIT, self.averaging_timeout), groupmates=left_out.members):
                 return
+            # a peer that found no group while others on its epoch did is a few of one (64 peers on 2 cores: 37 of 58
+            # failed rounds; each stepped alone and then downloaded the whole state)
+            if ungrouped and self._replayed_as_one_of_the_few(failure, [self.dht.peer_id.to_base58()]):
+                return
             self.load_own_gradients()
             self._record_own_step(failure)
         elif self._in_a_minority(members):
             peers = self.tracker.global_progress.num_peers
             few = f"its gradient round gathered {group_size} of the {peers} peers training"
-            # the many's round is the swarm's step: applied here, this replica stays the swarm's with no download (at
-            # 32 peers on 2 cores the few re-synced for 1.5-39 s and then began their next round late, splitting it)
-            if getattr(self.grad_averager, "serves_rounds", False):
-                self.grad_averager.note_few(self.local_epoch, members)  # the other few learn of a round nobody won
-            wait = min(DONORS_WAIT, self.averaging_timeout)
-            if not self._replayed_the_missed_round(few, donors_wait=wait, group=members):
+            if not self._replayed_as_one_of_the_few(few, members):
                 self.load_averaged_gradients()  # (not kept to serve: a few's round is no peer's to replay)
                 self._record_own_step(few, whose="a few peers' gradients")
         else:
             if getattr(self.grad_averager, "serves_rounds", False) and not self.delay_grad_averaging:
                 self.grad_averager.keep_round(self.local_epoch, members)  # for a peer that missed it (round_replay)
             self.load_averaged_gradients()
+
+    def _others_on_this_epoch(self) -> bool:
+        """Whether the last read of the progress records showed another peer on this epoch or the next: peers that
+        may make (or have made) this epoch's round without this one."""
+        me = self.dht.peer_id.to_base58()
+        return any(record.epoch in (self.local_epoch, self.local_epoch + 1) for peer, record in
+                   getattr(self.tracker, "records_seen", {}).items() if peer != me)
+
+    def _replayed_as_one_of_the_few(self, why: str, members: list[str]) -> bool:
+        """This peer's round gathered only `members` (itself alone: no group found): the many's round is the swarm's
+        step, and applied here this replica stays the swarm's with no download (at 32 peers on 2 cores the few
+        re-synced for 1.5-39 s and then began their next round late, splitting it). Whether it was applied."""
+        if getattr(self.grad_averager, "serves_rounds", False):
+            self.grad_averager.note_few(self.local_epoch, members)  # the other few learn of a round nobody won
+        return self._replayed_the_missed_round(why, donors_wait=min(DONORS_WAIT, self.averaging_timeout),
+                                               group=members)
 
     def _replayed_the_missed_round(self, failure: str, donors_wait: float = 0.0, group=(), groupmates=()) -> bool:
         """The round this peer missed (every other peer made this epoch's step without it; or the many of a split

@@ -314,3 +314,38 @@ def test_a_peer_that_replays_the_manys_round_plans_the_next_round_from_the_manys
     peer.tracker.global_progress.num_peers = 5  # 3 of 5
     peer.finish_gradient_round(SimpleNamespace())
     assert peer.grad_averager.groups == [["few0", "few1", "few2"]] and peer.grad_averager.adopted == []
+
+
+def test_a_peer_that_found_no_group_applies_the_round_its_epochs_peers_made(monkeypatch):
+    """64 peers on 2 cores: 37 of 58 failed rounds were "no group found" while the rest of the swarm averaged. Each
+    such peer stepped on its own gradients and then downloaded the whole state. Now it is a few of one: it says so to
+    its askers, asks the peers of its epoch for their round, and applies it (the swarm's step, with no download). A
+    peer the last read showed alone on its epoch asks nobody and steps on its own, as before."""
+    from types import SimpleNamespace
+
+    import collab.modes.sync as sync
+
+    def no_group(control):
+        raise RuntimeError("Averaging step failed: could not find a group")
+
+    monkeypatch.setattr(sync, "DONORS_POLL", 0.01)
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: {})
+    own, many = torch.full((3,), 1.5), torch.full((3,), 2.0)
+    on_its_epoch = {"many1": SimpleNamespace(epoch=8), "many2": SimpleNamespace(epoch=9)}
+    for seen, replayed in ((on_its_epoch, True), ({"behind": SimpleNamespace(epoch=6)}, False)):
+        peer, applied, own_steps = _few_of_a_split(own, own, [None, ("many2", [many])], seen)
+        failures, own_loads = [], []
+        peer.__dict__.update(
+            _wait_for_round=no_group, client_mode=False, averaging_log=SimpleNamespace(failure=failures.append),
+            load_own_gradients=lambda: own_loads.append(1))
+        peer.tracker.peers_seen = [(record.epoch, False) for record in seen.values()] + [(8, False)]
+        peer.grad_averager.matchmaking_kwargs = {"min_matchmaking_time": 3.0}
+        peer.finish_gradient_round(SimpleNamespace())
+        assert failures == ["no group found"]  # still counted as the failed round it was
+        if replayed:
+            assert peer.grad_averager.noted == [(8, ["few0"])]
+            assert [sorted(donors) for _, donors in peer.grad_averager.asked] == [["many1", "many2"]] * 2
+            assert peer.rounds_replayed == 1 and own_steps == [] and own_loads == [] and torch.equal(applied[-1], many)
+        else:
+            assert peer.grad_averager.asked == [] and peer.rounds_replayed == 0
+            assert own_loads == [1] and len(own_steps) == 1
