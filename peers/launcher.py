@@ -35,9 +35,9 @@ INITIAL_PEERS_MOST = 4  # initial peers a started peer is given (LocalSwarm.star
 RESTART_LINE = "===== restart"  # in a peer's log, before each incarnation's lines but the first
 NAMESPACE_PORT = 31337  # every peer has its own address in a lab, so they can share a port
 LEAVE_GRACE = 15.0  # seconds a stopped swarm's peers have to leave, from the last one that left
+LEAVE_WAIT_MOST = 120.0  # and in all, however many still leave one after another
 # beyond a peer's own grace (collab.process.lifecycle.leave_grace): its forced exit writes the summary, then reaps
 FORCED_EXIT_SECONDS = 5.0
-LEAVE_WAIT_MOST = 120.0  # and in all, however many still leave one after another
 
 
 class LaunchError(RuntimeError):
