@@ -288,7 +288,14 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                 donors = random.sample(groupmates, len(groupmates))  # (a look asks a few of them; any has the round)
                 donors = [peer for peer in donors if peer not in caught]
             if not donors or look % DONORS_READ_EVERY == 0:
-                donors += [peer for peer in round_donors(self.dht, self.run_id, epoch)
+                records = read_progress(self.dht, self.run_id)
+                if swarm_moved_on(records, epoch, grouped | {me}):
+                    # a donor keeps only the last round it applied: nobody has this one any more (12 peers on 2 cores:
+                    # three starved ones asked for 15 s while the others made three epochs, then downloaded)
+                    logger.warning(f"Epoch {epoch}: the other peers are past epoch {epoch + 1}: nobody keeps its round "
+                                   "to replay")
+                    return False
+                donors += [peer for peer in round_donors(records, me, epoch)
                            if peer not in donors and peer not in grouped]
             try:
                 answers = averager.fetch_round(epoch, donors, self.load_state_timeout, self.stop) if donors else None
@@ -391,16 +398,26 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
             return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def round_donors(dht, run_id: str, epoch: int) -> list[str]:
+def read_progress(dht, run_id: str) -> dict:
+    """The run's progress records as a fresh read finds them; none if the read failed."""
+    try:
+        return progress_records(dht, run_id)
+    except Exception:
+        return {}
+
+
+def round_donors(records: dict, me: str, epoch: int) -> list[str]:
     """Peers whose records show the epoch after `epoch`: they keep its round (a peer further on kept a later one); a
     client-mode peer cannot be dialed."""
-    me = dht.peer_id.to_base58()
-    try:
-        records = progress_records(dht, run_id)
-    except Exception:
-        return []
     return [peer for peer, record in records.items()
             if peer != me and record.epoch == epoch + 1 and not getattr(record, "client_mode", False)]
+
+
+def swarm_moved_on(records: dict, epoch: int, known: set) -> bool:
+    """Whether every peer of `records` outside `known` (this peer, and the groups of `epoch`'s round it knows) is
+    past epoch + 1, at least one of them: each kept only its last round, a later one, and none can give `epoch`'s."""
+    others = [record.epoch for peer, record in records.items() if peer not in known]
+    return bool(others) and min(others) > epoch + 1
 
 
 def the_many(records: dict, epoch: int, group, me: str) -> list[str]:

@@ -349,3 +349,32 @@ def test_a_peer_that_found_no_group_applies_the_round_its_epochs_peers_made(monk
         else:
             assert peer.grad_averager.asked == [] and peer.rounds_replayed == 0
             assert own_loads == [1] and len(own_steps) == 1
+
+
+def test_the_few_stop_asking_once_the_swarm_is_past_the_next_epoch(monkeypatch):
+    """A donor keeps only the last round it applied. 12 peers on 2 cores: three starved peers, a few of epoch 0's
+    round, asked the many for it for the whole DONORS_WAIT (15 s) while the many made three more epochs, then
+    downloaded; they joined one round of four. Once a fresh read shows every other peer past epoch + 1, nobody has
+    the round: the few step at once. A read that still shows one on epoch + 1 keeps them asking."""
+    import time
+    from types import SimpleNamespace
+
+    import collab.modes.sync as sync
+
+    monkeypatch.setattr(sync, "DONORS_POLL", 0.01)
+    monkeypatch.setattr(sync, "DONORS_WAIT", 0.3)
+    few, own = torch.full((3,), 1.0), torch.full((3,), 1.5)
+    seen = {f"many{i}": SimpleNamespace(epoch=8) for i in range(9)}  # the trainer's last read, before they moved on
+    moved_on = {f"many{i}": SimpleNamespace(epoch=10 + i % 2) for i in range(9)}
+    moved_on.update({f"few{i}": SimpleNamespace(epoch=8) for i in range(3)})  # (this peer's own group stays behind)
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: moved_on)
+    peer, applied, own_steps = _few_of_a_split(few, own, [], seen)
+    started = time.monotonic()
+    peer.finish_gradient_round(SimpleNamespace())
+    assert time.monotonic() - started < 0.2 and peer.grad_averager.asked == []
+    assert own_steps == ["a few peers' gradients"] and peer.rounds_replayed == 0
+    one_left = {**moved_on, "many0": SimpleNamespace(epoch=9)}  # it keeps epoch 8's round: asked until the wait ends
+    monkeypatch.setattr(sync, "progress_records", lambda dht, run_id: one_left)
+    peer, applied, own_steps = _few_of_a_split(few, own, [], seen)
+    peer.finish_gradient_round(SimpleNamespace())
+    assert len(peer.grad_averager.asked) >= 2 and any("many0" in donors for _, donors in peer.grad_averager.asked)
