@@ -224,3 +224,44 @@ def _waits_on_a_pidfd(pid: int) -> bool:
         return any(os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]" for fd in os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return False
+
+
+ANNOUNCED_SOCKET = """
+import socket, sys, time
+from collab.process.reaper import announce_socket, watch_this_process
+watch_this_process()
+print("watched", flush=True)
+sys.stdin.readline()  # the test says when: after the watcher's looks have slowed down
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])  # a client of p2pd made mid-run (a gossip peer's first exchange)
+server.listen()
+announce_socket(sys.argv[1])
+print("made", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_socket_made_between_two_looks_is_removed_when_its_process_is_killed():
+    """The watcher's looks come up to LOOK_AT_MOST_SECONDS apart once the tree is quiet: a gossip peer killed after
+    its first exchange made a client of p2pd, and before the next look, left that file in /tmp (CI). Told of the file
+    at once (announce_socket), the watcher removes it."""
+    path = f"{reaper.HIVEMIND_SOCKETS}p2pclient-announced-test-{os.getpid()}.sock"
+    main = subprocess.Popen([sys.executable, "-c", ANNOUNCED_SOCKET, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert main.stdout.readline().strip() == "watched"
+        watcher = _watcher_of(main.pid)
+        time.sleep(4.0)  # looks at 0.5, 1, 2 and 4 s apart: the next one is seconds away
+        main.stdin.write("go\n")
+        main.stdin.flush()
+        assert main.stdout.readline().strip() == "made" and os.path.exists(path)
+        main.kill()
+        main.wait(timeout=10)
+        watcher.wait(timeout=10)
+        assert not os.path.exists(path), "the killed process's socket file, made between two looks, is still in /tmp"
+    finally:
+        if main.poll() is None:
+            main.kill()
+            main.wait(timeout=10)
+        if os.path.exists(path):
+            os.unlink(path)
