@@ -123,17 +123,11 @@ def test_a_main_process_killed_with_kill_9_leaves_no_socket_file_or_folder_of_it
         ready, folder = main.stdout.readline().split()
         assert ready == "ready" and os.path.exists(path) and os.path.isdir(folder), folder
         watcher = _watcher_of(main.pid)
-        main.kill()
-        main.wait(timeout=10)
-        watcher.wait(timeout=10)
+        _kill_9(main, watcher)
         assert not os.path.exists(path), "the killed main process's socket file is still in /tmp"
         assert not os.path.exists(folder), "the killed main process's multiprocessing folder is still in /tmp"
     finally:
-        if main.poll() is None:
-            main.kill()
-            main.wait(timeout=10)
-        if os.path.exists(path):
-            os.unlink(path)
+        _end(main, path)
 
 
 def test_a_forked_process_leaves_the_multiprocessing_folder_it_inherited_to_its_parent():
@@ -255,13 +249,23 @@ def test_a_socket_made_between_two_looks_is_removed_when_its_process_is_killed()
         main.stdin.write("go\n")
         main.stdin.flush()
         assert main.stdout.readline().strip() == "made" and os.path.exists(path)
-        main.kill()
-        main.wait(timeout=10)
-        watcher.wait(timeout=10)
+        _kill_9(main, watcher)
         assert not os.path.exists(path), "the killed process's socket file, made between two looks, is still in /tmp"
     finally:
-        if main.poll() is None:
-            main.kill()
-            main.wait(timeout=10)
-        if os.path.exists(path):
-            os.unlink(path)
+        _end(main, path)
+
+
+def _kill_9(main, watcher) -> None:
+    """kill -9 the main process, and wait for its watcher to have done its job."""
+    main.kill()
+    main.wait(timeout=10)
+    watcher.wait(timeout=10)
+
+
+def _end(main, path: str) -> None:
+    """Whatever the test found: the main process ended, and the socket file gone."""
+    if main.poll() is None:
+        main.kill()
+        main.wait(timeout=10)
+    if os.path.exists(path):
+        os.unlink(path)
