@@ -9,18 +9,19 @@ few that re-syncs from the many.
 Every peer already reads the run's signed progress records (who trains, at which epoch, as a client or not), so
 each can name the same leader with no read at all: among the peers training that can lead and are on the swarm's
 step (not the few of a split round, who re-sync first: on_the_swarms_step), the one whose hash of (epoch, peer id)
-is least. It changes each epoch, so no peer leads every round. For the first part of its search
-(PLAN_SHARE) a peer asks that leader directly, again every ASK_AGAIN s while the leader is not searching yet, and
-the leader itself asks no one; after that, hivemind's own search takes over, so a planned leader that is missing
-or slow costs part of one search, not the round. The leader, once followed, leads its whole search (it used to begin
-its group at its plan's end, half-way: collab.hivemind_hooks.patches.follow_a_plan). The leader accepts a
-follower whose search ends up to two request_timeouts before its own (hivemind refuses any such): the follower waits for the group's start three past its
-deadline (collab.hivemind_hooks.patches.patient_followers). With one, at 32 peers on 2 cores, where the planned
-leader began its search 5-7 s after the first peer in a third of the rounds, it refused every peer that began more
-than 2.4 s before it; those grouped apart (18 + 14, the same 14 epoch after epoch: the few end their round late and
-begin the next one late). Records read a moment apart can differ (a peer just joined or
-left); the plan changes only if that peer's hash is the least, and a peer that planned otherwise is brought into the
-group by hivemind's search and its redirects.
+is least. It changes each epoch, so no peer leads every round. For the first part of its search (PLAN_SHARE) a peer
+asks that leader directly, again every ASK_AGAIN s while the leader is not searching yet, and the leader itself asks
+no one; after that, hivemind's own search takes over, so a planned leader that is missing or slow costs part of one
+search, not the round; unless the leader answered that its search is yet to begin (collab.averaging.woken_leader):
+then it is asked on, up to LATE_LEADER_SHARE of the round's time. The leader, once followed, leads its whole search
+(it used to begin its group at its plan's end, half-way: collab.hivemind_hooks.patches.follow_a_plan). The leader
+accepts a follower whose search ends up to two request_timeouts before its own (hivemind refuses any such): the
+follower waits for the group's start three past its deadline (collab.hivemind_hooks.patches.patient_followers). With
+one, at 32 peers on 2 cores, where the planned leader began its search 5-7 s after the first peer in a third of the
+rounds, it refused every peer that began more than 2.4 s before it; those grouped apart (18 + 14, the same 14 epoch
+after epoch: the few end their round late and begin the next one late). Records read a moment apart can differ (a
+peer just joined or left); the plan changes only if that peer's hash is the least, and a peer that planned otherwise
+is brought into the group by hivemind's search and its redirects.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Optional
 
 PLAN_SHARE = 0.5  # of a search's time: how long a peer asks the planned leader before hivemind's own search
 ASK_AGAIN = 0.3  # seconds between asks while the planned leader is not searching yet
+LATE_LEADER_SHARE = 1 / 3  # of a round's time to its deadline: how long a leader that says it is coming is asked
 
 
 def peers_training(records: dict, last_group: frozenset = frozenset()) -> set:

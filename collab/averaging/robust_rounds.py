@@ -213,7 +213,11 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
         if self.banned(context.remote_id):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        self._note_ask(request.group_key)
+        if self._note_ask(request.group_key):
+            # asked to lead a round this peer has yet to search for (its reads of the swarm's progress came later than
+            # the asker's): hivemind's NOT_LOOKING_FOR_GROUP would send the asker to another leader; this, to ask on
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_DECLARED)
+            return
         async for message in super().serve_join_request(request, context):
             yield message
 

@@ -17,7 +17,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from collab.averaging.matching_budget import MatchingBudget
-from collab.averaging.planned_leader import PLAN_SHARE, peers_training, planned_leader
+from collab.averaging.planned_leader import LATE_LEADER_SHARE, PLAN_SHARE, peers_training, planned_leader
 
 BUDGET_CEILING = 3.0  # a search waits at most this many times the configured matchmaking_time (matching_budget)
 FIRST_PLAN_WAIT = 5.0  # seconds a first gradient round waits for the records its plan is made from (reads: <= 3.2 s)
@@ -85,14 +85,17 @@ class PlansRounds:
             epoch = None
         matchmaking.group_key_manager.prefix = epoch_prefix(base, epoch) if type(epoch) is int else base
         self._round_epoch = epoch if type(epoch) is int else None
+        if self._round_epoch is not None:  # (a later ask for it is no longer to come: collab.averaging.woken_leader)
+            self._searched_epoch = max(self._searched_epoch, self._round_epoch)
         return self._round_epoch
 
     def _run_prefix(self, matchmaking) -> str:
         """The run's own group key prefix, as hivemind's constructor set it (before any round's epoch replaced it)."""
         return self.__dict__.setdefault("_base_group_prefix", matchmaking.group_key_manager.prefix)
 
-    _round_plan: Optional[tuple] = None  # (epoch, until): this search asks the epoch's planned leader until then
+    _round_plan: Optional[tuple] = None  # (epoch, until, latest): whom this search asks first, and how long
     _round_epoch: Optional[int] = None  # the epoch this gradient round averages toward (None: it carries none)
+    _searched_epoch = -1  # the newest such epoch (also collab.averaging.woken_leader's)
 
     def _plan_round(self, matchmaking, step, epoch: Optional[int]) -> None:
         """A round matched within its epoch, with a group that follows the swarm, asks the epoch's planned leader
@@ -104,7 +107,11 @@ class PlansRounds:
         ends = max(step.scheduled_time, now + matchmaking.min_matchmaking_time)
         if step.deadline is not None:
             ends = min(ends, step.deadline)
-        self._round_plan = (epoch, now + PLAN_SHARE * max(0.0, ends - now))
+        until = now + PLAN_SHARE * max(0.0, ends - now)
+        # a leader that says its search is yet to begin is asked on (patches.follow_a_plan), within the share of the
+        # round's time a search may take (_fit_group_to_swarm leaves the rest to the all-reduce)
+        latest = max(until, now + LATE_LEADER_SHARE * (step.deadline - now)) if step.deadline is not None else until
+        self._round_plan = (epoch, until, latest)
         log = logging.getLogger(__name__)
         if log.isEnabledFor(logging.DEBUG):  # (which leader each peer planned: a split's cause in its peers' logs)
             plan = self._plan()
@@ -112,16 +119,17 @@ class PlansRounds:
                       f"{self._round_plan[1] - now:.1f} s")
 
     def _plan(self) -> Optional[tuple]:
-        """(planned leader's PeerID, until) for the search under way, from the records as last read; None: none."""
+        """(planned leader's PeerID, until, latest) for the search under way, from the records as last read (None:
+        none): the leader is asked first until `until`, and on until `latest` while it says it is coming."""
         if self._round_plan is None:
             return None
-        epoch, until = self._round_plan
+        epoch, until, latest = self._round_plan
         records = self.__dict__.get("_progress_cache", {}).get("records", {})
         leader = planned_leader(records, epoch, self._last_group, self._step_group(epoch))
         if leader is None:
             return None
         leader_id = PeerID.from_base58(leader)
-        return None if self.banned(leader_id) else (leader_id, until)
+        return None if self.banned(leader_id) else (leader_id, until, latest)
 
     def _step_group(self, epoch: int) -> frozenset:
         """The group this peer averaged with in the round before `epoch`'s; empty if it did not average then."""

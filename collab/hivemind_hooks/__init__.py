@@ -221,7 +221,8 @@ INSTANCE_ATTRIBUTES = {
     "hivemind.averaging.matchmaking.Matchmaking": ("group_key_manager", "min_matchmaking_time", "target_group_size",
                                                    "potential_leaders", "client_mode", "request_timeout",
                                                    "was_accepted_to_group", "current_leader", "assembled_group",
-                                                   "peer_id", "current_followers"),
+                                                   "peer_id", "current_followers",
+                                                   "_servicer_type"),  # each leader's first answer heard
     "hivemind.averaging.matchmaking.PotentialLeaders": ("min_matchmaking_time", "declared_expiration_time"),
     "hivemind.averaging.key_manager.GroupKeyManager": ("prefix",),  # one group key per epoch (EpochGroups)
     "hivemind.utils.crypto.RSAPrivateKey": ("_private_key",),

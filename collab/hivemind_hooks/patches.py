@@ -20,6 +20,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import _AsyncContextWrapper
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -72,21 +73,28 @@ LEADER_LOOK = 0.25  # seconds between a planned leader's looks, past its plan's 
 
 def follow_a_plan(matchmaking, plan: Callable[[], Optional[tuple]], slack: float, ask_again: float) -> None:
     """A search that asks a planned leader first (collab.averaging.planned_leader). `plan()` says, each time hivemind
-    takes its next leader to ask: None (hivemind's search), or (leader PeerID, until dht time). Before `until`, a
-    peer whose planned leader is another asks it (again after `ask_again` s when it was asked a moment ago: not
-    searching yet), and the planned leader asks no one; after it, hivemind's search goes on. A planned leader with
-    followers leads its whole search: it hands over to hivemind's search only at its declared expiration (then its
+    takes its next leader to ask: None (hivemind's search), or (leader PeerID, until, latest: dht times). Before
+    `until`, a peer whose planned leader is another asks it (again after `ask_again` s when it was asked a moment ago:
+    not searching yet), and the planned leader asks no one; after it, hivemind's search goes on, unless the leader's
+    last answer said its search is yet to begin (NOT_DECLARED: collab.averaging.woken_leader): then the peer asks on
+    until `latest`. At 64 peers on 2 cores the planned leader began its search 8 s after the first of its followers,
+    whose 3-s plans had ended: they grouped apart in hivemind's search (10 groups, none a majority). A planned leader
+    with followers leads its whole search: it hands over to hivemind's search only at its declared expiration (then its
     group begins) or once nobody follows it. hivemind's pop_next_leader, asked at the plan's end, ended the search at
     once (the averager had declared itself meanwhile, which reads as a timeout, and a leader with followers begins on
     one): at 32 peers on 2 cores the leader began its group of 11 at 2.5 s of a 4.9-s search, and the 21 that came
     after it grouped apart. A planned leader accepts a follower whose search ends up to `slack` s before its own
     (hivemind refuses such a follower: its join request would expire first). Wraps PotentialLeaders.pop_next_leader
-    and Matchmaking._check_reasons_to_reject. Once per Matchmaking."""
+    and Matchmaking._check_reasons_to_reject; hears answers through hear_first_answers. Once per Matchmaking."""
     if getattr(matchmaking, "_collab_planned", False):
         return
     leaders = matchmaking.potential_leaders
     pop_next_leader, check = leaders.pop_next_leader, matchmaking._check_reasons_to_reject
-    asked = [float("-inf")]
+    asked, heard = [float("-inf")], hear_first_answers(matchmaking)
+
+    def coming(leader) -> bool:
+        code, when = heard.get(leader, (None, float("-inf")))
+        return code == averaging_pb2.NOT_DECLARED and when >= asked[0]  # (its answer to the last ask)
 
     async def planned_first():
         while True:
@@ -96,13 +104,16 @@ def follow_a_plan(matchmaking, plan: Callable[[], Optional[tuple]], slack: float
                 if now < current[1] or now < ends < float("inf"):
                     await asyncio.sleep(max(0.0, min(LEADER_LOOK, max(current[1], ends) - now)))
                     continue
-            if current is None or now >= current[1]:
+            if current is None or (now >= current[1] and not (now < current[2] and coming(current[0]))):
                 return await pop_next_leader()
-            leader, until = current
+            leader = current[0]
             wait = asked[0] + ask_again - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue
+            if now >= current[1]:
+                _log.debug(f"planned leader ...{str(leader)[-6:]} has yet to begin its search: asked again "
+                           f"{now - current[1]:.1f} s past the plan")
             asked[0] = time.monotonic()
             return leader
 
@@ -119,6 +130,49 @@ def follow_a_plan(matchmaking, plan: Callable[[], Optional[tuple]], slack: float
 
     leaders.pop_next_leader, matchmaking._check_reasons_to_reject = planned_first, leniently
     matchmaking._collab_planned = True
+
+
+def hear_first_answers(matchmaking) -> dict:
+    """hivemind's join request reads a leader's first answer and keeps only whether it was ACCEPTED. Returns a dict
+    that each answer fills in: leader PeerID -> (its first answer's code, time.monotonic() when heard). Wraps the
+    Matchmaking's servicer type (whose get_stub the request calls) for this Matchmaking only. Once per Matchmaking."""
+    if isinstance(matchmaking._servicer_type, _HeardStubs):
+        return matchmaking._servicer_type.heard
+    matchmaking._servicer_type = _HeardStubs(matchmaking._servicer_type)
+    return matchmaking._servicer_type.heard
+
+
+class _HeardStubs:
+    """A servicer type whose join-request streams tell `heard` each leader's first answer."""
+
+    def __init__(self, servicer_type):
+        self._servicer_type, self.heard = servicer_type, {}
+
+    def __getattr__(self, name):
+        return getattr(self._servicer_type, name)
+
+    def get_stub(self, p2p, peer, *, namespace=None):
+        stub, heard = self._servicer_type.get_stub(p2p, peer, namespace=namespace), self.heard
+
+        class Heard:
+            def __getattr__(self, name):
+                return getattr(stub, name)
+
+            async def rpc_join_group(self, request):
+                return _first_heard(await stub.rpc_join_group(request), peer, heard)
+
+        return Heard()
+
+
+async def _first_heard(stream, peer, heard: dict):
+    try:
+        first = True
+        async for message in stream:
+            if first:
+                heard[peer], first = (message.code, time.monotonic()), False
+            yield message
+    finally:
+        await stream.aclose()
 
 
 class _AcceptedToGroup(asyncio.Event):

@@ -45,6 +45,19 @@ def test_an_ask_is_noted_only_while_this_peer_is_not_searching_and_the_newest_ep
     assert searching.asked_to_lead() is None
 
 
+def test_an_ask_for_a_round_yet_to_be_searched_for_is_answered_coming_and_a_far_one_is_not():
+    """The asker is told to ask on (NOT_DECLARED) only for a round this peer will search for: not one it searched for
+    already (its round is over), not a far epoch (forged: noted, it would stop every later wake)."""
+    averager = _averager(looking=False)
+    assert averager._note_ask(f"{BASE}_epoch5.0b")  # no round searched for yet: any epoch may be its first
+    averager._searched_epoch = 5  # (round_plans._match_within_epoch, as its search for epoch 5 began)
+    assert not averager._note_ask(f"{BASE}_epoch5.0b")  # that search is over
+    assert averager._note_ask(f"{BASE}_epoch6.0b") and averager._note_ask(f"{BASE}_epoch7.0b")
+    assert not averager._note_ask(f"{BASE}_epoch8.0b")  # further than a missed round
+    assert averager.asked_to_lead() == 7
+    assert not _averager(looking=True)._note_ask(f"{BASE}_epoch5.0b")  # searching: hivemind answers
+
+
 def _optimizer(asked, local_epoch: int, control=None):
     return SimpleNamespace(grad_averager=SimpleNamespace(asked_to_lead=lambda: asked), local_epoch=local_epoch,
                            scheduled_grads=control)
