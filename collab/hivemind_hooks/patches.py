@@ -152,27 +152,30 @@ class _HeardStubs:
         return getattr(self._servicer_type, name)
 
     def get_stub(self, p2p, peer, *, namespace=None):
-        stub, heard = self._servicer_type.get_stub(p2p, peer, namespace=namespace), self.heard
-
-        class Heard:
-            def __getattr__(self, name):
-                return getattr(stub, name)
-
-            async def rpc_join_group(self, request):
-                return _first_heard(await stub.rpc_join_group(request), peer, heard)
-
-        return Heard()
+        return _HeardStub(self._servicer_type.get_stub(p2p, peer, namespace=namespace), peer, self.heard)
 
 
-async def _first_heard(stream, peer, heard: dict):
-    try:
-        first = True
-        async for message in stream:
-            if first:
-                heard[peer], first = (message.code, time.monotonic()), False
-            yield message
-    finally:
-        await stream.aclose()
+class _HeardStub:
+    """A leader's stub whose join-request stream tells `heard` its first answer."""
+
+    def __init__(self, stub, peer, heard: dict):
+        self._stub, self._peer, self._heard = stub, peer, heard
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+    async def rpc_join_group(self, request):
+        return self._first_heard(await self._stub.rpc_join_group(request))
+
+    async def _first_heard(self, stream):
+        try:
+            first = True
+            async for message in stream:
+                if first:
+                    self._heard[self._peer], first = (message.code, time.monotonic()), False
+                yield message
+        finally:
+            await stream.aclose()
 
 
 class _AcceptedToGroup(asyncio.Event):
