@@ -60,6 +60,18 @@ class EpochGroups:
         return super().schedule_step(*args, **kwargs)
 
 
+class SharesNoState:
+    """A GradientAverager mixin, placed just before hivemind's class: the averager is no donor of state. Nobody
+    downloads a gradient averager's "state" (collab.modes.base downloads the training state only; hivemind's own
+    catch-up fetched another peer's accumulators and threw them away), yet hivemind declares every averager a donor
+    under `{prefix}.all_averagers` at its start and again after each round: a DHT store, to several nodes, per peer
+    and round for nothing. In a 12-peer linreg swarm on 2 cores that was about a seventh of each peer's DHT
+    requests (docs/benchmarks.md). Not declared, and a download asked of it gets nothing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "allow_state_sharing": False})
+
+
 class OwnGradients:
     """A GradientAverager mixin: a copy of what this peer sent into its round, for a step if the round fails."""
 
@@ -101,7 +113,7 @@ class DGCSelection:
 
 
 class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, ServedRounds, SummedMicroBatches,
-                             GradientAverager):
+                             SharesNoState, GradientAverager):
     def __init__(self, parameters, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
                  findings=None, traffic=None, replays: bool = True, **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
@@ -113,7 +125,7 @@ class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradien
 
 
 class CollabPowerSGDAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, SummedMicroBatches,
-                             PowerSGDGradientAverager):
+                             SharesNoState, PowerSGDGradientAverager):
     """PowerSGD (Vogels et al. 2019) as hivemind implements it, with two changes.
 
     Its starting projections Q are drawn from `seed` (the run's): hivemind draws them unseeded, so each peer
@@ -157,7 +169,7 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradien
 
 
 class CollabDGCAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, DGCSelection, SummedMicroBatches,
-                        GradientAverager):
+                        SharesNoState, GradientAverager):
     """Deep Gradient Compression (collab.averaging.dgc); its sparse parts travel losslessly
     (collab.averaging.compression.SparseParts)."""
     measures_noise = False  # (collab.adaptive.noise_scale) its rounds carry no whole gradients

@@ -303,9 +303,7 @@ class SwarmOptimizer(LeavesTheSwarm, OptimizerHooks):
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
             if self.use_gradient_averaging:
-                self.grad_averager.reset_accumulated_grads_()
-                if not self.client_mode:
-                    self.grad_averager.state_sharing_priority = self.local_epoch
+                self.grad_averager.reset_accumulated_grads_()  # (it shares no state: grad_averager.SharesNoState)
         self.downloads += 1
         self.downloaded_at_epoch = self.local_epoch  # (a round of this epoch is not replayed on it: sync.py)
         if self.replica.in_sync and deadline is None:

@@ -30,7 +30,7 @@ import torch
 from hivemind.optim.grad_averager import GradientAverager
 
 from collab.averaging.aggregation import Aggregation
-from collab.averaging.grad_averager import OwnGradients
+from collab.averaging.grad_averager import OwnGradients, SharesNoState
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
 from collab.modes import ModeContext, ModeReport
@@ -80,7 +80,8 @@ class PseudoGradients:
         self._anchor_batch_size = None
 
 
-class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, GradientAverager):
+class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, SharesNoState,
+                             GradientAverager):
     measures_noise = False  # (collab.adaptive.noise_scale) a pseudo-gradient is no per-sample mean gradient
     def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,
                  traffic=None, target_batch_size: int = 1, **kwargs):

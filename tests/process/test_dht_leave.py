@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from collab.swarm.dht_traffic import ask_for_counts
-from collab.swarm.node import dht_sockets, shut_down_dht
+from collab.swarm.node import shut_down_dht
 
 BLOCKED_FOR = 60.0  # seconds the DHT's loop is held: longer than anything here may take
 
@@ -48,17 +48,6 @@ def _returns_within(seconds: float, call) -> tuple[bool, object]:
     thread.start()
     thread.join(seconds)
     return not thread.is_alive(), (answer[0] if answer else None)
-
-
-@pytest.fixture()
-def dht(no_leftover_processes):
-    """A real DHT (its process and p2pd), shut down after the test unless the test ended it."""
-    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
-    sockets = dht_sockets(node)
-    yield node
-    # as a peer's Swarm leaves: killing an averager alone (below) kills hivemind's DHT process too (EOFError on its
-    # pipe), and its p2pd ends by itself; the files they listened on are removed all the same
-    shut_down_dht(node, sockets)
 
 
 def _socket_files(processes) -> list[str]:

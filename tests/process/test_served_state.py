@@ -4,27 +4,15 @@ state is copied at that moment, from the step's trigger, as a downloading peer's
 
 from __future__ import annotations
 
-import hivemind
-import pytest
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from benchmarks.lab.averager_pair import shut_down_averager
 from collab.averaging.served_state import ServesItsSteps
-from collab.swarm.node import shut_down_dht
 
 
 class _Served(ServesItsSteps, TrainingStateAverager):
     pass
-
-
-@pytest.fixture()
-def dht(no_leftover_processes):
-    node = hivemind.DHT(start=True)
-    try:
-        yield node
-    finally:
-        shut_down_dht(node)
 
 
 def _served_during_a_step(kind, dht) -> tuple:

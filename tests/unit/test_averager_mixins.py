@@ -26,3 +26,19 @@ def test_the_mixins_of_collabs_own_names_share_none_with_hivemind_or_another_mix
                      if not name.startswith("__")
                      for other in averager.__mro__ if other is not mixin and name in vars(other))
     assert not clashes, clashes
+
+
+def test_every_gradient_averager_is_no_donor_of_state_and_every_state_averager_is():
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    averagers = {cls for module in (grad_averager, replica, diloco)
+                 for _, cls in inspect.getmembers(module, inspect.isclass) if issubclass(cls, PlansRounds)}
+    gradients = {cls.__name__ for cls in averagers if issubclass(cls, GradientAverager)}
+    assert gradients >= {"CollabGradientAverager", "CollabPowerSGDAverager", "CollabDGCAverager",
+                         "PseudoGradientAverager"}
+    # SharesNoState forces allow_state_sharing=False into hivemind's constructor (tests/process/
+    # test_gradient_averager_donor.py); a state averager must stay a donor: a joining peer downloads from it
+    assert sorted(cls.__name__ for cls in averagers
+                  if issubclass(cls, GradientAverager) != issubclass(cls, grad_averager.SharesNoState)) == []
+    assert any(issubclass(cls, TrainingStateAverager) for cls in averagers)
