@@ -6,9 +6,10 @@ while this script samples the CPU time and memory (PSS) of every process of the 
 processes included). One peer alone first: "linear" is N times its rate. A rate is each peer's samples over its own
 training loop (start-up, the wait for the others and the leave not counted), summed over the peers. Per N it prints
 the swarm's samples/s against linear, epochs per minute, rounds ok and failed, the mean group size, the spread of
-the peers' final epochs, CPU cores and resident memory per peer, the share of the records each DHT node read that it
-answered from memory (collab.records.verdicts), and how many peers overran the leave's grace when the swarm was
-stopped (forced exits).
+the peers' final epochs, CPU cores per peer (and of them its training process, its DHT process, its p2pd and its
+other helpers: the averagers' processes, the reaper) and resident memory per peer, the share of the records each DHT
+node read that it answered from memory (collab.records.verdicts), and how many peers overran the leave's grace when
+the swarm was stopped (forced exits).
 
     python3 benchmarks/scale.py [--peers 4,8,16] [--duration 120] [--dim 100000] [--rtt-ms 0,20,100] [--reports DIR]
         [--target-per-peer 64] [--overlap none] [--profile SECONDS]
@@ -63,11 +64,14 @@ def linreg_config(folder: Path, peers: int, args, overlap: str) -> Path:
 
 class TreeSampler:
     """CPU seconds and memory (PSS: shared pages, torch's libraries among them, counted once across the processes
-    that share them) of a process and all its descendants, sampled every `every` seconds."""
+    that share them) of a process and all its descendants, sampled every `every` seconds. CPU seconds also by role
+    (ROLES): a peer is a child of the fork server; its p2pd, the DHT process that started that p2pd, and its other
+    helpers (the two averagers' processes, the reaper) are below it."""
 
     def __init__(self, pid: int, every: float = 5.0):
         self.root, self.every = psutil.Process(pid), every
         self.cpu: dict[int, float] = {}  # pid -> its last CPU seconds (a process that exits keeps its last)
+        self.roles: dict[int, str] = {}  # pid -> its role, as last seen
         self.peak_rss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -80,6 +84,7 @@ class TreeSampler:
                 processes = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 continue
+            self.roles.update(_roles(processes))
             for p in processes:
                 try:
                     times = p.cpu_times()
@@ -90,10 +95,52 @@ class TreeSampler:
                     pass
             self.peak_rss = max(self.peak_rss, rss)
 
-    def stop(self) -> tuple[float, int]:
+    def stop(self) -> tuple[float, int, dict[str, float]]:
+        """CPU seconds, the peak PSS, and CPU seconds by role."""
         self._stop.set()
         self._thread.join()
-        return sum(self.cpu.values()), self.peak_rss
+        by_role = dict.fromkeys(ROLES, 0.0)
+        for pid, seconds in self.cpu.items():
+            by_role[self.roles.get(pid, "harness")] += seconds
+        return sum(self.cpu.values()), self.peak_rss, by_role
+
+
+ROLES = ("trainer", "dht", "p2pd", "helpers", "harness")  # harness: simulate and its fork server
+
+
+def _roles(processes: list) -> dict[int, str]:
+    parent, name = {}, {}
+    for p in processes:
+        try:
+            parent[p.pid], name[p.pid] = p.ppid(), p.name()
+        except psutil.Error:
+            pass
+    forkers = {pid for pid in parent if "forkserver" in _cmdline(pid)}
+    server = {pid for pid in forkers if parent[pid] not in forkers}
+    roles = {}
+    for pid in parent:
+        chain, up = [], pid
+        while up in parent and up not in server:
+            chain.append(up)
+            up = parent[up]
+        if up not in server or not chain:
+            roles[pid] = "harness"
+        elif len(chain) == 1:
+            roles[pid] = "trainer"
+        elif name[pid] == "p2pd":
+            roles[pid] = "p2pd"
+        elif any(name.get(child) == "p2pd" for child, of in parent.items() if of == pid):
+            roles[pid] = "dht"
+        else:
+            roles[pid] = "helpers"
+    return roles
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
 
 
 def profile_one_peer(simulate_pid: int, args, path: Path) -> None:
@@ -141,13 +188,14 @@ def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str 
         name = f"profile-{peers}-rtt{rtt_ms:g}-{overlap}.txt"
         threading.Thread(target=profile_one_peer, args=(process.pid, args, args.reports / name), daemon=True).start()
     out, err = process.communicate(timeout=duration + 600)
-    cpu, rss = sampler.stop()
+    cpu, rss, by_role = sampler.stop()
     if process.returncode not in (0, 1):  # 1: the report's own verdict (e.g. loss did not fall), still a report
         raise SystemExit(f"collab simulate --peers {peers} failed ({process.returncode}):\n{err[-3000:]}")
     if "{" not in out:
         raise SystemExit(f"collab simulate --peers {peers} printed no report (rc {process.returncode}):\n{err[-3000:]}")
     report = json.loads(out[out.index("{"):])
-    return {"report": report, "cpu": cpu, "rss": rss, "wall": time.monotonic() - started, "workdir": workdir}
+    return {"report": report, "cpu": cpu, "rss": rss, "by_role": by_role, "wall": time.monotonic() - started,
+            "workdir": workdir}
 
 
 def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overlap: str = "none") -> dict:
@@ -175,6 +223,7 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
         "ok_share": ok / (ok + failed) if ok + failed else None,
         "mean_group": sum(sizes) / len(sizes) if sizes else None, "epochs": _epochs(epochs),
         "cores_per_peer": result["cpu"] / result["wall"] / peers, "rss_mb_per_peer": result["rss"] / peers / 2**20,
+        "role_cores": {role: seconds / result["wall"] / peers for role, seconds in result["by_role"].items()},
         "matchmaking_s": _mean(p["matchmaking_seconds"] for p in per_peer),
         "allreduce_s": _mean(p["allreduce_seconds"] for p in per_peer),
         "dht_requests": _mean(p["dht_requests_per_minute"] for p in per_peer),
@@ -259,7 +308,7 @@ HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", 
           "failed: why", "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
           "DHT requests/min/peer", "DHT KB/min/peer", "progress reads KB/min/peer",
           "progress reads shared %", "progress reads from nearest %", "records a nearest read: found / missed",
-          "cores/peer", "CPU bound", "PSS MB/peer",
+          "cores/peer", "of them trainer / DHT / p2pd / helpers", "CPU bound", "PSS MB/peer",
           "records from memory %", "forced exits")
 
 
@@ -294,7 +343,9 @@ def _line(r: dict, cores: int) -> str:
                        _fmt(100 * r["progress_shared"] if r["progress_shared"] is not None else None, 0),
                        _fmt(100 * r["from_nearest"] if r["from_nearest"] is not None else None, 0),
                        f"{_fmt(r['records_nearest'], 1)} / {_fmt(r['records_missed'], 2)}",
-                       f"{r['cores_per_peer']:.2f}", bound, f"{r['rss_mb_per_peer']:.0f}",
+                       f"{r['cores_per_peer']:.2f}",
+                       " / ".join(f"{r['role_cores'][role]:.3f}" for role in ROLES[:4]), bound,
+                       f"{r['rss_mb_per_peer']:.0f}",
                        _fmt(100 * r["remembered"] if r["remembered"] is not None else None, 0),
                        str(r["forced_exits"])])
 
