@@ -65,7 +65,7 @@ class SharesNoState:
     downloads a gradient averager's "state" (collab.modes.base downloads the training state only; hivemind's own
     catch-up fetched another peer's accumulators and threw them away), yet hivemind declares every averager a donor
     under `{prefix}.all_averagers` at its start and again after each round: a DHT store, to several nodes, per peer
-    and round for nothing. In a 12-peer linreg swarm on 2 cores that was about a seventh of each peer's DHT
+    and round for nothing. In a 12-peer linreg swarm on 2 cores that was 13% of each peer's DHT
     requests (docs/benchmarks.md). Not declared, and a download asked of it gets nothing."""
 
     def __init__(self, *args, **kwargs):
