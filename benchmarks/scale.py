@@ -19,7 +19,7 @@ table (cores per peer x N against the machine's cores). Where a 16-core machine 
 
 Per round, from the peers' summaries: seconds finding the group (matchmaking) and in the all-reduce; per peer and
 minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key`
-says which keys they were for), of them the progress key's reads, and the share of its reads a peer's readers took
+says which keys they were for, and after the table each swarm's requests per peer and epoch by key), of them the progress key's reads, and the share of its reads a peer's readers took
 from a read under way or just made (collab.records.shared_reads); of the reads it made, the share that asked the
 key's two nearest nodes instead of walking, the records such a read found, and the live records the last walk had
 found that it missed (none when the nearest hold every record). Why the failed rounds failed
@@ -195,7 +195,7 @@ def run_swarm(peers: int, args, folder: Path, rtt_ms: float = 0.0, overlap: str 
         raise SystemExit(f"collab simulate --peers {peers} printed no report (rc {process.returncode}):\n{err[-3000:]}")
     report = json.loads(out[out.index("{"):])
     return {"report": report, "cpu": cpu, "rss": rss, "by_role": by_role, "wall": time.monotonic() - started,
-            "workdir": workdir}
+            "workdir": workdir, "dht_keys": dht_requests_by_key(workdir)}
 
 
 def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overlap: str = "none") -> dict:
@@ -295,13 +295,46 @@ def main() -> None:
               f"or namespaces, {cores} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; one peer alone: "
               f"{single['samples_per_s']:.0f} samples/s")
         print(" | ".join(HEADER), flush=True)
+        keys = []
         for rtt in rtts:
             for overlap in overlaps:
                 for n in sizes:  # each row as soon as it is measured: a long run cut short keeps what it measured
                     result = _measured(n, args, folder, rtt, overlap)
                     print(_line(row(n, result, single["samples_per_s"], rtt, overlap), cores), flush=True)
+                    keys.append(f"{n} peers, RTT {rtt:g} ms, {overlap}: " + ", ".join(
+                        f"{key} {total:.1f} ({walks:.1f} walking)" for key, (total, walks) in
+                        sorted(result["dht_keys"].items(), key=lambda kv: -kv[1][0])[:KEYS_SHOWN]))
     print("goals (issue 36): >= 95% of rounds ok, every peer within one epoch, replica spread <= 1e-3, >= 0.9 of "
           "linear where the CPU is not shared")
+    print("DHT requests per peer and epoch, by key (of them, the walks that found the key's nodes):")
+    print("\n".join(keys))
+
+
+KEYS_SHOWN = 6
+
+
+def dht_requests_by_key(workdir: Path) -> dict[str, tuple[float, float]]:
+    """From the peers' summaries (`dht.by_key`, collab.swarm.dht_traffic): each key's requests per peer and epoch,
+    and of them the walks for its nodes; the run id is left out of the key's name."""
+    requests: dict[str, list[float]] = {}
+    epochs = 0
+    for path in workdir.glob("*.summary.json"):
+        try:
+            summary = json.loads(path.read_text())
+            by_key = summary["dht"]["by_key"]
+            epochs += max(0, int(summary["final_epoch"]) - int(summary["start_epoch"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for name, counts in by_key.items():
+            walk = name.endswith(WALKS)
+            key = name.removesuffix(WALKS).split("_", 1)[-1]
+            totals = requests.setdefault(key, [0.0, 0.0])
+            totals[0] += counts.get("requests", 0)
+            totals[1] += counts.get("requests", 0) if walk else 0
+    return {key: (total / epochs, walks / epochs) for key, (total, walks) in requests.items()} if epochs else {}
+
+
+WALKS = " (walks for its nodes)"  # collab.swarm.dht_traffic's suffix for the requests that found a key's nodes
 
 
 HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", "rounds ok/failed", "ok %",
