@@ -19,8 +19,8 @@ table (cores per peer x N against the machine's cores). Where a 16-core machine 
 
 Per round, from the peers' summaries: seconds finding the group (matchmaking) and in the all-reduce; per peer and
 minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key`
-says which keys they were for, and after the table each swarm's requests per peer and epoch by key), of them the progress key's reads, and the share of its reads a peer's readers took
-from a read under way or just made (collab.records.shared_reads); of the reads it made, the share that asked the
+says which keys they were for, and after the table each swarm's requests per peer and epoch by key), of them the
+progress key's reads, and the share of its reads a peer's readers took from a read under way or just made (collab.records.shared_reads); of the reads it made, the share that asked the
 key's two nearest nodes instead of walking, the records such a read found, and the live records the last walk had
 found that it missed (none when the nearest hold every record). Why the failed rounds failed
 (collab.modes.round_failures.round_failure), and the replicas' spread: the furthest replica from the replicas' mean
