@@ -18,15 +18,16 @@ On a 2-core machine the peers share the cores, so from a few peers on the CPU is
 table (cores per peer x N against the machine's cores). Where a 16-core machine is at hand, run it to 64.
 
 Per round, from the peers' summaries: seconds finding the group (matchmaking) and in the all-reduce; per peer and
-minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key`
-says which keys they were for, and after the table each swarm's requests per peer and epoch by key), of them the
-progress key's reads, and the share of its reads a peer's readers took from a read under way or just made (collab.records.shared_reads); of the reads it made, the share that asked the
-key's two nearest nodes instead of walking, the records such a read found, and the live records the last walk had
-found that it missed (none when the nearest hold every record). Why the failed rounds failed
-(collab.modes.round_failures.round_failure), and the replicas' spread: the furthest replica from the replicas' mean
-at the start of an epoch, relative to their norm, the worst epoch of the run (estimated from each peer's per-epoch
-sketches; collab.peers.report). `--rtt-ms 0,20,100` adds rows with that round trip between any two peers (network
-namespaces, as root; peers/delayer.py where the kernel has no netem).
+minute, the requests its DHT node sent and their bytes (collab.swarm.dht_traffic; each summary's `dht.by_key` says
+which keys they were for, and after the table each swarm's requests per peer and epoch by key), of them the progress
+key's reads, and the share of its reads a peer's readers took from a read under way or just made
+(collab.records.shared_reads); of the reads it made, the share that asked the key's two nearest nodes instead of
+walking, the records such a read found, and the live records the last walk had found that it missed (none when the
+nearest hold every record). Why the failed rounds failed (collab.modes.round_failures.round_failure), and the
+replicas' spread: the furthest replica from the replicas' mean at the start of an epoch, relative to their norm, the
+worst epoch of the run (estimated from each peer's per-epoch sketches; collab.peers.report). `--rtt-ms 0,20,100`
+adds rows with that round trip between any two peers (network namespaces, as root; peers/delayer.py where the kernel
+has no netem).
 """
 
 from __future__ import annotations
