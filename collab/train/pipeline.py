@@ -164,7 +164,8 @@ def bound_warning(waited: float, trained: float, rate: Optional[float], in_threa
     made = f"{rate:.0f} samples/s" if rate else "batches"
     if in_thread:
         return (f"The data pipeline bounds this peer: training spent {waited / trained:.0%} of its time making "
-                "batches; pass --data-workers 1 to make them in a worker process")
+                "batches; pass --data-workers 1 (in a config file or under collab simulate: training.data_workers: 1) "
+                "to make them in a worker process")
     return (f"The data pipeline bounds this peer: its worker makes {made} and training waited for it "
             f"{waited / trained:.0%} of the time; this CPU makes batches slower than the model takes them (close "
             "CPU-heavy programs beside it, or give the peer a larger share of a faster CPU)")

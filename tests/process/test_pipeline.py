@@ -105,5 +105,6 @@ def test_a_pipeline_that_bounds_the_peer_is_said_once_with_the_fix():
     assert bound_warning(waited=20.0, trained=BOUND_AFTER - 1, rate=900.0, in_thread=False) is None  # too soon
     in_thread = bound_warning(waited=20.0, trained=60.0, rate=None, in_thread=True)
     assert "33% of its time making batches" in in_thread and "--data-workers 1" in in_thread
+    assert "training.data_workers: 1" in in_thread  # collab simulate has no such flag: its peers read the config
     worker = bound_warning(waited=20.0, trained=60.0, rate=900.0, in_thread=False)
     assert "its worker makes 900 samples/s" in worker and "33%" in worker
