@@ -116,6 +116,7 @@ def _roles(processes: list) -> dict[int, str]:
             parent[p.pid], name[p.pid] = p.ppid(), p.name()
         except psutil.Error:
             pass
+    starts_p2pd = {parent[pid] for pid in parent if name[pid] == "p2pd"}  # the DHT processes
     forkers = {pid for pid in parent if "forkserver" in _cmdline(pid)}
     server = {pid for pid in forkers if parent[pid] not in forkers}
     roles = {}
@@ -130,7 +131,7 @@ def _roles(processes: list) -> dict[int, str]:
             roles[pid] = "trainer"
         elif name[pid] == "p2pd":
             roles[pid] = "p2pd"
-        elif any(name.get(child) == "p2pd" for child, of in parent.items() if of == pid):
+        elif pid in starts_p2pd:
             roles[pid] = "dht"
         else:
             roles[pid] = "helpers"
