@@ -262,6 +262,7 @@ def no_leftover_processes():
     """Fails the test if any process started during it (p2pd included) outlives it, or left the file of a hivemind
     socket nobody listens on in /tmp (a CI run left 23; a volunteer's machine would gather them run after run)."""
     from collab.peers.forkserver import shared_server_pids
+    from collab.process.reaper import bound_unix_paths
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     sockets_before = set(_hivemind_socket_files())
@@ -273,7 +274,7 @@ def no_leftover_processes():
         left = [p for p in psutil.Process().children(recursive=True)
                 if p.pid not in before and _alive(p) and p.name() != "torch_shm_manager"]
         # (a process leaving gracefully closes its socket a moment before it removes the file: asked again)
-        stale = set(_hivemind_socket_files()) - sockets_before - _listened_on()
+        stale = set(_hivemind_socket_files()) - sockets_before - bound_unix_paths()
         if not left and not stale:
             return
         time.sleep(0.5)
@@ -291,29 +292,6 @@ def _hivemind_socket_files() -> list[str]:
 
     folder, prefix = os.path.split(HIVEMIND_SOCKETS)
     return [os.path.join(folder, name) for name in os.listdir(folder) if name.startswith(prefix)]
-
-
-def _listened_on() -> set[str]:
-    """Paths of the unix sockets bound in any network namespace: /proc/net/unix lists only the reader's own, and a
-    test running beside this one (pytest -n) may have its peers in a namespace of its own; their files, taken for
-    stale, were removed under them once (every round of that test then failed: FileNotFoundError)."""
-    tables, seen = ["/proc/self/net/unix"], set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            namespace = os.readlink(f"/proc/{pid}/ns/net")
-        except OSError:  # gone, or not ours to read
-            continue
-        if namespace not in seen:
-            seen.add(namespace)
-            tables.append(f"/proc/{pid}/net/unix")
-    bound = set()
-    for path in tables:
-        try:
-            with open(path) as table:
-                bound |= {fields[-1] for fields in (line.split() for line in table.readlines()[1:]) if len(fields) >= 8}
-        except OSError:
-            continue
-    return bound
 
 
 def _alive(p: psutil.Process) -> bool:

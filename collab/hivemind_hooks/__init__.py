@@ -198,8 +198,7 @@ READ = (
 INSTANCE_ATTRIBUTES = {
     # a leave asks whether it has room before a send (dht_takes_requests); reads wait for whole messages
     "hivemind.dht.dht.DHT": ("_outer_pipe", "_inner_pipe"),
-    # a failed start's socket file, removed; a client's, told to the watcher (collab.process.reaper.announce_socket)
-    "hivemind.p2p.p2p_daemon.P2P": ("_daemon_listen_maddr", "_client_listen_maddr"),
+    "hivemind.p2p.p2p_daemon.P2P": ("_daemon_listen_maddr",),  # a failed start's socket file, removed
     "hivemind.dht.node.DHTNode": ("_should_shutdown_p2p",),  # whether a failed start's p2pd is its own
     "hivemind.averaging.averager.DecentralizedAverager": (
         "_outer_pipe", "_inner_pipe", "_running_groups", "_averaging_alpha", "_state_updated", "_p2p", "_matchmaking",

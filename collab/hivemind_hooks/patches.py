@@ -364,12 +364,6 @@ def close_p2p_client(p2p) -> None:
     p2p._terminate()
 
 
-def client_socket_file(p2p) -> Optional[str]:
-    """The socket file a replicated client of p2pd listens on (its multiaddr is /unix/PATH); None if it has none."""
-    address = str(getattr(p2p, "_client_listen_maddr", None) or "")
-    return address[len("/unix"):] if address.startswith("/unix/") else None
-
-
 # --- the DHT's and the averagers' processes ---
 
 class _WholeMessages:

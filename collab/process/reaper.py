@@ -18,7 +18,8 @@ us), so one small watcher process does the job for all of them:
   of the main process;
 - when the main process is gone, it sends SIGTERM to every noted process that still runs (and to
   their own children, which catches a p2pd started since the last look), then SIGKILL after 3 s, and
-  removes the socket files in /tmp that they and the main process listened on (read at each look), and the
+  removes the socket files in /tmp that they listened on (read just before), then any made since the main process
+  started that nobody is bound to any more (the main process's own, which can no longer be read from it), and the
   main process's own multiprocessing folder (pymp-*).
 
 A main process that exits normally has already shut its children down; the watcher then finds
@@ -83,17 +84,6 @@ def _announce_fork() -> None:
             pass
 
 
-def announce_socket(path: str) -> None:
-    """Tell this process's watcher of a socket file it just made (a client of p2pd): its looks read them too, but up
-    to LOOK_AT_MOST_SECONDS apart once the tree is quiet, and a gossip peer killed (kill -9) after its first exchange
-    made a client and before the next look left that file in /tmp (CI)."""
-    if _watcher is not None and _watcher.stdin is not None and _watched_pid == os.getpid():
-        try:
-            os.write(_watcher.stdin.fileno(), f"{path}\n".encode())
-        except OSError:  # the watcher is gone: nothing to tell
-            pass
-
-
 def watcher_pid() -> Optional[int]:
     """The watcher of this process, which this process's own reaping must leave alone."""
     return _watcher.pid if _watcher is not None and _watched_pid == os.getpid() else None
@@ -104,13 +94,10 @@ class _Watch:
         import psutil
 
         self.main = psutil.Process(main_pid)
+        self.main_started = self.main.create_time()
         self.noted: dict[int, psutil.Process] = {}  # psutil.Process.is_running() tells a reused pid apart
         self.announcements_open = True  # forks write their pids to our stdin
         self.news = 0  # processes noted so far (announced or found)
-        # the main process's own socket files (its clients of p2pd: a state served, gossip's exchanges), every one seen
-        # at a look: once it is killed they can no longer be read (nor while it dies), and a kill -9 left them in /tmp
-        self.main_sockets: set[str] = set()
-        self.note_main_sockets()
         try:
             self.pidfd: Optional[int] = os.pidfd_open(main_pid)
         except (AttributeError, OSError):  # no pidfd on this kernel or Python: poll instead
@@ -138,9 +125,6 @@ class _Watch:
             self.announcements_open = False
             return
         for line in data.decode(errors="replace").splitlines():
-            if line.startswith(HIVEMIND_SOCKETS):  # announce_socket's: a file the main process made
-                self.main_sockets.add(line)
-                continue
             try:
                 self._note(psutil.Process(int(line)))
             except (ValueError, psutil.Error):
@@ -149,17 +133,12 @@ class _Watch:
     def note_descendants(self) -> None:
         import psutil
 
-        self.note_main_sockets()
         try:
             for child in self.main.children(recursive=True):
                 if child.pid != os.getpid():
                     self._note(child)
         except psutil.Error:
             pass
-
-    def note_main_sockets(self) -> None:
-        for paths in hivemind_sockets([self.main]).values():
-            self.main_sockets.update(paths)
 
     def _note(self, proc) -> None:
         if proc.pid not in self.noted:
@@ -323,10 +302,60 @@ def main(argv: list[str]) -> int:
     left = watch.left_behind()
     if left:
         end_processes(left)
-    remove_sockets_of({main_pid: sorted(watch.main_sockets)})  # (one that left gracefully removed its own)
+    # the main process's own files (its clients of p2pd: a state served, gossip's exchanges) can no longer be read
+    # from it, nor those of a child that ended on its own (one that left gracefully removed its own)
+    remove_unbound_sockets(made_since=watch.main_started)
     if len(argv) > 1 and not watch.left_behind():  # (a process that would not die may still use the folder)
         remove_multiprocessing_folder(argv[1])
     return 0
+
+
+def remove_unbound_sockets(made_since: float, recheck_after: float = 0.2) -> None:
+    """Remove hivemind's socket files in /tmp made since `made_since` (the main process's start) that no socket is bound
+    to, in any network namespace. A killed process's files can no longer be read from it: a client of p2pd made
+    between two looks was known to nobody, and a gossip peer's kill -9 left one in CI. A file nobody is bound to can
+    never be listened on again, whoever made it; one made a moment ago may not be bound yet, so a file must be unbound
+    at two readings `recheck_after` s apart. (psutil's start time may be up to 1 s early: a file made just before the
+    main process started may go too.)"""
+    folder, prefix = os.path.split(HIVEMIND_SOCKETS)
+    candidates = set()
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        try:
+            if name.startswith(prefix) and os.stat(path).st_ctime >= made_since:
+                candidates.add(path)
+        except OSError:  # removed meanwhile
+            continue
+    candidates -= bound_unix_paths()
+    if candidates:
+        time.sleep(recheck_after)
+        for path in candidates - bound_unix_paths():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def bound_unix_paths() -> set[str]:
+    """Paths of the unix sockets bound in any network namespace: /proc/net/unix lists only the reader's own, and peers
+    in namespaces of their own (a network lab, containers) share this /tmp."""
+    tables, seen = ["/proc/self/net/unix"], set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            namespace = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:  # gone, or not ours to read
+            continue
+        if namespace not in seen:
+            seen.add(namespace)
+            tables.append(f"/proc/{pid}/net/unix")
+    bound = set()
+    for path in tables:
+        try:
+            with open(path) as table:
+                bound |= {fields[-1] for fields in (line.split() for line in table.readlines()[1:]) if len(fields) >= 8}
+        except OSError:
+            continue
+    return bound
 
 
 def remove_multiprocessing_folder(path: str) -> None:

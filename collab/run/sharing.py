@@ -20,8 +20,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.errors import UserError
-from collab.hivemind_hooks.patches import client_socket_file, close_p2p_client, p2pd_address
-from collab.process.reaper import announce_socket
+from collab.hivemind_hooks.patches import close_p2p_client, p2pd_address
 from collab.records.identity import signer_peer_id
 from collab.run.manifest import Manifest, verify
 
@@ -186,13 +185,9 @@ def close_loop(loop, p2p=None) -> None:
 
 
 async def own_p2p(dht):
-    """A client of the DHT's p2pd for the calling event loop (hivemind's cached replica is bound to another). Its
-    socket file is told to this process's watcher at once, which removes it if this process is killed."""
-    p2p = await P2P.replicate(p2pd_address(dht))
-    path = client_socket_file(p2p)
-    if path is not None:
-        announce_socket(path)
-    return p2p
+    """A client of the DHT's p2pd for the calling event loop (hivemind's cached replica is bound to another). If this
+    process is killed, its watcher removes the client's socket file (collab.process.reaper)."""
+    return await P2P.replicate(p2pd_address(dht))
 
 
 def fetch_run_file(dht, holders: list[str], name: str, sha256: str, timeout: float = 60.0) -> bytes:

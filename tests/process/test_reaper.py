@@ -220,27 +220,30 @@ def _waits_on_a_pidfd(pid: int) -> bool:
         return False
 
 
-ANNOUNCED_SOCKET = """
+SOCKET_MADE_LATE = """
 import socket, sys, time
-from collab.process.reaper import announce_socket, watch_this_process
+from collab.process.reaper import watch_this_process
 watch_this_process()
 print("watched", flush=True)
 sys.stdin.readline()  # the test says when: after the watcher's looks have slowed down
 server = socket.socket(socket.AF_UNIX)
-server.bind(sys.argv[1])  # a client of p2pd made mid-run (a gossip peer's first exchange)
+server.bind(sys.argv[1])  # a client of p2pd made mid-run (a gossip peer's first exchange), told to nobody
 server.listen()
-announce_socket(sys.argv[1])
 print("made", flush=True)
 time.sleep(120)
 """
 
 
-def test_a_socket_made_between_two_looks_is_removed_when_its_process_is_killed():
-    """The watcher's looks come up to LOOK_AT_MOST_SECONDS apart once the tree is quiet: a gossip peer killed after
-    its first exchange made a client of p2pd, and before the next look, left that file in /tmp (CI). Told of the file
-    at once (announce_socket), the watcher removes it."""
-    path = f"{reaper.HIVEMIND_SOCKETS}p2pclient-announced-test-{os.getpid()}.sock"
-    main = subprocess.Popen([sys.executable, "-c", ANNOUNCED_SOCKET, path], stdin=subprocess.PIPE,
+def test_a_socket_made_between_two_looks_is_removed_and_an_older_unbound_file_is_left_alone():
+    """The watcher's looks come up to LOOK_AT_MOST_SECONDS apart once the tree is quiet, and a killed process's files
+    can no longer be read from it: a gossip peer killed after its first exchange made a client of p2pd, and before the
+    next look, left that file in /tmp (CI). Nobody is bound to it once its process is gone: the watcher removes it.
+    A file that was there before the main process started is not its to judge: left alone."""
+    path = f"{reaper.HIVEMIND_SOCKETS}p2pclient-made-late-test-{os.getpid()}.sock"
+    older = f"{reaper.HIVEMIND_SOCKETS}p2pclient-older-test-{os.getpid()}.sock"
+    open(older, "w").close()
+    time.sleep(1.2)  # (a process's start time, as psutil reads it, may be up to 1 s early: the boot time is in s)
+    main = subprocess.Popen([sys.executable, "-c", SOCKET_MADE_LATE, path], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert main.stdout.readline().strip() == "watched"
@@ -251,8 +254,11 @@ def test_a_socket_made_between_two_looks_is_removed_when_its_process_is_killed()
         assert main.stdout.readline().strip() == "made" and os.path.exists(path)
         _kill_9(main, watcher)
         assert not os.path.exists(path), "the killed process's socket file, made between two looks, is still in /tmp"
+        assert os.path.exists(older), "a file older than the main process was removed"
     finally:
         _end(main, path)
+        if os.path.exists(older):
+            os.unlink(older)
 
 
 def _kill_9(main, watcher) -> None:
