@@ -105,9 +105,16 @@ def run_hivemind(args, vector) -> list[dict]:
         for r in range(args.rounds):
             with averager.get_tensors() as tensors:
                 _fill(tensors[0], args)
-            control = averager.step(require_trigger=True, wait=False, timeout=60 + 2 * args.stall_timeout,
-                                    allow_retries=True)
+            looking = 60 + 2 * args.stall_timeout
+            control = averager.step(require_trigger=True, wait=False, timeout=looking, allow_retries=True)
+            # bounded: a step that never leaves matchmaking despite its timeout (a process in a CI run never came
+            # to round 3's barrier, and the test ran out its 600 s) is given up, and its round counted as failed
+            given_up_at = time.monotonic() + looking + 30
             while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
+                if time.monotonic() > given_up_at:
+                    print(f"round {r}: still looking for a group after {looking + 30:.0f} s: given up", flush=True)
+                    control.cancel()
+                    break
                 time.sleep(0.001)
             # the group is formed (its last member may learn so a moment after the first); as gloo's barrier
             # does, start every process's clock together, so that only the all-reduce itself is timed
