@@ -315,14 +315,14 @@ def remove_unbound_sockets(made_since: float, recheck_after: float = 0.2) -> Non
     to, in any network namespace. A killed process's files can no longer be read from it: a client of p2pd made
     between two looks was known to nobody, and a gossip peer's kill -9 left one in CI. A file nobody is bound to can
     never be listened on again, whoever made it; one made a moment ago may not be bound yet, so a file must be unbound
-    at two readings `recheck_after` s apart. (psutil's start time may be up to 1 s early: a file made just before the
-    main process started may go too.)"""
+    at two readings `recheck_after` s apart. (A socket file's mtime is its bind's time. psutil's start time may be up
+    to 1 s early: a file made just before the main process started may go too.)"""
     folder, prefix = os.path.split(HIVEMIND_SOCKETS)
     candidates = set()
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
         try:
-            if name.startswith(prefix) and os.stat(path).st_ctime >= made_since:
+            if name.startswith(prefix) and os.stat(path).st_mtime >= made_since:
                 candidates.add(path)
         except OSError:  # removed meanwhile
             continue

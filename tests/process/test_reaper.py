@@ -242,7 +242,8 @@ def test_a_socket_made_between_two_looks_is_removed_and_an_older_unbound_file_is
     path = f"{reaper.HIVEMIND_SOCKETS}p2pclient-made-late-test-{os.getpid()}.sock"
     older = f"{reaper.HIVEMIND_SOCKETS}p2pclient-older-test-{os.getpid()}.sock"
     open(older, "w").close()
-    time.sleep(1.2)  # (a process's start time, as psutil reads it, may be up to 1 s early: the boot time is in s)
+    # an hour old: any watcher may judge a file made since its main process started (the other pytest worker's too)
+    os.utime(older, (time.time() - 3600, time.time() - 3600))
     main = subprocess.Popen([sys.executable, "-c", SOCKET_MADE_LATE, path], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
