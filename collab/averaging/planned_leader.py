@@ -55,24 +55,28 @@ def planned_leader(records: dict, epoch: int, last_group: frozenset = frozenset(
     if len(training) < 2 or not able:
         return None
     if step_group is not None:
-        on_step = on_the_swarms_step(records, training, step_group)
+        on_step = on_the_swarms_step(records, training, step_group, epoch - 1)
         able = [peer for peer in able if peer in on_step] or able
     return min(able, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).digest())
 
 
-def on_the_swarms_step(records: dict, training: set, step_group: frozenset) -> set:
+def on_the_swarms_step(records: dict, training: set, step_group: frozenset, step_epoch: int) -> set:
     """The peers training that are surely on the swarm's step, and so begin the next round on time: the few of a split
     round re-sync first (a state download: 1.5-39 s at 32 peers on 2 cores) and lead late. At 32 peers the planned
     leader of 2 of a run's 4 split rounds had been in the few of the round before, and its own round split again (the
     same 14 of 32 apart four epochs running, in an earlier run). This peer's group of the round before, when it
-    averaged and held more than half the peers training: exact, and every peer of it names the same set. Not an older
-    round's: a peer stuck 40 s in a failed round, then re-synced, named itself from a group of four epochs before and
-    its fellows grouped apart with it. Otherwise (this peer was in the few, or has no such round) the peers whose
+    averaged (at `step_epoch`) and held more than half the peers training, or half of them and did not lose the even
+    split (loses_an_even_split: it holds that round's planned leader): exact, and every peer of it names the same set.
+    (Exactly half: 12 peers' start split 6 + 3 + 3 and the few replayed the six's round; the six read the few's
+    records at their epoch, and one of the few, its search 2.4 s behind the six's, was named the leader: 7 + 4.)
+    Not an older round's: a peer stuck 40 s in a failed round, then re-synced, named itself from a group of four
+    epochs before and its fellows grouped apart with it. Otherwise (this peer was in the few, or has no such round) the peers whose
     records show the furthest epoch: the few hold their records an epoch back until they re-sync
     (collab.modes.replica_sync). A few that replayed the many's round took the many's group as its own (its donor
     names it: collab.averaging.round_replay), so it names the same set as they do."""
     group = step_group & training
-    if len(group) * 2 > len(training):
+    if len(group) * 2 > len(training) or \
+            (len(group) * 2 == len(training) and not loses_an_even_split(records, step_epoch, group)):
         return set(group)
     epochs = {peer: getattr(records[peer], "epoch", None) for peer in training}
     furthest = max((e for e in epochs.values() if isinstance(e, int)), default=None)

@@ -145,6 +145,25 @@ def test_the_few_of_a_split_round_never_lead_the_next_and_every_peer_names_the_s
     assert peer._step_group(8) == frozenset(many)
     assert peer._step_group(11) == frozenset()
 
+def test_a_half_that_won_its_round_names_the_next_leader_and_a_half_that_lost_does_not():
+    """12 peers' start split 6 + 3 + 3: the few replayed the six's round (taking the six's group as their step's), and
+    the six, reading everyone's records still at the round's epoch, named the leader from all twelve: one of the few,
+    whose search began 2.4 s after theirs, and the next round split 7 + 4 (a CI run). Half the peers training, with
+    the round's planned leader, is the swarm's step."""
+    from collab.averaging.planned_leader import planned_leader
+
+    peers = [f"peer{i}" for i in range(12)]
+    for round_epoch in range(0, 40):
+        records = {p: SimpleNamespace(epoch=round_epoch, client_mode=False) for p in peers}  # not read since the step
+        leader = planned_leader(records, round_epoch)
+        won = frozenset([leader] + [p for p in peers if p != leader][:5])  # six, with the round's planned leader
+        lost = frozenset(peers) - won
+        # one of the six, and a few that replayed their round (its step group: the six)
+        assert planned_leader(records, round_epoch + 1, won, won) in won, round_epoch
+        # the half without the planned leader (6 + 6) does not name its own: it re-syncs from the other half
+        assert planned_leader(records, round_epoch + 1, lost, lost) == planned_leader(records, round_epoch + 1)
+
+
 def _match(prefix_before: str, gathered) -> list[str]:
     averager = type("Averager", (PlansRounds,), {"serializer": MSGPackSerializer})()
     matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix=prefix_before))
