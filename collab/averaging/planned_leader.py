@@ -70,8 +70,8 @@ def on_the_swarms_step(records: dict, training: set, step_group: frozenset, step
     (Exactly half: 12 peers' start split 6 + 3 + 3 and the few replayed the six's round; the six read the few's
     records at their epoch, and one of the few, its search 2.4 s behind the six's, was named the leader: 7 + 4.)
     Not an older round's: a peer stuck 40 s in a failed round, then re-synced, named itself from a group of four
-    epochs before and its fellows grouped apart with it. Otherwise (this peer was in the few, or has no such round) the peers whose
-    records show the furthest epoch: the few hold their records an epoch back until they re-sync
+    epochs before and its fellows grouped apart with it. Otherwise (this peer was in the few, or has no such round)
+    the peers whose records show the furthest epoch: the few hold their records an epoch back until they re-sync
     (collab.modes.replica_sync). A few that replayed the many's round took the many's group as its own (its donor
     names it: collab.averaging.round_replay), so it names the same set as they do."""
     group = step_group & training
