@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -132,6 +133,7 @@ def run_hivemind(args, vector) -> list[dict]:
             with averager.get_tensors() as tensors:
                 records.append(_round_record(started, finished, before, tensors[0], args.expected,
                                              len(gathered) if gathered else 0, error))
+            _save(args.out, records)
             time.sleep(1.0)  # let every peer read its result before the next round's matchmaking
         # a reducer finishes its own part before it has streamed a share-0 peer's results (hivemind sends
         # those after the peer's whole input): leaving now would cut that stream. Wait for everyone.
@@ -205,10 +207,18 @@ def run_gloo(args, vector) -> list[dict]:
             vector.div_(args.world)
             finished = time.time()
             records.append(_round_record(started, finished, before, vector, args.expected, args.world))
+            _save(args.out, records)
             dist.barrier()
     finally:
         dist.destroy_process_group()
     return records
+
+
+def _save(out: str, records: list[dict]) -> None:
+    """The rounds so far, after each one: a process that hangs in a later round (a CI run's slow-uplink process, 300 s
+    in one all-reduce) still leaves the rounds it finished to count. Replaced whole, never half written."""
+    Path(f"{out}.part").write_text(json.dumps(records))
+    os.replace(f"{out}.part", out)
 
 
 def _barrier(rendezvous: str, tag: str, index: int, world: int, timeout: float) -> None:
@@ -258,7 +268,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     vector = torch.empty(args.size, dtype=torch.float32)
     records = (run_hivemind if args.backend == "hivemind" else run_gloo)(args, vector)
-    Path(args.out).write_text(json.dumps(records))
+    _save(args.out, records)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
                    wire: str = "fp32", announce_bandwidth: bool = True, timeout: float = 600,
                    part_size: Optional[int] = None, private: bool = False,
                    aggregation: Optional[str] = None) -> list[RoundOutcome]:
-    """`rounds` all-reduces of a `size`-element vector among len(links) processes, one per shaped link.
+    """`rounds` all-reduces of a `size`-element vector among len(links) processes, one per shaped link; fewer if a
+    process is still running after `timeout` s (the rounds that every process finished).
     `private`: hivemind's processes are members of a private run (DHT authorizer, members-only averager)."""
     workdir.mkdir(parents=True, exist_ok=True)
     organizer_key = None
@@ -88,19 +89,29 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
             processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                                stdin=subprocess.DEVNULL, start_new_session=True), out, log))
             log.close()
-        deadline = time.monotonic() + timeout
+        deadline, timed_out = time.monotonic() + timeout, []
         for i, (process, _, _) in enumerate(processes):
             try:
                 code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                code = None
+                timed_out.append(i)
+                continue
             if code != 0:
-                text = (workdir / f"{backend}-{i}.log").read_text(errors="replace")[-2000:]
-                raise ProbeFailed(f"{backend} process {i} {'timed out' if code is None else f'exited {code}'}:\n{text}")
+                raise ProbeFailed(f"{backend} process {i} exited {code}:\n{_log_tail(workdir, backend, i)}")
         # the lab's exit kills anything left in its namespaces
-    per_process = [json.loads(out.read_text()) for _, out, _ in processes]
+    for i in timed_out:
+        processes[i][0].wait(timeout=10)
+    # each process saves its rounds as it goes: one that hung in a later round leaves the earlier ones to count
+    per_process = [json.loads(out.read_text()) if out.exists() else [] for _, out, _ in processes]
+    done = min(len(records) for records in per_process)
+    if timed_out and done == 0:
+        raise ProbeFailed(f"{backend} process {timed_out[0]} timed out before every process had finished a round:\n"
+                          f"{_log_tail(workdir, backend, timed_out[0])}")
+    if done < rounds:
+        print(f"{backend}: process(es) {timed_out} still running after {timeout:.0f} s; the {done} round(s) of "
+              f"{rounds} that every process finished are counted", flush=True)
     outcomes = []
-    for r in range(rounds):
+    for r in range(done):
         records = [p[r] for p in per_process]
         outcomes.append(RoundOutcome(
             seconds=max(x["finished"] for x in records) - min(x["started"] for x in records),
@@ -108,6 +119,10 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
             bytes_sent=[x["bytes_sent"] for x in records], bytes_received=[x["bytes_received"] for x in records],
             errors=[x.get("error", "") for x in records]))
     return outcomes
+
+
+def _log_tail(workdir: Path, backend: str, index: int) -> str:
+    return (workdir / f"{backend}-{index}.log").read_text(errors="replace")[-2000:]
 
 
 def lower_bound_seconds(size_bytes: float, world: int, bandwidth_mbit: float) -> float:

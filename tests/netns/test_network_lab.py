@@ -103,16 +103,17 @@ def test_slow_uplink_gets_a_smaller_share_and_sends_less(tmp_path):
     # 4 MB: at 2 MB the slow peer's equal-share bytes ranged 1.65-2.88 MB in one run (against the 3 MB its share
     # predicts); at 4 MB, 6.0 MB in every run
     size = 1_000_000  # fp32: 4 MB
-    # (a process that hangs fails the test with its log within 420 s, not at pytest's 600 s with none)
+    # (35 s alone on this machine. A process that hangs in a round - in a CI run the slow one's all-reduce ran past
+    # 300 s - is ended after 240 s, and the rounds every process finished count)
     announced = measure_rounds(links, "hivemind", size, tmp_path / "announced", rounds=4, announce_bandwidth=True,
-                               aggregation="mean", timeout=420)
+                               aggregation="mean", timeout=240)
     # A round counts when every process got the exact mean of 1..4; one that broke says nothing about shares. Such
     # rounds are left out and counted; two whole rounds of four are required.
     whole = [o for o in announced if o.group_sizes == [4, 4, 4, 4] and o.max_error < 1e-6]
     print(f"whole rounds: {len(whole)}/4")
-    assert len(whole) >= 2, "more than two rounds of four were partial or failed: " + "; ".join(
-        f"{o.seconds:.0f} s, groups {o.group_sizes}, error {o.max_error:.2g}, {[e for e in o.errors if e]}"
-        for o in announced)
+    rounds = "; ".join(f"{o.seconds:.0f} s, groups {o.group_sizes}, error {o.max_error:.2g}, "
+                       f"{[e for e in o.errors if e]}" for o in announced)
+    assert len(whole) >= 2, f"of the {len(announced)} rounds every process finished, fewer than 2 were whole: {rounds}"
     slow_sent = [o.bytes_sent[3] for o in whole]
     fast_sent = [o.bytes_sent[i] for o in whole for i in range(3)]
     equal_share = 4 * size * (1 + 0.25 * (4 - 2))  # what it sends with a quarter of the reduce: 6 MB
