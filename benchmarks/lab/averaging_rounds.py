@@ -18,6 +18,7 @@ from typing import Optional
 
 from collab.peers.netns import NetworkLab
 from collab.peers.profiles import LinkSpec
+from collab.process.reaper import remove_unbound_sockets
 
 ROOT = Path(__file__).resolve().parents[2]  # benchmarks.lab.averaging_probe runs from here
 
@@ -61,7 +62,7 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
 
         organizer_key = workdir / "organizer.key"
         organizer_key.write_bytes(RSAPrivateKey().to_bytes())
-    world = len(links)
+    world, started = len(links), time.time()
     rendezvous = workdir / f"rendezvous-{backend}-{time.monotonic_ns()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", HIVEMIND_LOGLEVEL=os.environ.get("PROBE_LOGLEVEL", "WARNING"),
                PYTHONUNBUFFERED="1")
@@ -101,6 +102,8 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
         # the lab's exit kills anything left in its namespaces
     for i in timed_out:
         processes[i][0].wait(timeout=10)
+    if timed_out:  # killed with the lab, they left their hivemind socket files (and they have no watcher)
+        remove_unbound_sockets(made_since=started)
     # each process saves its rounds as it goes: one that hung in a later round leaves the earlier ones to count
     per_process = [json.loads(out.read_text()) if out.exists() else [] for _, out, _ in processes]
     done = min(len(records) for records in per_process)
