@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,46 +65,50 @@ def measure_rounds(links: list[LinkSpec], backend: str, size: int, workdir: Path
         organizer_key.write_bytes(RSAPrivateKey().to_bytes())
     world, started = len(links), time.time()
     rendezvous = workdir / f"rendezvous-{backend}-{time.monotonic_ns()}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", HIVEMIND_LOGLEVEL=os.environ.get("PROBE_LOGLEVEL", "WARNING"),
-               PYTHONUNBUFFERED="1")
-    with NetworkLab(links) as lab:
-        processes = []
-        for i, link in enumerate(links):
-            out = workdir / f"{backend}-{i}.json"
-            out.unlink(missing_ok=True)
-            command = [*lab.command_prefix(i), sys.executable, "-m", "benchmarks.lab.averaging_probe",
-                       "--backend", backend, "--index", str(i), "--world", str(world), "--size", str(size),
-                       "--rounds", str(rounds),
-                       "--wire", wire, "--host", lab.address(i), "--rendezvous", str(rendezvous),
-                       "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
-            if backend == "hivemind" and aggregation:
-                command += ["--aggregation", aggregation]
-            if backend == "hivemind" and organizer_key is not None:
-                command += ["--organizer-key", str(organizer_key)]
-            if backend == "hivemind" and part_size:
-                command += ["--part-size", str(part_size)]
-            if backend == "hivemind":
-                command += ["--stall-timeout", f"{_stall_timeout(links, size, wire):.0f}"]
-            if backend == "hivemind" and announce_bandwidth and link.upload_mbit is not None:
-                command += ["--bandwidth", str(link.upload_mbit)]
-            log = open(workdir / f"{backend}-{i}.log", "wb")
-            processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                               stdin=subprocess.DEVNULL, start_new_session=True), out, log))
-            log.close()
-        deadline, timed_out = time.monotonic() + timeout, []
-        for i, (process, _, _) in enumerate(processes):
-            try:
-                code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out.append(i)
-                continue
-            if code != 0:
-                raise ProbeFailed(f"{backend} process {i} exited {code}:\n{_log_tail(workdir, backend, i)}")
-        # the lab's exit kills anything left in its namespaces
-    for i in timed_out:
-        processes[i][0].wait(timeout=10)
-    if timed_out:  # killed with the lab, they left their hivemind socket files (and they have no watcher)
-        remove_unbound_sockets(made_since=started)
+    # the processes' own temporary files (multiprocessing's pymp-*, torch's torch-shm-dir-*) go to a folder removed at
+    # the end: a process killed at the timeout left them in /tmp. A short path: under pytest's tmp_path the socket of
+    # torch_shm_manager passes a unix socket's 108 characters, and the probes fail at once
+    with tempfile.TemporaryDirectory(prefix="collab-lab-", dir="/tmp", ignore_cleanup_errors=True) as scratch:
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1", TMPDIR=scratch,
+                   HIVEMIND_LOGLEVEL=os.environ.get("PROBE_LOGLEVEL", "WARNING"))
+        with NetworkLab(links) as lab:
+            processes = []
+            for i, link in enumerate(links):
+                out = workdir / f"{backend}-{i}.json"
+                out.unlink(missing_ok=True)
+                command = [*lab.command_prefix(i), sys.executable, "-m", "benchmarks.lab.averaging_probe",
+                           "--backend", backend, "--index", str(i), "--world", str(world), "--size", str(size),
+                           "--rounds", str(rounds),
+                           "--wire", wire, "--host", lab.address(i), "--rendezvous", str(rendezvous),
+                           "--master", f"{lab.address(0)}:{GLOO_PORT}", "--out", str(out)]
+                if backend == "hivemind" and aggregation:
+                    command += ["--aggregation", aggregation]
+                if backend == "hivemind" and organizer_key is not None:
+                    command += ["--organizer-key", str(organizer_key)]
+                if backend == "hivemind" and part_size:
+                    command += ["--part-size", str(part_size)]
+                if backend == "hivemind":
+                    command += ["--stall-timeout", f"{_stall_timeout(links, size, wire):.0f}"]
+                if backend == "hivemind" and announce_bandwidth and link.upload_mbit is not None:
+                    command += ["--bandwidth", str(link.upload_mbit)]
+                log = open(workdir / f"{backend}-{i}.log", "wb")
+                processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                                   stdin=subprocess.DEVNULL, start_new_session=True), out, log))
+                log.close()
+            deadline, timed_out = time.monotonic() + timeout, []
+            for i, (process, _, _) in enumerate(processes):
+                try:
+                    code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out.append(i)
+                    continue
+                if code != 0:
+                    raise ProbeFailed(f"{backend} process {i} exited {code}:\n{_log_tail(workdir, backend, i)}")
+            # the lab's exit kills anything left in its namespaces
+        for i in timed_out:
+            processes[i][0].wait(timeout=10)
+        if timed_out:  # killed with the lab, they left their hivemind socket files (and they have no watcher)
+            remove_unbound_sockets(made_since=started)
     # each process saves its rounds as it goes: one that hung in a later round leaves the earlier ones to count
     per_process = [json.loads(out.read_text()) if out.exists() else [] for _, out, _ in processes]
     done = min(len(records) for records in per_process)
