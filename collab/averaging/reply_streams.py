@@ -14,6 +14,10 @@ Here the side that knows it is done closes: the sender, once it has every part i
 waits for the reducer's end of stream), and the reducer holds its end open until the sender has closed
 (at most the sender's own patience, reducer_timeout). A peer that is leaving waits, briefly, for the
 replies it is still holding (`replies_in_flight`) before its daemon goes.
+
+A sender with no share of the reduce (client mode) reads its replies only after its last part is sent: its parts
+end, at the latest, reducer_timeout after the writer last took one (`_ended_when_stalled`), so a reducer that stopped
+reading costs it that, not the whole allreduce_timeout.
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ class WholeReplies(RunnerHooks):
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         return _first(super().replies_from(stream, peer_index), expected)
 
+    def parts_sent_to(self, inputs: AsyncIterator, peer_index: int) -> AsyncIterator:
+        inputs = super().parts_sent_to(inputs, peer_index)
+        if not self.reducer_timeout or not self.should_delay_results(self.peer_id):
+            return inputs  # (a sender that reads its replies as it sends hears a failed send from its reply stream)
+        return _ended_when_stalled(inputs, self.reducer_timeout)
+
     async def serve_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         global _in_flight
@@ -54,6 +64,31 @@ class WholeReplies(RunnerHooks):
                 await asyncio.sleep(self.reducer_timeout or HOLD_FALLBACK)
         finally:
             _in_flight -= 1
+
+
+async def _ended_when_stalled(parts: AsyncIterator, patience: float) -> AsyncIterator:
+    """`parts` as the stream's writer takes them, ended when it has not asked for the next one for `patience` s.
+
+    A sender with no share of the reduce (a client-mode peer; a slow uplink, by its announced bandwidth) reads its
+    replies only once it has sent its last part: hivemind waits for `parts` to end. But hivemind's stream writer
+    leaves them as they are when a send fails (a reducer gone) or never completes (one that stopped reading): the wait
+    had no end but allreduce_timeout (none at all without one: a lab process held its tensors' lock past 300 s).
+    Closed, `parts` say they ended, and the sender reads its replies, under reducer_timeout, and fails that reducer.
+    `patience` is reducer_timeout, longer than the reducer's own sender_timeout: by then it has given this sender up."""
+    loop, abandoned, closing = asyncio.get_running_loop(), [], []
+
+    def abandon():
+        abandoned.append(True)
+        closing.append(asyncio.ensure_future(parts.aclose()))  # (suspended where it gave its last part)
+
+    async for part in parts:
+        timer = loop.call_later(patience, abandon)
+        try:
+            yield part
+        finally:
+            timer.cancel()
+        if abandoned:  # the writer came back after all: it ends here (the parts are being closed, not to be read)
+            return
 
 
 async def _first(stream, count: int) -> AsyncIterator:

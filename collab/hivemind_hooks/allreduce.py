@@ -32,16 +32,25 @@ class AggregatePartHooks:
 class RunnerHooks(AggregatePartHooks, AllReduceRunner):
     """AllReduceRunner, its private steps handed to collab's public ones (see the module)."""
 
-    # the stub a sender streams its parts through: its reply stream read through `replies_from` (bytes counted,
-    # replies read whole, averages taken, a reducer's word that it left this peer out noted)
+    # the stub a sender streams its parts through: its parts written through `parts_sent_to` (a stalled send ended),
+    # its reply stream read through `replies_from` (bytes counted, replies read whole, averages taken, a reducer's
+    # word that it left this peer out noted)
     def _get_peer_stub(self, peer: PeerID):
         stub, runner, peer_index = super()._get_peer_stub(peer), self, self.ordered_peer_ids.index(peer)
 
         class ReplyReadingStub:
             async def rpc_aggregate_part(self, inputs, *args, **kwargs):
-                return runner.replies_from(await stub.rpc_aggregate_part(inputs, *args, **kwargs), peer_index)
+                stream = await stub.rpc_aggregate_part(runner.parts_sent_to(inputs, peer_index), *args, **kwargs)
+                return runner.replies_from(stream, peer_index)
 
         return ReplyReadingStub()
+
+    def parts_sent_to(self, inputs: AsyncIterator[averaging_pb2.AveragingData], peer_index: int
+                      ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The parts this sender writes to reducer `peer_index`, as hivemind's stream writer takes them (`inputs`
+        sets the event that a sender with no share of the reduce waits for before it reads its replies). A mixin
+        wraps what super() returns."""
+        return inputs
 
     def replies_from(self, stream: AsyncIterator[averaging_pb2.AveragingData], peer_index: int
                      ) -> AsyncIterator[averaging_pb2.AveragingData]:
