@@ -100,7 +100,11 @@ def run_hivemind(args, vector) -> list[dict]:
         min_matchmaking_time=args.matchmaking, request_timeout=2.0, bandwidth=args.bandwidth,
         compression=compression, part_size_bytes=args.part_size, next_chunk_timeout=1.2 * args.stall_timeout,
         sender_timeout=args.stall_timeout, reducer_timeout=1.2 * args.stall_timeout,  # hivemind: sender < reducer
-        start=True)
+        # as a run's peers have one (hivemind.Optimizer: averaging_timeout): hivemind's part timeouts do not bound a
+        # round. Its sender with no share of the reduce (here the slow uplink) waits forever for a send its reducer
+        # no longer reads, holding the tensors' lock (likely a CI run's process past 300 s). collab's rounds
+        # (--aggregation) end that wait themselves (collab.averaging.reply_streams); hivemind's own need this
+        allreduce_timeout=3 * args.stall_timeout, start=True)
     records = []
     try:
         for r in range(args.rounds):
