@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 
 import torch
 from hivemind.averaging.control import AveragingStage
@@ -23,6 +23,11 @@ from benchmarks.lab.averager_pair import StateRounds, start_averager_pair
 
 SIZE = 16_000_000  # 64 MB: the client's half to the frozen reducer is far more than the buffers on its way
 SENDER_TIMEOUT, REDUCER_TIMEOUT, ALLREDUCE_TIMEOUT = 3.0, 4.0, 90.0
+
+
+def _thaw(pid: int) -> None:
+    with suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_a_client_whose_reducer_stopped_reading_ends_its_round_by_reducer_timeout(no_leftover_processes):
@@ -40,7 +45,7 @@ def test_a_client_whose_reducer_stopped_reading_ends_its_round_by_reducer_timeou
             assert not any(c.done() for c in controls), [c.exception() for c in controls if c.done()]
             time.sleep(0.05)
         os.kill(frozen.pid, signal.SIGSTOP)
-        stack.callback(os.kill, frozen.pid, signal.SIGCONT)  # (before its shutdown: the stack runs backwards)
+        stack.callback(_thaw, frozen.pid)  # (before its shutdown: the stack runs backwards)
         started = time.monotonic()
         controls[0].allow_allreduce()
         controls[2].allow_allreduce()
