@@ -72,7 +72,7 @@ async def _ended_when_stalled(parts: AsyncIterator, patience: float) -> AsyncIte
     A sender with no share of the reduce (a client-mode peer; a slow uplink, by its announced bandwidth) reads its
     replies only once it has sent its last part: hivemind waits for `parts` to end. But hivemind's stream writer
     leaves them as they are when a send fails (a reducer gone) or never completes (one that stopped reading): the wait
-    had no end but allreduce_timeout (none at all without one: a lab process held its tensors' lock past 300 s).
+    had no end but allreduce_timeout (none at all without one: likely the lab process that hung past 300 s in CI).
     Closed, `parts` say they ended, and the sender reads its replies, under reducer_timeout, and fails that reducer.
     `patience` is reducer_timeout, longer than the reducer's own sender_timeout: by then it has given this sender up."""
     loop, abandoned, closing = asyncio.get_running_loop(), [], []
