@@ -11,6 +11,7 @@ import select
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -367,7 +368,8 @@ def close_p2p_client(p2p) -> None:
 # --- the DHT's and the averagers' processes ---
 
 class _WholeMessages:
-    """A multiprocessing Connection whose recv() waits for the rest of a message that is still arriving."""
+    """A multiprocessing Connection whose recv() waits for the rest of a message that is still arriving, and says a
+    message it cannot unpack is lost (ConnectionError) rather than end its reader."""
 
     def __init__(self, connection):
         self._connection = connection
@@ -377,7 +379,15 @@ class _WholeMessages:
 
     def recv(self):
         os.set_blocking(self._connection.fileno(), True)
-        return self._connection.recv()
+        message = self._connection.recv_bytes()  # (EOFError here: every sender is gone, and so is the pipe's use)
+        try:
+            return ForkingPickler.loads(message)
+        except (EOFError, OSError) as e:
+            # a request carries its MPFuture's pipe end, which the sender's process hands over when it is unpacked:
+            # one that exited meanwhile (an averager's, shut down with a read in flight) fails it with EOFError, which
+            # hivemind's loop does not catch, and the DHT's process died, its p2pd's socket file left in /tmp (a CI
+            # run). The message is whole: the next one reads as usual. hivemind's loop logs this and goes on
+            raise ConnectionError(f"a request whose sender exited before it was read was dropped ({e!r})") from e
 
 
 def pipe_reads_take_whole_messages(process) -> None:

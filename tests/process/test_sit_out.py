@@ -9,10 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-import hivemind
-
 from collab.averaging.replica import RecordingStateAverager
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import OwnGroupDHT, dht_sockets, shut_down_dht
 from tests.conftest import filled_state_averager, held_values
 
 ROUND_TIMEOUT = 4.0  # seconds the in-step averager looks for a group
@@ -25,8 +23,11 @@ def _averager(dht, prefix: str, value: float) -> RecordingStateAverager:
 
 def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_scheduled_one(no_leftover_processes):
     prefix = f"sit-out-{time.time_ns()}"
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    # collab's DHT (its pipe reads): a read in flight as an averager shut down killed hivemind's (tests/process/
+    # test_state_round_group.py, a CI run)
+    first = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    sockets = {dht: dht_sockets(dht) for dht in (first, second)}
     in_step, out_of_step = _averager(first, prefix, 1.0), _averager(second, prefix, 3.0)
     try:
         out_of_step.out_of_step = lambda: True
@@ -61,4 +62,4 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
         for averager in (in_step, out_of_step):
             averager.shutdown()
         for dht in (second, first):
-            shut_down_dht(dht)
+            shut_down_dht(dht, sockets[dht])
