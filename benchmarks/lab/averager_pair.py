@@ -11,7 +11,7 @@ import psutil
 
 from collab.averaging.robust_rounds import CheckedRounds
 from collab.process.reaper import hivemind_sockets, remove_sockets_of
-from collab.swarm.node import dht_sockets, shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 
 class StateRounds(CheckedRounds):
@@ -28,9 +28,9 @@ def start_averager_pair(stack: ExitStack, make: Callable[[hivemind.DHT, int], An
     start stays patched in that one process."""
     averagers, first = [], None
     for i in range(count):
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        dht = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                            initial_peers=first.get_visible_maddrs() if first else [])
-        stack.callback(shut_down_dht, dht, dht_sockets(dht))  # (a peer's leave: no socket file left in /tmp)
+        stack.callback(shut_down_dht, dht)  # (a peer's leave: no socket file left in /tmp)
         first = first or dht
         patched = patch is not None and patch[0] == i
         if patched:

@@ -112,11 +112,15 @@ class OwnGroupDHT(hivemind.DHT):
     It is still our child: collab.process.lifecycle and collab.peers.launcher reap it by parentage and session.
     `verdicts`: its record validator, kept at hand for the counts (collab.swarm.dht_traffic reads its process's copy).
     Records stay on their key's nearest nodes (NO_RECORD_COPIES) unless the caller says otherwise.
+    `sockets`: its process's and its p2pd's socket files once it started (dht_sockets; with start=True), for
+    shut_down_dht to remove even if those processes die first (then they can no longer be asked).
     """
 
     def __init__(self, *args, verdicts: Optional[RememberedVerdicts] = None, **kwargs):
         self.verdicts = verdicts  # before hivemind's __init__, which forks the DHT's process when start=True
         super().__init__(*args, **{**NO_RECORD_COPIES, **kwargs})
+        # started and ready (start=True), p2pd's files exist; otherwise shut_down_dht reads them then
+        self.sockets: Optional[dict[int, list[str]]] = dht_sockets(self) if self.is_alive() else None
 
     def run(self) -> None:
         os.setpgid(0, 0)
@@ -186,7 +190,6 @@ class Swarm:
         self.peer_id: str = self.dht.peer_id.to_base58()
         assert self.peer_id == self.identity.peer_id, "p2pd derived another peer id from the identity key"
         self._rejoiner = Rejoiner(self.dht, peer.initial_peers)
-        self._sockets = dht_sockets(self.dht)  # removed at shutdown if its processes end any other way than hivemind's
         # a store's walk carries no records back, and a key's next stores within seconds go where it found
         self.dht.run_coroutine(_lighter_stores)
         start_counting(self.dht)  # its requests to the swarm, per RPC (collab.swarm.dht_traffic)
@@ -227,7 +230,7 @@ class Swarm:
         if getattr(self, "_shut", False):
             return
         self._shut = True
-        shut_down_dht(self.dht, self._sockets)
+        shut_down_dht(self.dht)
 
 
 DHT_PIPE_WAIT = 1.0  # seconds a leave waits for the DHT's process to make room in its pipe for the "_shutdown"
@@ -248,14 +251,16 @@ def shut_down_dht(dht, sockets: Optional[dict[int, list[str]]] = None) -> None:
     hivemind ends one that does not shut down in time, and its p2pd with it (hivemind's shutdown would have ended
     that daemon; here it also ends by itself once the pipe it logs to is closed, but once its parent is gone it is
     nobody's child for the peer's exit to reap if it does not). Whichever way it ends, even dead already, the
-    socket files in `sockets` (dht_sockets' answer) are removed."""
+    socket files in `sockets` (dht_sockets' answer; by default those an OwnGroupDHT read as it started) are removed."""
     try:
         daemons = psutil.Process(dht.pid).children(recursive=True)
     except psutil.Error:
         daemons = []
     # hivemind removes its socket files only where its own shutdown finishes: a DHT process it ends for being late
     # (shutdown_timeout), or one ended here, leaves its p2pd client's file in /tmp, and p2pd's (`sockets`: as
-    # dht_sockets read them when the DHT started; read now if not given)
+    # dht_sockets read them when the DHT started; read now if not given and not known)
+    if sockets is None:
+        sockets = getattr(dht, "sockets", None)
     sockets = dht_sockets(dht) if sockets is None else sockets
     if not dht.is_alive():  # it died (of a pipe that an averager broke as it was killed, in hivemind): p2pd with it
         remove_sockets_of(sockets)

@@ -144,6 +144,33 @@ def test_processes_ended_by_signal_leave_no_hivemind_socket_behind(dht):
             process.kill()
 
 
+def test_a_collab_dht_whose_processes_died_first_still_leaves_no_socket_file(no_leftover_processes):
+    """A DHT's process can die before its shutdown (hivemind's loop ends on a pipe error), its p2pd with it: then
+    neither can be asked which files they listened on. collab's DHT read them as it started, and its shutdown removes
+    them without being told (tests that ran hivemind's own DHT left p2pd's file in /tmp this way)."""
+    from collab.swarm.node import OwnGroupDHT
+
+    node = OwnGroupDHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+    processes = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+    try:
+        sockets = _socket_files(processes)
+        assert len(sockets) == 2 and all(os.path.exists(path) for path in sockets), sockets  # p2pd's, its client's
+        node.kill()  # (by multiprocessing, which then knows it ended; psutil would reap it behind its back)
+        node.join(5)
+        for daemon in processes[1:]:
+            daemon.kill()
+        psutil.wait_procs(processes[1:], timeout=10)
+        assert not node.is_alive()
+        shut_down_dht(node)
+        assert not [path for path in sockets if os.path.exists(path)], "a socket file stayed in /tmp"
+    finally:
+        node.kill()
+        node.join(5)
+        for daemon in processes[1:]:
+            if daemon.is_running():
+                daemon.kill()
+
+
 def _status(process) -> str:
     try:
         return process.status()

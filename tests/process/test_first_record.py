@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import time
 
-import hivemind
 
 from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 SEEN_WITHIN = 5.0  # seconds: the reporter stores at once when told; its own wake-up is 30 s away
 
@@ -28,7 +27,7 @@ def _stored(dht, tracker) -> list:
 
 def test_the_first_micro_batch_after_a_catch_up_is_stored_at_once(no_leftover_processes):
     run_id = f"first-record-{time.time_ns()}"
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     tracker = HonestProgressTracker(dht=dht, prefix=run_id, target_batch_size=512, start=True)
     try:
         tracker.report_local_progress(4, 0)  # the catch-up: at the swarm's epoch now, nothing computed

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import signal
 
-import hivemind
 import psutil
 
 from collab.process.reaper import hivemind_sockets, remove_sockets_of
 from collab.averaging.liveness import PING_EVERY, QUIET_SECONDS, GoneWatch, Quiet, ping
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 
 def test_a_killed_peer_answers_no_ping_and_is_taken_as_gone_a_live_one_is_not(no_leftover_processes):
-    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    others = [hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(),
-                           start=True) for _ in range(2)]
+    first = OwnGroupDHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    others = [OwnGroupDHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(),
+                          start=True) for _ in range(2)]
     live, victim = (dht.peer_id.to_base58() for dht in others)
     try:
         assert ping(first, [live, victim]) == {live: True, victim: True}

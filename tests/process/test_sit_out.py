@@ -10,7 +10,7 @@ import threading
 import time
 
 from collab.averaging.replica import RecordingStateAverager
-from collab.swarm.node import OwnGroupDHT, dht_sockets, shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 from tests.conftest import filled_state_averager, held_values
 
 ROUND_TIMEOUT = 4.0  # seconds the in-step averager looks for a group
@@ -27,7 +27,6 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
     # test_state_round_group.py, a CI run)
     first = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     second = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    sockets = {dht: dht_sockets(dht) for dht in (first, second)}
     in_step, out_of_step = _averager(first, prefix, 1.0), _averager(second, prefix, 3.0)
     try:
         out_of_step.out_of_step = lambda: True
@@ -62,4 +61,4 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
         for averager in (in_step, out_of_step):
             averager.shutdown()
         for dht in (second, first):
-            shut_down_dht(dht, sockets[dht])
+            shut_down_dht(dht)

@@ -12,7 +12,7 @@ import time
 from types import SimpleNamespace
 
 from collab.averaging.replica import RecordingStateAverager
-from collab.swarm.node import OwnGroupDHT, dht_sockets, shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 from tests.conftest import filled_state_averager, held_values
 
 MATCHMAKING_TIME = 8.0  # what hivemind's leader waits for more peers, without a group target
@@ -35,7 +35,6 @@ def test_a_state_round_begins_once_the_peers_training_have_joined(no_leftover_pr
     # in a CI run (collab.hivemind_hooks.patches._WholeMessages)
     first = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     second = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    sockets = {dht: dht_sockets(dht) for dht in (first, second)}
     averagers = [_averager(first, prefix, 1.0), _averager(second, prefix, 3.0)]
     try:
         took = {}
@@ -60,4 +59,4 @@ def test_a_state_round_begins_once_the_peers_training_have_joined(no_leftover_pr
         for averager in averagers:
             averager.shutdown()
         for dht in (second, first):
-            shut_down_dht(dht, sockets[dht])
+            shut_down_dht(dht)

@@ -15,7 +15,7 @@ from collab.averaging.grad_averager import CollabGradientAverager
 from collab.averaging.left_out import LeftOutOfRound
 from collab.averaging.robust_rounds import _CheckedRunner
 from collab.records.rejections import RejectionLog
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 SIZE = 4096  # gradient entries, sent in parts of PART_BYTES: butterfly all-reduce gives each of 4 peers one
 PART_BYTES = 4096  # (hivemind's default part, 512 KB, would make one peer the reducer of everything)
@@ -35,16 +35,14 @@ class Averagers:
     def __init__(self, stack: ExitStack, n: int, rule: Aggregation, garbage_reducer: int | None = None,
                  clients: tuple[int, ...] = (), late_sender: int | None = None, next_chunk_timeout: float = 5.0,
                  late_to_first: tuple[int, ...] = ()):
-        import hivemind
-
         self.prefix = f"hostile-{time.time_ns()}_grad_averager"
         self.logs = [RejectionLog() for _ in range(n)]
         self.params = [torch.nn.Parameter(torch.zeros(SIZE)) for _ in range(n)]
         self.averagers: list[CollabGradientAverager] = []
         first = None
         for i in range(n):
-            dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                               initial_peers=first.get_visible_maddrs() if first else [])
+            dht = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              initial_peers=first.get_visible_maddrs() if first else [])
             stack.callback(shut_down_dht, dht)
             first = first or dht
             honest_combine, punctual = RobustPartReducer.combine, _CheckedRunner.parts_for_peer

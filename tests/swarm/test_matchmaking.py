@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from collab.config import join_request_timeout
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 MATCHMAKING_TIME = 8.0  # the new timeout (6.4 s) leaves a CPU-starved test room; the old one was 3 s
 LEADER_DELAY = 3.5  # seconds the leader takes to answer a join request: a peer whose CPU is busy training
@@ -124,7 +124,6 @@ def test_peers_blind_to_each_others_search_group_whole_around_the_planned_leader
     first, which hivemind's leader refuses. All four get the exact mean, in one group, within the search. (Without
     the plan every round failed, "could not find a group": checked; with hivemind's refusal of an earlier-ending
     follower, likewise; 1.4 s late, with a leader lenient by one request_timeout, likewise.)"""
-    import hivemind
     from hivemind.averaging.key_manager import GroupKeyManager
     from hivemind.optim.progress_tracker import LocalTrainingProgress
 
@@ -136,8 +135,8 @@ def test_peers_blind_to_each_others_search_group_whole_around_the_planned_leader
     with ExitStack() as stack:
         dhts, first = [], None
         for _ in range(PLANNED):
-            dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                               initial_peers=first.get_visible_maddrs() if first else [])
+            dht = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              initial_peers=first.get_visible_maddrs() if first else [])
             stack.callback(shut_down_dht, dht)
             dhts.append(dht)
             first = first or dht

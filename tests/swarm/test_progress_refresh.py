@@ -8,13 +8,12 @@ from __future__ import annotations
 import contextlib
 import time
 
-from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 import collab.records.shared_reads as shared_reads
 from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
 from collab.records.identity import hivemind_reads_ed25519, load_or_create_identity
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 
 @contextlib.contextmanager
@@ -25,8 +24,8 @@ def two_trackers(tmp_path, target_batch_size: int):
     try:
         for identity in identities:
             initial = dhts[0].get_visible_maddrs() if dhts else None
-            dhts.append(DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial,
-                            identity_path=str(identity.path)))
+            dhts.append(OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial,
+                                    identity_path=str(identity.path)))
         for dht, identity in zip(dhts, identities):
             trackers.append(HonestProgressTracker(dht=dht, prefix="refresh-test", target_batch_size=target_batch_size,
                                                   start=True, private_key=identity.key, min_refresh_period=0.5,

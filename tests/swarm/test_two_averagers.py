@@ -9,22 +9,20 @@ import pytest
 import torch
 
 from collab.averaging.dgc import DGCSettings
-from collab.swarm.node import shut_down_dht
+from collab.swarm.node import OwnGroupDHT, shut_down_dht
 
 
 def test_two_peers_average_their_sparse_selections_exactly_through_hivemind(no_leftover_processes):
     """Real DHTs, p2pd and all-reduce: what comes back is the exact weighted mean of what the two peers selected
     (checked value by value, not by hivemind's success flag), at most twice as dense, in far fewer bytes."""
-    from hivemind import DHT
-
     from collab.averaging.aggregation import Aggregation
     from collab.averaging.compression import wire_codec
     from collab.averaging.grad_averager import CollabDGCAverager
     from collab.averaging.traffic import TrafficLog
 
     torch.manual_seed(0)
-    first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    first = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
     settings = DGCSettings(sparsity=0.99, warmup_epochs=0, momentum=0.9, clip_norm=1e9)
     models = [torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)) for _ in range(2)]
     traffic = [TrafficLog(), TrafficLog()]
@@ -70,15 +68,13 @@ def test_every_member_of_an_fp16_group_applies_the_same_average(older_peer, no_l
     very same average (collab.averaging.one_average), where hivemind's differences left each sender its own
     rounding (~5e-4 of a gradient apart, a drift that never stopped without state averaging). With an older peer
     in the group (differences both ways, as hivemind sends them) the group still averages correctly."""
-    from hivemind import DHT
-
     from collab.averaging.compression import wire_codec
     from collab.averaging.grad_averager import CollabGradientAverager
 
     torch.manual_seed(0)
-    dhts = [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-    dhts += [DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
-             for _ in range(2)]
+    dhts = [OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                         initial_peers=dhts[0].get_visible_maddrs()) for _ in range(2)]
     models = [torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)) for _ in range(3)]
     averagers, samples = [], (3, 5, 7)
     try:
@@ -118,8 +114,6 @@ def test_every_member_of_an_fp16_group_applies_the_same_average(older_peer, no_l
 
 def test_powersgd_peers_start_with_identical_projections():
     """hivemind draws PowerSGD's starting Q unseeded: two peers of one run began in different subspaces."""
-    from hivemind import DHT
-
     from collab.averaging.grad_averager import CollabPowerSGDAverager
 
     def model(seed: int) -> torch.nn.Module:
@@ -133,7 +127,7 @@ def test_powersgd_peers_start_with_identical_projections():
         averager = CollabPowerSGDAverager(net.parameters(), 4, seed=7, dht=dht, prefix=prefix, start=False)
         return [q.clone() for q in averager._qs]
 
-    dht = DHT(start=True)
+    dht = OwnGroupDHT(start=True)
     try:
         first = projections(model(1), "peer1")  # each peer's process has its own random stream here
         net = model(2)
@@ -151,12 +145,10 @@ def test_powersgd_peers_start_with_identical_projections():
 def test_a_failed_round_keeps_the_gradients_this_peer_sent(no_leftover_processes):
     """hivemind zeroes the accumulators when the round starts; the copy taken then is what a failed round
     steps on (before, its fallback loaded zeros: a step of momentum and weight decay alone)."""
-    import hivemind
-
     from collab.averaging.grad_averager import CollabGradientAverager
 
     model = torch.nn.Linear(8, 2)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = CollabGradientAverager(model.parameters(), dht=dht, prefix=f"guard-{time.time_ns()}", start=True,
                                       min_matchmaking_time=0.5, request_timeout=0.25)
     try:
@@ -181,14 +173,12 @@ def test_a_failed_round_keeps_the_gradients_this_peer_sent(no_leftover_processes
 def test_a_window_of_summed_micro_batches_counts_as_that_many(reuse, no_leftover_processes):
     """The trainer hands over n micro-batches' gradients summed in .grad with n x micro-batch samples
     (collab.train.window): what goes into the round is their mean, as if each had been handed over alone."""
-    import hivemind
-
     from collab.averaging.grad_averager import CollabGradientAverager
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = CollabGradientAverager(model.parameters(), dht=dht, prefix=f"window-{time.time_ns()}", start=True,
                                       micro_batch_size=4, reuse_grad_buffers=reuse)
     try:
@@ -213,19 +203,18 @@ def test_donors_of_one_epoch_are_ordered_by_their_uplink_and_never_above_a_newer
     (160 s for a 40 MB state) must come after a faster one at the same epoch (one that announced nothing counts
     as 100 Mbit/s), and before nobody an epoch ahead. Checked on what real averagers declare, where hivemind's
     download reads it."""
-    import hivemind
     from hivemind.p2p import PeerID
 
     from collab.averaging.replica import RecordingStateAverager
 
     prefix = f"donors-{time.time_ns()}"
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    first = OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     dhts, averagers = [first], []
     try:
         for upload in (2.0, 1000.0, None, 2.0):
             if averagers:  # the first averager shares the first DHT node; each other one gets its own
-                dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                         initial_peers=first.get_visible_maddrs()))
+                dhts.append(OwnGroupDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                            initial_peers=first.get_visible_maddrs()))
             dht = dhts[-1]
             model = torch.nn.Linear(4, 2)
             averagers.append(RecordingStateAverager(
