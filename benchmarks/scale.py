@@ -240,7 +240,19 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
         "spread": max(spreads.values()) if spreads else None,
         "remembered": _mean(p.get("records_remembered") for p in per_peer),
         "forced_exits": sum("forced exit" in (p.get("exit") or "") for p in per_peer),  # overran the leave's grace
+        "state_rounds": _state_rounds(per_peer),
     }
+
+
+def _state_rounds(per_peer: list[dict]) -> str:
+    """The peers' state rounds: ok / given up (no group in time) / failed, and the ok rounds' mean group."""
+    counts: dict[str, int] = {}
+    for p in per_peer:
+        for outcome, n in (p.get("state_rounds") or {}).items():
+            counts[outcome] = counts.get(outcome, 0) + n
+    ok = counts.get("ok", 0)
+    text = f"{ok} / {counts.get('given_up', 0)} / {counts.get('failed', 0)}"
+    return text + (f" ({counts.get('peers', 0) / ok:.1f})" if ok else "")
 
 
 def _epochs(epochs: list[int]) -> str:
@@ -344,7 +356,7 @@ HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", 
           "DHT requests/min/peer", "DHT KB/min/peer", "progress reads KB/min/peer",
           "progress reads shared %", "progress reads from nearest %", "records a nearest read: found / missed",
           "cores/peer", "of them trainer / DHT / p2pd / helpers", "CPU bound", "PSS MB/peer",
-          "records from memory %", "forced exits")
+          "records from memory %", "forced exits", "state rounds ok / given up / failed (mean group)")
 
 
 def _measured(peers: int, args, folder: Path, rtt_ms: float, overlap: str) -> dict:
@@ -382,7 +394,7 @@ def _line(r: dict, cores: int) -> str:
                        " / ".join(f"{r['role_cores'][role]:.3f}" for role in ROLES[:4]), bound,
                        f"{r['rss_mb_per_peer']:.0f}",
                        _fmt(100 * r["remembered"] if r["remembered"] is not None else None, 0),
-                       str(r["forced_exits"])])
+                       str(r["forced_exits"]), r["state_rounds"]])
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class PeerReport:
     records_missed_per_nearest_read: Optional[float] = None
     rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.round_failures.round_failure
     rounds_replayed: int = 0  # failed rounds it then applied from a peer that made them (averaging.round_replay)
+    state_rounds: dict = field(default_factory=dict)  # state rounds: ok, given_up, failed; "peers": group sizes summed
     # epoch -> a sketch of its replica as that epoch began (collab.train.summary.sketch_replica), the last epochs
     replica_sketches: dict = field(default_factory=dict)
 
@@ -238,6 +239,7 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
         rounds_failed=sum(s.get("rounds_failed", 0) for s in summaries),
         rounds_failed_by_reason=_add_up(s.get("rounds_failed_by_reason", {}) for s in summaries),
         rounds_replayed=sum(s.get("rounds_replayed", 0) for s in summaries),
+        state_rounds=_add_up(s.get("state_rounds", {}) for s in summaries),
         mean_group_size=sum(sizes) / len(sizes) if sizes else None,
         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None, loss_epochs=len(losses),
         loaded_state_from_peers=any(s.get("loaded_state_from_peers") for s in summaries),

@@ -16,6 +16,7 @@ since gathered the whole swarm (`gathered_since`).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -29,6 +30,7 @@ from collab.averaging.donor_patience import Behind
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
 from collab.averaging.round_control import cancel_round
+from collab.averaging.round_plans import BUDGET_CEILING
 from collab.averaging.served_state import ServesItsSteps
 from collab.averaging.sit_out import SitsOutWhileOutOfStep
 from collab.averaging.state_download import CheckedDownloads
@@ -36,6 +38,40 @@ from collab.records.untrusted import progress_records
 from collab.run.gate import MemberGate
 
 KEEP_ROUNDS = 8
+
+
+def state_search_patience(matchmaking_time: float) -> float:
+    """How long past its scheduled time a state round may look for its group before the next step gives it up
+    (give_up_matchmaking). Its search began about matchmaking_time before that time and lasts as long as its budget
+    says, which grows to BUDGET_CEILING x matchmaking_time after a round that missed peers (round_plans,
+    matching_budget); the last matchmaking_time lets the leader begin its group. With matchmaking_time alone, every
+    state round of 32 peers on 2 cores was given up before its own search ended (searches of 6-9 s, given up 6 s
+    after they began)."""
+    return BUDGET_CEILING * matchmaking_time
+
+
+class RoundOutcomes:
+    """Counts of finished rounds by outcome, from their StepControls' done callbacks (another thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = dict(ok=0, given_up=0, failed=0, peers=0)
+
+    def add(self, control) -> None:
+        if control.cancelled():  # give_up_matchmaking (its group never formed), or a leave
+            outcome, peers = "given_up", 0
+        elif control.exception() is not None:
+            outcome, peers = "failed", 0
+        else:
+            gathered = control.result()
+            outcome, peers = ("ok", len(gathered)) if gathered else ("failed", 0)
+        with self._lock:
+            self._counts[outcome] += 1
+            self._counts["peers"] += peers
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 class _RecordOutcomes(DecentralizedAverager):
@@ -49,7 +85,14 @@ class _RecordOutcomes(DecentralizedAverager):
         control = super().step(*args, gather=gather, **kwargs)
         if isinstance(control, StepControl) and isinstance(gather, int):
             self.rounds = [*getattr(self, "rounds", [])[-KEEP_ROUNDS + 1:], (gather, control)]
+            self.__dict__.setdefault("_outcomes", RoundOutcomes())
+            control.add_done_callback(self._outcomes.add)  # (run in this process: the control is made here)
         return control
+
+    def state_round_outcomes(self) -> dict[str, int]:
+        """How this peer's state rounds ended: {"ok", "given_up", "failed", "peers"} ("peers": summed group sizes)."""
+        outcomes = self.__dict__.get("_outcomes")
+        return outcomes.counts() if outcomes is not None else RoundOutcomes().counts()
 
     def load_state_from_peers(self, *args, **kwargs):
         loaded = super().load_state_from_peers(*args, **kwargs)

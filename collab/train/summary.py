@@ -24,6 +24,8 @@ class Summary:
     rounds_failed: int = 0
     rounds_failed_by_reason: dict[str, int] = field(default_factory=dict)  # collab.modes.round_failures.round_failure
     rounds_replayed: int = 0  # of those, missed rounds applied from a peer that made them (collab.averaging.round_replay)
+    # its state-averaging rounds: ok, given up (no group in time), failed; "peers": their groups' sizes summed
+    state_rounds: dict[str, int] = field(default_factory=dict)
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
     loss_by_epoch: dict[int, float] = field(default_factory=dict)
@@ -134,6 +136,8 @@ def harvest(summary: Summary, opt, model, log: AveragingLog) -> None:
     rounds, refusals, bytes, non-finite parameters and the mode's own report."""
     log.copy_to(summary)
     summary.rounds_replayed = getattr(opt, "rounds_replayed", 0)
+    outcomes = getattr(getattr(opt, "state_averager", None), "state_round_outcomes", None)
+    summary.state_rounds = outcomes() if outcomes is not None else {}
     summary.rejected = {peer: dict(reasons) for peer, reasons in opt.rejections.drain().items()}
     opt.traffic.copy_to(summary)
     summary.nonfinite_parameters = nonfinite_parameters(model)

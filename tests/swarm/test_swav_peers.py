@@ -27,6 +27,8 @@ def test_two_swav_peers_average_and_learn(tmp_path, run_id, no_leftover_processe
     summaries = train_swarm_to_epoch(2, run_id, tmp_path, ["--config", str(config)], max_epochs, per_peer)
     for s in summaries:
         assert s["rounds_joined"] >= 1 and 2 in s["group_sizes"], s
+        # state rounds too (every epoch here), each of both peers (collab.averaging.replica.RoundOutcomes)
+        assert s["state_rounds"]["ok"] >= 1 and s["state_rounds"]["peers"] == 2 * s["state_rounds"]["ok"], s
         losses = [v for _, v in sorted((int(k), v) for k, v in s["loss_by_epoch"].items())]
         assert losses[-1] < losses[0], f"loss did not fall on peer {s['peer_id']}: {losses}"
         print(f"\npeer {s['peer_id'][:8]}: epochs {s['start_epoch']}->{s['final_epoch']}, rounds "
