@@ -30,7 +30,6 @@ from collab.averaging.donor_patience import Behind
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
 from collab.averaging.round_control import cancel_round
-from collab.averaging.round_plans import BUDGET_CEILING
 from collab.averaging.served_state import ServesItsSteps
 from collab.averaging.sit_out import SitsOutWhileOutOfStep
 from collab.averaging.state_download import CheckedDownloads
@@ -38,16 +37,6 @@ from collab.records.untrusted import progress_records
 from collab.run.gate import MemberGate
 
 KEEP_ROUNDS = 8
-
-
-def state_search_patience(matchmaking_time: float) -> float:
-    """How long past its scheduled time a state round may look for its group before the next step gives it up
-    (give_up_matchmaking). Its search began about matchmaking_time before that time and lasts as long as its budget
-    says, which grows to BUDGET_CEILING x matchmaking_time after a round that missed peers (round_plans,
-    matching_budget); the last matchmaking_time lets the leader begin its group. With matchmaking_time alone, every
-    state round of 32 peers on 2 cores was given up before its own search ended (searches of 6-9 s, given up 6 s
-    after they began)."""
-    return BUDGET_CEILING * matchmaking_time
 
 
 class RoundOutcomes:

@@ -20,6 +20,11 @@ from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.planned_leader import LATE_LEADER_SHARE, PLAN_SHARE, peers_training, planned_leader
 
 BUDGET_CEILING = 3.0  # a search waits at most this many times the configured matchmaking_time (matching_budget)
+# a state round's search, at most, in configured matchmaking_times: it begins one before its scheduled time, and the
+# next step gives up one still looking one after it (collab.averaging.replica.give_up_matchmaking), so its leader
+# must begin before then. Searches of up to 3x (the gradient rounds' budget) were all cancelled at 32 peers on 2
+# cores, none averaged; waiting 3x for them held the peers still looking out of the next gradient round, which split
+STATE_SEARCH = 1.5
 FIRST_PLAN_WAIT = 5.0  # seconds a first gradient round waits for the records its plan is made from (reads: <= 3.2 s)
 
 
@@ -43,13 +48,15 @@ class PlansRounds:
     _last_group: frozenset = frozenset()  # the base58 ids of this peer's last gradient group
     _averaged_epoch: Optional[int] = None  # the epoch of the last gradient round this peer averaged (in _last_group)
 
-    def _fit_group_to_swarm(self, matchmaking, records: dict, deadline: Optional[float] = None) -> None:
+    def _fit_group_to_swarm(self, matchmaking, records: dict, deadline: Optional[float] = None,
+                            most: Optional[float] = None) -> None:
         """averaging.group_size unset: a leader begins its round as soon as every peer the run's progress records
         show training (within an epoch of the furthest) has joined, instead of waiting out matchmaking_time for
         peers that do not exist (a 2-peer swarm spent 3 of every 3.5 s matching). Records are at most
         PROGRESS_REFRESH s old: a peer that just joined may miss one round; one that just left makes that round wait
         the whole search. How long a search waits follows what the last rounds found (MatchingBudget), and leaves
-        at least two thirds of the round's time (to `deadline`, dht time) to its all-reduce."""
+        at least two thirds of the round's time (to `deadline`, dht time) to its all-reduce, and at most `most` x the
+        configured time (a state round: STATE_SEARCH)."""
         configured = self.__dict__.setdefault("_configured_group_size", matchmaking.target_group_size)
         if configured is not None:
             return
@@ -62,6 +69,8 @@ class PlansRounds:
         seconds = self._budget.ceiling if getattr(matchmaking, "client_mode", False) else self._budget.seconds
         if deadline is not None:
             seconds = max(self._budget.configured, min(seconds, (deadline - get_dht_time()) / 3))
+        if most is not None:
+            seconds = min(seconds, most * self._budget.configured)
         # both copies: the search's requests read the Matchmaking's, its declared deadline the PotentialLeaders'
         matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = seconds
         matchmaking.target_group_size = _peers_training(records, self._last_group)

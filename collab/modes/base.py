@@ -18,7 +18,7 @@ from hivemind.utils.logging import get_logger
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace
-from collab.averaging.replica import RecordingStateAverager, others_present, state_search_patience, wait_for_a_donor_at
+from collab.averaging.replica import RecordingStateAverager, others_present, wait_for_a_donor_at
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.hivemind_hooks.optimizer import OptimizerHooks
@@ -202,9 +202,8 @@ class SwarmOptimizer(LeavesTheSwarm, OptimizerHooks):
         # (A state round runs in the background whatever averaging.overlap says - hivemind's delay_state_averaging -
         # and with overlap none the next optimizer step would queue behind it in the same executor)
         background = self.delay_optimizer_step or (self.delay_state_averaging and self.use_gradient_averaging)
-        patience = state_search_patience(self.matchmaking_time)
-        if background and self.state_averager.give_up_matchmaking(self.local_epoch, patience, self.stop,
-                                                                   limit=self.averaging_timeout):
+        if background and self.state_averager.give_up_matchmaking(
+                self.local_epoch, self.matchmaking_time, self.stop, limit=self.averaging_timeout):
             logger.warning(f"Epoch {self.local_epoch}: the state-averaging round found no group in time; given up")
         if background:
             # (hivemind's own first step here) the last epoch's state round may show this peer one epoch behind.

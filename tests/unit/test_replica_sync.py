@@ -255,41 +255,6 @@ def test_a_resync_after_an_own_step_waits_for_a_peer_that_made_the_swarms_step(m
     assert time.monotonic() - began < 1.0
 
 
-def test_a_state_round_is_given_up_only_after_its_own_search_could_have_found_its_group():
-    """A state round's search begins matchmaking_time before its scheduled time and may last up to BUDGET_CEILING x
-    matchmaking_time (round_plans: after a round that missed peers). Given up matchmaking_time after that time, as
-    before, every state round of 32 peers on 2 cores was cancelled before its search ended (95 given up, 0 ok; with
-    this patience 96 ok, 0 given up: docs/benchmarks.md)."""
-    import threading
-    from types import SimpleNamespace
-
-    from hivemind.averaging.control import AveragingStage
-    from hivemind.utils.timed_storage import get_dht_time
-
-    from collab.averaging.replica import RecordingStateAverager, state_search_patience
-    from collab.averaging.round_plans import BUDGET_CEILING
-
-    class Control(SimpleNamespace):
-        cancelled = False
-
-        def done(self):
-            return self.cancelled
-
-        def cancel(self):
-            self.cancelled = True
-
-    matchmaking_time = 3.0
-    searching_ends = (BUDGET_CEILING - 1) * matchmaking_time  # after the scheduled time: its longest search's end
-    # its longest search about to end: still looking, kept; long past its search and a matchmaking_time more: given up
-    late, hopeless = (Control(stage=AveragingStage.LOOKING_FOR_GROUP, scheduled_time=get_dht_time() - ago)
-                      for ago in (searching_ends - 0.5, searching_ends + matchmaking_time + 0.5))
-    for control, given_up in ((late, 0), (hopeless, 1)):
-        averager = SimpleNamespace(rounds=[(7, control)], pending_updates=[])
-        assert RecordingStateAverager.give_up_matchmaking(
-            averager, 7, state_search_patience(matchmaking_time), threading.Event(), limit=0.3) == given_up
-        assert control.cancelled is bool(given_up)
-
-
 def test_state_round_outcomes_are_counted_by_how_each_round_ended():
     from concurrent.futures import Future
 

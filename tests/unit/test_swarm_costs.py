@@ -247,6 +247,29 @@ def test_a_search_waits_longer_after_a_round_that_missed_peers_and_eases_back_af
     assert budget.seconds == 3.0
 
 
+def test_a_state_rounds_leader_begins_before_the_next_step_gives_the_round_up():
+    """A state round's search begins matchmaking_time (3 s here) before its scheduled time, and the next step gives up
+    one still looking matchmaking_time after it (collab.averaging.replica.give_up_matchmaking): 2 x matchmaking_time
+    after the search began. With the gradient rounds' budget (2x at first, 3x after a round that missed peers) its
+    leader began no sooner, and every state round of 32 peers on 2 cores was given up, none averaged."""
+    from collab.averaging.round_plans import STATE_SEARCH
+
+    records = {f"peer{i}": SimpleNamespace(epoch=3) for i in range(32)}
+    for missed_rounds in (0, 1, 3):
+        _, averager, matchmaking = _fit(None, [3, 3])
+        for _ in range(missed_rounds):
+            averager._budget.after_round(found=20, expected=32)
+        CheckedRounds._fit_group_to_swarm(averager, matchmaking, records, most=STATE_SEARCH)
+        assert matchmaking.min_matchmaking_time == matchmaking.potential_leaders.min_matchmaking_time
+        # a leader begins at its search's end at the latest, with whoever joined: before the give-up, with time to
+        # gather (its group then runs its all-reduce, which the give-up does not stop)
+        assert 3.0 <= matchmaking.min_matchmaking_time <= 2 * 3.0 - 1.0, missed_rounds
+        assert matchmaking.target_group_size == 32
+    # a gradient round keeps its budget
+    CheckedRounds._fit_group_to_swarm(averager, matchmaking, records)
+    assert matchmaking.min_matchmaking_time == 9.0
+
+
 def test_the_budget_sets_both_of_hiveminds_copies_leaves_time_to_the_all_reduce_and_a_fresh_read_raises_the_target():
     three = {f"peer{i}": SimpleNamespace(epoch=3) for i in range(3)}
     size, averager, matchmaking = _fit(None, [3, 3])
