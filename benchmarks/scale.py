@@ -245,7 +245,8 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
 
 
 def _state_rounds(per_peer: list[dict]) -> str:
-    """The peers' state rounds: ok / given up (no group in time) / failed, and the ok rounds' mean group."""
+    """The peers' state rounds: ok / given up (cancelled: no group in time, sat out, or left) / failed, and the ok
+    rounds' mean group."""
     counts: dict[str, int] = {}
     for p in per_peer:
         for outcome, n in (p.get("state_rounds") or {}).items():

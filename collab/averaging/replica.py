@@ -47,7 +47,7 @@ class RoundOutcomes:
         self._counts = dict(ok=0, given_up=0, failed=0, peers=0)
 
     def add(self, control) -> None:
-        if control.cancelled():  # give_up_matchmaking (its group never formed), or a leave
+        if control.cancelled():  # no group in time (give_up_matchmaking), sat out (sit_out), or left
             outcome, peers = "given_up", 0
         elif control.exception() is not None:
             outcome, peers = "failed", 0

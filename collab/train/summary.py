@@ -24,7 +24,8 @@ class Summary:
     rounds_failed: int = 0
     rounds_failed_by_reason: dict[str, int] = field(default_factory=dict)  # collab.modes.round_failures.round_failure
     rounds_replayed: int = 0  # of those, missed rounds applied from a peer that made them (collab.averaging.round_replay)
-    # its state-averaging rounds: ok, given up (no group in time), failed; "peers": their groups' sizes summed
+    # its state-averaging rounds: ok, given up (cancelled: no group in time, sat out, left), failed; "peers": their
+    # groups' sizes summed
     state_rounds: dict[str, int] = field(default_factory=dict)
     group_sizes: list[int] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # each gradient round: {"epoch": e, "peers": [peer ids]}
