@@ -43,7 +43,7 @@ from collab.averaging.aggregation import Aggregation, RobustPartReducer
 from collab.averaging.one_average import OneAverage
 from collab.averaging.planned_leader import ASK_AGAIN
 from collab.averaging.reply_streams import WholeReplies
-from collab.averaging.round_plans import STATE_SEARCH, PlansRounds
+from collab.averaging.round_plans import PlansRounds
 from collab.averaging.signed_progress import ReadsSignedProgress
 from collab.averaging.known_groups import BAD_GROUP, KnownGroupsOnly
 from collab.averaging.left_out import LeftOutOfRound, TellsLeftOut, leaves_few_out, left_out_error
@@ -253,11 +253,9 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
             if matchmaking is not None:
                 await self._plan_gradient_round(matchmaking, step, records)
         elif matchmaking is not None:
-            # a state round's group is begun once every peer training has joined, as a gradient round's: hivemind's
-            # leader would wait out matchmaking_time (3 s) for more, every average_state_every epochs, and the next
-            # step waits for that round. With epochs of 2 s it was a quarter of a 2-peer swarm's training thread.
-            # The records are the last read's (one every few epochs here); the first round reads, waits for none.
-            self._fit_group_to_swarm(matchmaking, self._signed_progress(), step.deadline, most=STATE_SEARCH)
+            # the records are the last read's (one every few epochs here, and the trainer's view at first): a
+            # fresh read starts, and a plan or target it changes is followed within the search
+            self._plan_state_round(matchmaking, step, self._signed_progress())
         return await super().averaging_step(step=step, **kwargs)
 
     async def aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):

@@ -1,11 +1,11 @@
-"""How a gradient round's group is planned from the run's progress records (a CheckedRounds mixin).
+"""How an averaging round's group is planned from the run's progress records (a CheckedRounds mixin).
 
 hivemind's leader waits out matchmaking_time for peers that may not exist, and its peers find leaders only through
 DHT reads of the group key. Here a round's group target is every peer the records show training (`_fit_group_to_swarm`,
 its search's length following what the last rounds found: collab.averaging.matching_budget), a round that carries
 its epoch is matched under that epoch's key (`_match_within_epoch`), and every peer asks the epoch's planned leader
-first (`_plan_round`, `_plan`; collab.averaging.planned_leader). The records come from
-collab.averaging.signed_progress.
+first (`_plan_round`, `_plan`; collab.averaging.planned_leader). A state round is planned alike, under the run's key
+(`_plan_state_round`). The records come from collab.averaging.signed_progress.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ BUDGET_CEILING = 3.0  # a search waits at most this many times the configured ma
 # a state round's search, at most, in configured matchmaking_times: it begins one before its scheduled time, and the
 # next step gives up one still looking one after it (collab.averaging.replica.give_up_matchmaking), so its leader
 # must begin before then. Searches of up to 3x (the gradient rounds' budget) were all cancelled at 32 peers on 2
-# cores, none averaged; waiting 3x for them held the peers still looking out of the next gradient round, which split
-STATE_SEARCH = 1.5
+# cores, none averaged; waiting 3x for them held the peers still looking out of the next gradient round, which split.
+# With a planned leader (1.5x), the leader began its search up to 2 s after the first peer and its group formed 1-2 s
+# after its search ended: 27 of 64 given up at 32 peers, 9 of 64 at 1x (every group that formed was the whole swarm)
+STATE_SEARCH = 1.0
 FIRST_PLAN_WAIT = 5.0  # seconds a first gradient round waits for the records its plan is made from (reads: <= 3.2 s)
 
 
@@ -83,17 +85,33 @@ class PlansRounds:
             f"round: group target {matchmaking.target_group_size}, searching for at least "
             f"{matchmaking.min_matchmaking_time:.1f} s")
 
-    def _match_within_epoch(self, matchmaking, step) -> None:
-        """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that
-        epoch: hivemind's leaders refuse a request made under another key, and no search sees another epoch's."""
-        base = self._run_prefix(matchmaking)
+    def _plan_state_round(self, matchmaking, step, records: dict) -> None:
+        """A state round's group: begun once every peer training has joined, as a gradient round's (hivemind's leader
+        would wait out matchmaking_time for more, every average_state_every epochs, and the next step waits for that
+        round: with epochs of 2 s, a quarter of a 2-peer swarm's training thread), searching at most STATE_SEARCH.
+        And every peer asks the same leader first: the planned leader of the epoch the round carries (hivemind's
+        state averager gathers it). Without one, at 32 peers on 2 cores, 49 of 64 state rounds were given up and
+        the 15 that averaged had groups of about 5. Matched under the run's key, not the epoch's, so that a peer an
+        epoch behind still averages with the swarm and learns its epoch (collab.averaging.replica)."""
+        self._fit_group_to_swarm(matchmaking, records, step.deadline, most=STATE_SEARCH)
+        self._plan_round(matchmaking, step, self._gathered_epoch(step))
+
+    def _gathered_epoch(self, step) -> Optional[int]:
+        """The epoch a round carries in its gathered data (None: none): a gradient round's is the epoch it ends
+        (collab.averaging.grad_averager.EpochGroups), a state round's the epoch after the step it follows."""
         try:
             _bandwidth, _mode, user_data = self.serializer.loads(step.data_for_gather)
             epoch = self.serializer.loads(user_data)
-        except Exception:  # (our own process's data: a round without an epoch keeps the run's key)
-            epoch = None
-        matchmaking.group_key_manager.prefix = epoch_prefix(base, epoch) if type(epoch) is int else base
-        self._round_epoch = epoch if type(epoch) is int else None
+        except Exception:  # (our own process's data)
+            return None
+        return epoch if type(epoch) is int else None
+
+    def _match_within_epoch(self, matchmaking, step) -> Optional[int]:
+        """A round that carries its epoch (collab.averaging.grad_averager.EpochGroups) is matched under a key of that
+        epoch: hivemind's leaders refuse a request made under another key, and no search sees another epoch's."""
+        base, epoch = self._run_prefix(matchmaking), self._gathered_epoch(step)
+        matchmaking.group_key_manager.prefix = base if epoch is None else epoch_prefix(base, epoch)
+        self._round_epoch = epoch
         if self._round_epoch is not None:  # (a later ask for it is no longer to come: collab.averaging.woken_leader)
             self._searched_epoch = max(self._searched_epoch, self._round_epoch)
         return self._round_epoch
@@ -107,7 +125,7 @@ class PlansRounds:
     _searched_epoch = -1  # the newest such epoch (also collab.averaging.woken_leader's)
 
     def _plan_round(self, matchmaking, step, epoch: Optional[int]) -> None:
-        """A round matched within its epoch, with a group that follows the swarm, asks the epoch's planned leader
+        """A round that carries its epoch, with a group that follows the swarm, asks the epoch's planned leader
         (collab.averaging.planned_leader) for the first PLAN_SHARE of its search."""
         if epoch is None or self.__dict__.get("_configured_group_size") is not None:
             self._round_plan = None
@@ -140,8 +158,13 @@ class PlansRounds:
         leader_id = PeerID.from_base58(leader)
         return None if self.banned(leader_id) else (leader_id, until, latest)
 
-    def _step_group(self, epoch: int) -> frozenset:
-        """The group this peer averaged with in the round before `epoch`'s; empty if it did not average then."""
+    def _step_group(self, epoch: int) -> Optional[frozenset]:
+        """The group this peer averaged with in the gradient round before `epoch`'s; empty if it did not average then.
+        None for a state round: any peer training may lead it. The state averager knows no gradient group, and the
+        rule without one (the peers whose records show the furthest epoch) splits a state round's plan: its records
+        are read every few epochs, each peer's at another moment, some before and some after a peer stepped."""
+        if getattr(self, "kind", "gradients") != "gradients":
+            return None
         return self._last_group if self._averaged_epoch == epoch - 1 else frozenset()
 
     def _log_group(self, seconds: float, group, target: Optional[int]) -> None:

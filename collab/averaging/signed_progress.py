@@ -62,14 +62,14 @@ class ReadsSignedProgress:
         return caps
 
     def read_progress_soon(self, seen: dict) -> None:
-        """(the trainer's process) Before this averager's first gradient round: `seen`, the trainer's tracker's last
+        """(the trainer's process) Before this averager's first round: `seen`, the trainer's tracker's last
         view of the run's progress records (base58 -> (epoch, client mode), signed records only), is this averager's
         until its own read of the records is back; that read starts now. Without it, a first round starts the read
         itself and waits FIRST_PLAN_WAIT for it: 24 peers on 2 cores, 21 of them had none back by then (a read took
         4-6 s), so no planned leader and no group target, and the first round split into groups of 2-8; every
         later round, with the records, had one plan on every peer. The view names who trains, at which epoch, and
         who can lead: all a plan needs (weight caps wait for the signed records themselves)."""
-        if self.kind == "gradients" and self.is_alive():
+        if self.is_alive():
             self._outer_pipe.send(("_read_progress_soon", [dict(seen)], {}))
 
     async def _read_progress_soon(self, seen: dict) -> None:

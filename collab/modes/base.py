@@ -102,12 +102,12 @@ class SwarmOptimizer(LeavesTheSwarm, OptimizerHooks):
         return False
 
     def read_progress_soon(self) -> None:
-        """Hand the gradient averager this peer's view of who trains, for its first round's group target and planned
-        leader (collab.averaging.round_plans), and have it read the run's records now, not when that round begins."""
-        averager = self.grad_averager if self.use_gradient_averaging else None
-        if averager is not None and hasattr(averager, "read_progress_soon"):
-            seen = getattr(self.tracker, "records_seen", {})  # (collab.modes.tracker: signed records only)
-            averager.read_progress_soon({peer: (r.epoch, r.client_mode) for peer, r in seen.items()})
+        """Hand both averagers this peer's view of who trains, for their first rounds' group targets and planned
+        leaders (collab.averaging.round_plans), and have them read the run's records now, not when a round begins."""
+        seen = getattr(self.tracker, "records_seen", {})  # (collab.modes.tracker: signed records only)
+        for averager in (self.grad_averager if self.use_gradient_averaging else None, self.state_averager):
+            if averager is not None and hasattr(averager, "read_progress_soon"):
+                averager.read_progress_soon({peer: (r.epoch, r.client_mode) for peer, r in seen.items()})
 
     def count_only_members(self, allows) -> None:
         self.tracker.members = allows
