@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -37,6 +37,11 @@ from collab.records.untrusted import progress_records
 from collab.run.gate import MemberGate
 
 KEEP_ROUNDS = 8
+# a state round still looking for its group while the next gradient round is, too, looks on up to this many times
+# give_up_matchmaking's patience. At 32 peers on 2 cores a state round's group of the whole swarm formed 5-8 s after
+# its first peers began (everything there is slow: the gradient rounds' took as long), and a give-up 6 s after the
+# search began cancelled it as it formed (9 to 27 of 64 rounds); the gradient round was still matching meanwhile
+HOLD_MOST = 2.0
 
 
 class RoundOutcomes:
@@ -138,21 +143,26 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, SitsO
             return epoch + 1 if epoch + 1 in epochs else None
         return None
 
-    def give_up_matchmaking(self, up_to_epoch: int, patience: float, stop, limit: float) -> int:
+    def give_up_matchmaking(self, up_to_epoch: int, patience: float, stop, limit: float,
+                            hold: Callable[[], bool] = lambda: False) -> int:
         """Wait while a state round of `up_to_epoch` or before looks for a group, and cancel one that still looks
         `patience` seconds after it was due. hivemind would let it look for up to averaging_timeout (a minute),
         blocking the next step or the exit, though its groupmates have averaged without it (this peer was
         starved or late) and will not come back for it. A round that found its group runs to its end; a
         background step that has not started its round yet is waited for (its round may yet need giving up),
-        for `limit` seconds at most: then hivemind's own wait, with its own timeouts, takes over."""
+        for `limit` seconds at most: then hivemind's own wait, with its own timeouts, takes over. While `hold()`
+        (this peer's next gradient round is still looking for its group: the step waits for that anyway), the
+        round looks on, up to HOLD_MOST x `patience` after it was due."""
         cancelled, give_up_at = 0, time.monotonic() + limit
         while not stop.is_set() and time.monotonic() < give_up_at:
             matching = [control for epoch, control in getattr(self, "rounds", []) if epoch <= up_to_epoch
                         and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP]
             if not matching and not any(not update.done() for update in self.pending_updates):
                 break
+            held = bool(matching) and hold()
             for control in matching:
-                if get_dht_time() > control.scheduled_time + patience:
+                late = get_dht_time() - control.scheduled_time
+                if late > patience and not (held and late <= HOLD_MOST * patience):
                     cancel_round(control)
                     cancelled += 1
             stop.wait(0.1)

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import Optional
 
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
 
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
@@ -203,7 +204,8 @@ class SwarmOptimizer(LeavesTheSwarm, OptimizerHooks):
         # and with overlap none the next optimizer step would queue behind it in the same executor)
         background = self.delay_optimizer_step or (self.delay_state_averaging and self.use_gradient_averaging)
         if background and self.state_averager.give_up_matchmaking(
-                self.local_epoch, self.matchmaking_time, self.stop, limit=self.averaging_timeout):
+                self.local_epoch, self.matchmaking_time, self.stop, limit=self.averaging_timeout,
+                hold=self._gradient_round_matching):
             logger.warning(f"Epoch {self.local_epoch}: the state-averaging round found no group in time; given up")
         if background:
             # (hivemind's own first step here) the last epoch's state round may show this peer one epoch behind.
@@ -225,6 +227,12 @@ class SwarmOptimizer(LeavesTheSwarm, OptimizerHooks):
             self.tracker.report_local_progress(self.local_epoch - 1, samples_accumulated=0)
             self._set_sharing_priority(self.local_epoch - 1)
         self._most_peers = self.tracker.global_progress.num_peers
+
+    def _gradient_round_matching(self) -> bool:
+        """Whether this epoch's gradient round, pre-scheduled, is still looking for its group: the step waits for it
+        to find one anyway, so a state round still looking too costs no time (replica.give_up_matchmaking)."""
+        control = self.scheduled_grads if self.use_gradient_averaging else None
+        return control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP
 
     def in_sync(self) -> bool:
         """Whether this replica holds the swarm's state (as far as this peer can tell): its last step used the

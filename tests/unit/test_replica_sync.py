@@ -269,3 +269,45 @@ def test_state_round_outcomes_are_counted_by_how_each_round_ended():
     rounds[3].set_exception(TimeoutError("averaging timed out"))
     rounds[4].set_result(None)  # nothing gathered: not an average
     assert outcomes.counts() == {"ok": 2, "given_up": 1, "failed": 2, "peers": 5}
+
+
+def test_a_state_round_looks_on_while_the_next_gradient_round_is_matching_too_and_no_longer():
+    """At 32 peers on 2 cores a state round's group of the whole swarm formed 5-8 s after its first peers began, and
+    the next step gave it up 6 s after (matchmaking_time past its scheduled time) as it formed, though that step
+    then waited seconds more for its gradient round's group. While the gradient round is matching, the state round
+    looks on, up to HOLD_MOST x the patience past its scheduled time."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from collab.averaging.replica import HOLD_MOST, RecordingStateAverager
+
+    class Round:
+        def __init__(self, late: float):
+            self.scheduled_time, self.given_up = get_dht_time() - late, False
+            self.stage = AveragingStage.LOOKING_FOR_GROUP
+
+        def done(self):
+            return self.given_up
+
+        def cancel(self):
+            self.given_up = True
+
+    def seconds_to_give_up(hold, patience: float = 0.4) -> float:
+        state_round = Round(late=patience + 0.05)
+        averager = SimpleNamespace(rounds=[(5, state_round)], pending_updates=[])
+        began = time.monotonic()
+        assert RecordingStateAverager.give_up_matchmaking(averager, 5, patience, threading.Event(), limit=10.0,
+                                                          hold=hold) == 1
+        assert state_round.given_up
+        return time.monotonic() - began
+
+    # (each wait polls every 0.1 s)
+    assert seconds_to_give_up(lambda: False) < 0.25  # past its patience, the gradient round matched: given up
+    # the gradient round still matching: the state round looks on, HOLD_MOST x the patience past its time at most
+    assert 0.4 * (HOLD_MOST - 1) - 0.1 < seconds_to_give_up(lambda: True) < 0.4 * (HOLD_MOST - 1) + 0.35
+    matched_at = time.monotonic() + 0.2  # ... or until the gradient round found its group
+    assert 0.15 < seconds_to_give_up(lambda: time.monotonic() < matched_at) < 0.45
