@@ -41,6 +41,7 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -247,10 +248,7 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
 def _state_rounds(per_peer: list[dict]) -> str:
     """The peers' state rounds: ok / given up (cancelled: no group in time, sat out, or left) / failed, and the ok
     rounds' mean group."""
-    counts: dict[str, int] = {}
-    for p in per_peer:
-        for outcome, n in (p.get("state_rounds") or {}).items():
-            counts[outcome] = counts.get(outcome, 0) + n
+    counts = sum((Counter(p.get("state_rounds") or {}) for p in per_peer), Counter())
     ok = counts.get("ok", 0)
     text = f"{ok} / {counts.get('given_up', 0)} / {counts.get('failed', 0)}"
     return text + (f" ({counts.get('peers', 0) / ok:.1f})" if ok else "")

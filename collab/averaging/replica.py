@@ -79,7 +79,8 @@ class _RecordOutcomes(DecentralizedAverager):
         control = super().step(*args, gather=gather, **kwargs)
         if isinstance(control, StepControl) and isinstance(gather, int):
             self.rounds = [*getattr(self, "rounds", [])[-KEEP_ROUNDS + 1:], (gather, control)]
-            self.__dict__.setdefault("_outcomes", RoundOutcomes())
+            if "_outcomes" not in self.__dict__:
+                self._outcomes = RoundOutcomes()
             control.add_done_callback(self._outcomes.add)  # (run in this process: the control is made here)
         return control
 
