@@ -29,7 +29,7 @@ from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import Behind
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
-from collab.averaging.round_control import cancel_round
+from collab.averaging.round_control import cancel_round, still_matching
 from collab.averaging.served_state import ServesItsSteps
 from collab.averaging.sit_out import SitsOutWhileOutOfStep
 from collab.averaging.state_download import CheckedDownloads
@@ -156,8 +156,8 @@ class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, SitsO
         round looks on, up to HOLD_MOST x `patience` after it was due."""
         cancelled, give_up_at = 0, time.monotonic() + limit
         while not stop.is_set() and time.monotonic() < give_up_at:
-            matching = [control for epoch, control in getattr(self, "rounds", []) if epoch <= up_to_epoch
-                        and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP]
+            matching = [control for epoch, control in getattr(self, "rounds", [])
+                        if epoch <= up_to_epoch and still_matching(control)]
             if not matching and not any(not update.done() for update in self.pending_updates):
                 break
             held = bool(matching) and hold()

@@ -1,10 +1,16 @@
-"""Cancelling an averaging round from any thread."""
+"""Cancelling an averaging round from any thread, and whether one is still looking for its group."""
 
 from __future__ import annotations
 
 from concurrent.futures import InvalidStateError
 
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils.mpfuture import MPFuture
+
+
+def still_matching(control) -> bool:
+    """Whether an averaging round's control (None: no round) is still looking for its group."""
+    return control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP
 
 
 def cancel_round(control) -> None:

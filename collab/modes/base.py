@@ -13,13 +13,13 @@ import time
 from collections import deque
 from typing import Optional
 
-from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
 
 from collab.adaptive.noise_scale import NOISE_INPUTS_KEPT, NoiseScale, noise_fields
 from collab.averaging.aggregation import Aggregation
 from collab.averaging.donor_patience import EpochPace
 from collab.averaging.replica import RecordingStateAverager, others_present, wait_for_a_donor_at
+from collab.averaging.round_control import still_matching
 from collab.averaging.state_download import download_with_retries
 from collab.averaging.traffic import TrafficLog
 from collab.hivemind_hooks.optimizer import OptimizerHooks
@@ -231,8 +231,7 @@ class SwarmOptimizer(LeavesTheSwarm, OptimizerHooks):
     def _gradient_round_matching(self) -> bool:
         """Whether this epoch's gradient round, pre-scheduled, is still looking for its group: the step waits for it
         to find one anyway, so a state round still looking too costs no time (replica.give_up_matchmaking)."""
-        control = self.scheduled_grads if self.use_gradient_averaging else None
-        return control is not None and not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP
+        return self.use_gradient_averaging and still_matching(self.scheduled_grads)
 
     def in_sync(self) -> bool:
         """Whether this replica holds the swarm's state (as far as this peer can tell): its last step used the
