@@ -21,7 +21,8 @@ import tarfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-GROUP = re.compile(r"round of epoch (\d+): group of (\d+|None) for a target")
+# (a state round's lines say "state round of epoch": not counted)
+GROUP = re.compile(r"(?<!state )round of epoch (\d+): group of (\d+|None) for a target")
 ASKS = re.compile(r"^(\w{3} \d+ [\d:.]+) round of epoch (\d+): asks (\S+) first")  # its time, epoch, leader
 ASKED_ON = re.compile(r"planned leader \.\.\.\S+ has yet to begin its search")
 FEW = re.compile(r"Epoch (\d+): its gradient round gathered (\d+) of the (\d+) peers training; (.*)")

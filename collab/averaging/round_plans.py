@@ -142,8 +142,8 @@ class PlansRounds:
         log = logging.getLogger(__name__)
         if log.isEnabledFor(logging.DEBUG):  # (which leader each peer planned: a split's cause in its peers' logs)
             plan = self._plan()
-            log.debug(f"round of epoch {epoch}: asks {plan[0].to_base58()[-6:] if plan else None} first, for "
-                      f"{self._round_plan[1] - now:.1f} s")
+            log.debug(f"{self._round_kind()}round of epoch {epoch}: asks {plan[0].to_base58()[-6:] if plan else None} "
+                      f"first, for {self._round_plan[1] - now:.1f} s")
 
     def _plan(self) -> Optional[tuple]:
         """(planned leader's PeerID, until, latest) for the search under way, from the records as last read (None:
@@ -179,10 +179,16 @@ class PlansRounds:
                                 self._step_group(self._round_plan[0]))
         members = {peer.to_base58() for peer in group.peer_ids} if group is not None else set()
         left_out = sorted(f"{peer[-6:]}@{getattr(records[peer], 'epoch', '?')}" for peer in set(records) - counted)
-        log.debug(f"round of epoch {self._round_plan[0]}: group of {len(members) or None} for a target of {target} "
-                  f"after {seconds:.1f} s; planned leader {leader[-6:] if leader else None} "
+        log.debug(f"{self._round_kind()}round of epoch {self._round_plan[0]}: group of {len(members) or None} for a "
+                  f"target of {target} after {seconds:.1f} s; planned leader {leader[-6:] if leader else None} "
                   f"{'in' if leader in members else 'not in'} it; {len(records)} records, not counted: "
                   f"{', '.join(left_out) or 'none'}")
+
+    def _round_kind(self) -> str:
+        """How a debug line names this averager's rounds: "" for gradient rounds, "state " for state rounds (one
+        peer's log holds both; benchmarks/lab/split_log.py reads the gradient rounds')."""
+        kind = getattr(self, "kind", "gradients")
+        return "" if kind == "gradients" else f"{kind} "
 
     def _raise_group_target(self, matchmaking) -> None:
         training = _peers_training(self._progress_cache["records"], self._last_group)
