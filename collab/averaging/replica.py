@@ -221,9 +221,10 @@ def peers_behind(dht, run_id: str, epoch: int, ignore: frozenset = frozenset()) 
                   key=lambda b: -b.epochs)
 
 
-def others_epochs(dht, run_id: str, me: str) -> list[int]:
-    """The epoch of every other peer with a fresh progress record; raises when the DHT does not answer."""
-    return _fresh_epochs(dht, run_id, frozenset({me}))
+def others_epochs(dht, run_id: str, me: str, refused: frozenset = frozenset()) -> list[int]:
+    """The epoch of every other peer with a fresh progress record, but those in `refused`; raises when the DHT does
+    not answer."""
+    return _fresh_epochs(dht, run_id, frozenset({me}) | refused)
 
 
 def wait_for_a_donor_at(dht, run_id: str, me: str, epoch: int, stop, limit: float, pause: float = 0.5) -> bool:

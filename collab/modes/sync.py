@@ -155,8 +155,12 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
         if control.stage != AveragingStage.LOOKING_FOR_GROUP:
             return
         me = self.dht.peer_id.to_base58()
+        # nor a peer this one caught cheating: its averager refuses it as leader and as follower (robust_rounds), so
+        # it never joins. A NaN attacker held on its epoch kept an honest peer, whose retry of a round the others
+        # had applied, searching its whole averaging_timeout (45 s) while they made 4 epochs (a CI run, Dec 7)
+        refused = frozenset(self.rejections.caught_ever()) if getattr(self, "rejections", None) else frozenset()
         try:
-            others = others_epochs(self.dht, self.run_id, me)
+            others = others_epochs(self.dht, self.run_id, me, refused=refused)
         except Exception:  # a DHT that does not answer: wait on, as without this check
             return
         swarm = swarm_finished_without(others, epoch)
@@ -174,8 +178,8 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                                    f"epoch {swarm}); nobody is left to average with")
         if self._empty_looks >= EMPTY_LOOKS:
             cancel_round(control)
-            raise NobodyLeftToJoin("every other peer left the run (their progress records are gone); nobody is left "
-                                   "to average with")
+            raise NobodyLeftToJoin("every other peer left the run (their progress records are gone) or was caught "
+                                   "cheating; nobody is left to average with")
 
     def finish_gradient_round(self, maybe_step_control) -> None:
         averaged, missed, left_out, ungrouped = False, False, None, False

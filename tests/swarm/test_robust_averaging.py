@@ -73,8 +73,8 @@ def test_nan_and_sign_flip_attackers_are_excluded_and_clipped(tmp_path, run_id,
     evidence = [{k: s.get(k) for k in ("loss_by_epoch", "samples_by_epoch", "group_sizes", "rounds_joined",
                                        "rounds_failed", "rejected", "final_replica")} for s in summaries]
     assert last < first - 0.05, f"the honest peers did not learn: {first:.3f} -> {last:.3f}\n{evidence}\n{logs}"
-    for s in summaries:
-        assert s["rounds_joined"] >= 2, s
+    for s, e in zip(summaries, evidence):
+        assert s["rounds_joined"] >= 2, f"{e}\n{s.get('rounds_failed_by_reason')} {s.get('state_rounds')}\n{logs}"
     # a round may fail: hivemind can match an honest peer with the sign-flipper alone, and of two parts no rule
     # can tell which is honest; the peer refuses that average (it is out of bounds) and steps alone
     ok, failed = sum(s["rounds_joined"] for s in summaries), sum(s["rounds_failed"] for s in summaries)

@@ -139,8 +139,9 @@ def test_a_round_begun_with_others_is_given_up_once_all_of_them_left(monkeypatch
                 raise TimeoutError("no answer")
             return None  # no progress record but our own: everyone else said goodbye
 
-    def waiting(peers_at_start, dht, matchmaking_time=0.05, delayed=False):
+    def waiting(peers_at_start, dht, matchmaking_time=0.05, delayed=False, caught=()):
         opt = object.__new__(CollabOptimizer)
+        opt.rejections = SimpleNamespace(caught_ever=lambda: set(caught))
         opt.dht, opt.run_id, opt.stop = dht, "run", threading.Event()
         opt._parent_pid = None  # (hivemind's __del__ would shut down the averagers this one never started)
         # (overlap=full: the round is for the epoch before local_epoch)
@@ -166,11 +167,24 @@ def test_a_round_begun_with_others_is_given_up_once_all_of_them_left(monkeypatch
     # every other peer made this epoch's step already (this one was downloading their state as they stepped): given
     # up at the first look, not after matchmaking_time; with overlap=full their records say the next epoch while
     # their round for this one is still matching, so not before it
-    monkeypatch.setattr(sync, "others_epochs", lambda dht, run_id, me: [8, 9])
+    monkeypatch.setattr(sync, "others_epochs", lambda dht, run_id, me, refused=frozenset(): [8, 9])
     for delayed, within in ((False, (0.0, 0.5)), (True, (1.0, 1.5))):
         error, took, control = waiting(2, DHT(), matchmaking_time=1.0, delayed=delayed)
         assert isinstance(error, NobodyLeftToJoin) and "the swarm is at epoch 9" in str(error), error
         assert within[0] <= took < within[1] and control.cancelled, (delayed, took)
+    # still on this epoch: a peer this one caught cheating, whom its averager never lets in (robust_rounds), is nobody
+    # to wait for; one not caught may yet join, and the round waits on
+    import collab.averaging.replica as replica
+
+    now = time.time()
+    monkeypatch.setattr(sync, "others_epochs", replica.others_epochs)
+    monkeypatch.setattr(replica, "progress_records", lambda dht, run_id: {
+        "honest": SimpleNamespace(epoch=9, time=now), "nan": SimpleNamespace(epoch=7, time=now)})
+    error, took, control = waiting(2, DHT(), caught={"nan"})
+    assert isinstance(error, NobodyLeftToJoin) and "the swarm is at epoch 9" in str(error), error
+    assert took < 0.5 and control.cancelled
+    error, took, control = waiting(2, DHT())
+    assert isinstance(error, FutureTimeout) and not control.cancelled, error
 
 
 def test_a_leaving_peer_waits_for_its_goodbye_to_be_stored():
@@ -235,18 +249,18 @@ def test_a_resync_after_an_own_step_waits_for_a_peer_that_made_the_swarms_step(m
     import collab.averaging.replica as replica
 
     seen = iter([[4, 4, 4], [4, 4, 4], [4, 5, 4]])
-    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me: next(seen))
+    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me, refused=frozenset(): next(seen))
     stop = threading.Event()
     assert replica.wait_for_a_donor_at(None, "run", "me", 5, stop, limit=5.0, pause=0.01)
     # nobody makes the step: given up after the limit; alone or a DHT that does not answer: at once
-    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me: [4, 4])
+    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me, refused=frozenset(): [4, 4])
     began = time.monotonic()
     assert not replica.wait_for_a_donor_at(None, "run", "me", 5, stop, limit=0.3, pause=0.05)
     assert 0.2 <= time.monotonic() - began < 1.0
-    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me: [])
+    monkeypatch.setattr(replica, "others_epochs", lambda dht, run_id, me, refused=frozenset(): [])
     assert not replica.wait_for_a_donor_at(None, "run", "me", 5, stop, limit=30.0)
 
-    def no_answer(dht, run_id, me):
+    def no_answer(dht, run_id, me, refused=frozenset()):
         raise TimeoutError("the DHT")
 
     monkeypatch.setattr(replica, "others_epochs", no_answer)
