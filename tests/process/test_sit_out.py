@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+from hivemind.averaging.control import AveragingStage
+
 from collab.averaging.replica import RecordingStateAverager
 from collab.swarm.node import OwnGroupDHT, shut_down_dht
 from tests.conftest import filled_state_averager, held_values
@@ -44,9 +46,13 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
         while out_of_step.rounds_sat_out == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         # the cancel reaches the averager's process through a pipe: in a CI run (two test workers on 2 cores) the
-        # in-step peer, started at once, joined the round still being cancelled there (gathered 2). The round has
-        # min_matchmaking_time (1 s) before it could form; after that the cancel has long arrived
-        time.sleep(1.0)
+        # in-step peer, started at once, joined the round still being cancelled there (gathered 2); in another, also
+        # when started 1 s later. So it starts once that process has ended the round it was told to cancel
+        # (hivemind's step says FINISHED, through shared memory), within a bound
+        deadline = time.monotonic() + ROUND_TIMEOUT / 2
+        while out_of_step.rounds_sat_out and pre_scheduled.stage != AveragingStage.FINISHED \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         steps[1].start()
         for step in steps:
             step.join(ROUND_TIMEOUT + 15)
