@@ -17,7 +17,7 @@ leader refuses a round nobody else sent to and matches again while its round has
 late_start_round stages one way the race comes about: the leader begins the group after the client's wait ended
 (its search's deadline plus request_timeout). Measured 2026-11-28 (2 cores), a 7 s late start: with hivemind's wait
 both rounds failed after their whole 30 s ("could not find a group"; the client, accepted again and again, gave up each
-time); with collab's (collab.hivemind_hooks.patches.patient_followers) both got the exact mean in 7.1 s.
+time); with collab's (collab.hivemind_hooks.matchmaking.patient_followers) both got the exact mean in 7.1 s.
 
     python3 benchmarks/lab/ghost_round.py [NEXT_CHUNK_TIMEOUT] [STEP_TIMEOUT]
 """

@@ -7,7 +7,7 @@ COLLAB_DEBUG_LOGGERS=collab.averaging.round_plans so that each peer logs the siz
 it, only what the few did is counted). Per epoch: the group sizes (peers that logged a group of n, grouped n at a
 time: an estimate when two groups have one size), how many of the few replayed the many's round, stepped on their
 own average, stopped waiting because no group won; and, over the run, the re-syncs by a state download. With
-collab.hivemind_hooks.patches logging too, also how late the planned leader began (its search against the first of
+collab.hivemind_hooks.matchmaking logging too, also how late the planned leader began (its search against the first of
 its followers') and how many followers heard it say it was coming (NOT_DECLARED) and asked on past their plan: whether
 a split round's leader was late, and whether its followers knew.
 """
@@ -24,7 +24,8 @@ from pathlib import Path
 # (a state round's lines say "state round of epoch": not counted)
 GROUP = re.compile(r"(?<!state )round of epoch (\d+): group of (\d+|None) for a target")
 ASKS = re.compile(r"^(\w{3} \d+ [\d:.]+) round of epoch (\d+): asks (\S+) first")  # its time, epoch, leader
-ASKED_ON = re.compile(r"planned leader \.\.\.\S+ has yet to begin its search")
+# (not a state round's: its lines say "state round: ..."; before Dec 7 they did not say which, and counted here)
+ASKED_ON = re.compile(r"(?<!state round: )planned leader \.\.\.\S+ has yet to begin its search")
 FEW = re.compile(r"Epoch (\d+): its gradient round gathered (\d+) of the (\d+) peers training; (.*)")
 NO_MAJORITY = re.compile(r"Epoch (\d+): its round split into groups of .* none of them a majority")
 RESYNC = re.compile(r"in sync with the swarm again \((\w+)")

@@ -3,7 +3,7 @@
 hivemind's handler of a sender's parts, finding the parts' group not among this averager's running groups, waits
 until this averager registers its next group: made for a follower whose leader's start is a moment late while its
 groupmates already send. But a peer that a leader counted in after the peer had stopped waiting for that leader's
-start (a CPU-starved moment; collab.hivemind_hooks.patches.patient_followers makes it rarer) never registers that
+start (a CPU-starved moment; collab.hivemind_hooks.matchmaking.patient_followers makes it rarer) never registers that
 group. Its groupmates' parts then waited there until its next round, and each groupmate's round for the sender's
 patience (reducer_timeout, 2 x next_chunk_timeout: 60 s, a whole averaging_timeout, in a run of the SwAV swarm
 test) before it failed, while the peer they waited for looked for them and found nobody.

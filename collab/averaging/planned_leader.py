@@ -14,9 +14,9 @@ asks that leader directly, again every ASK_AGAIN s while the leader is not searc
 no one; after that, hivemind's own search takes over, so a planned leader that is missing or slow costs part of one
 search, not the round; unless the leader answered that its search is yet to begin (collab.averaging.woken_leader):
 then it is asked on, up to LATE_LEADER_SHARE of the round's time. The leader, once followed, leads its whole search
-(it used to begin its group at its plan's end, half-way: collab.hivemind_hooks.patches.follow_a_plan). The leader
+(it used to begin its group at its plan's end, half-way: collab.hivemind_hooks.matchmaking.follow_a_plan). The leader
 accepts a follower whose search ends up to two request_timeouts before its own (hivemind refuses any such): the
-follower waits for the group's start three past its deadline (collab.hivemind_hooks.patches.patient_followers). With
+follower waits for the group's start three past its deadline (collab.hivemind_hooks.matchmaking.patient_followers). With
 one, at 32 peers on 2 cores, where the planned leader began its search 5-7 s after the first peer in a third of the
 rounds, it refused every peer that began more than 2.4 s before it; those grouped apart (18 + 14, the same 14 epoch
 after epoch: the few end their round late and begin the next one late). Records read a moment apart can differ (a

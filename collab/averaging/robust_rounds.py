@@ -51,8 +51,9 @@ from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
 from collab.averaging.traffic import CountingRunner, TrafficLog
 from collab.averaging.woken_leader import WokenByAsks
 from collab.hivemind_hooks.averager import end_step_unstarted
-from collab.hivemind_hooks.patches import (before_failed_reducer, check_returned_parts, follow_a_plan,
-                                           never_ask_leaders, pace_group_reads, patient_followers, time_matchmaking)
+from collab.hivemind_hooks.matchmaking import (follow_a_plan, never_ask_leaders, pace_group_reads, patient_followers,
+                                               time_matchmaking)
+from collab.hivemind_hooks.patches import before_failed_reducer, check_returned_parts
 from collab.records.rejections import HARD_EVIDENCE
 
 GRADIENT_BOUND = 10.0
@@ -60,7 +61,7 @@ STATE_BOUND = 1.0
 GROUP_READ_FLOOR = 0.1  # seconds: the DHT reads of a group key are at least this far apart (pace_group_reads)
 BAN_SECONDS = 600.0
 # how many times request_timeout an accepted follower waits for its group's start past its own search's deadline
-# (hivemind: once; collab.hivemind_hooks.patches.patient_followers)
+# (hivemind: once; collab.hivemind_hooks.matchmaking.patient_followers)
 FOLLOWER_PATIENCE = 3.0
 _step_in_progress: contextvars.ContextVar = contextvars.ContextVar("collab_step_in_progress", default=None)
 
@@ -247,7 +248,7 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
             # search's end, so a leader whose search ends up to one request_timeout less after it can still take it
             # in (collab.averaging.planned_leader: at 32 peers the planned leader began up to 8 s after the first)
             follow_a_plan(matchmaking, self._plan, slack=(FOLLOWER_PATIENCE - 1) * matchmaking.request_timeout,
-                          ask_again=ASK_AGAIN)
+                          ask_again=ASK_AGAIN, what=f"{self.kind} round")  # (its debug line says which)
         if self.kind == "gradients":
             records = self._signed_progress()  # a fresh read starts while the group is being matched
             if matchmaking is not None:

@@ -135,7 +135,7 @@ class PlansRounds:
         if step.deadline is not None:
             ends = min(ends, step.deadline)
         until = now + PLAN_SHARE * max(0.0, ends - now)
-        # a leader that says its search is yet to begin is asked on (patches.follow_a_plan), within the share of the
+        # a leader that says its search is yet to begin is asked on (matchmaking.follow_a_plan), within the share of the
         # round's time a search may take (_fit_group_to_swarm leaves the rest to the all-reduce)
         latest = max(until, now + LATE_LEADER_SHARE * (step.deadline - now)) if step.deadline is not None else until
         self._round_plan = (epoch, until, latest)

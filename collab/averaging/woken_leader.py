@@ -12,9 +12,9 @@ epoch is its own (collab.modes.sync). An untrusted peer can only make this peer 
 epoch (the epoch must be the trainer's own; a search that grows stale before the step is renewed, as any).
 
 The asker is told so (NOT_DECLARED: "my search is yet to begin", where hivemind says NOT_LOOKING_FOR_GROUP, which
-also means "my round is over") and asks on past its plan's window (collab.hivemind_hooks.patches.follow_a_plan). At 64
-peers on 2 cores the planned leader began its search 8 s after the first of its followers; their 3-s plans had ended,
-and the round split into 10 groups, none of them a majority.
+also means "my round is over") and asks on past its plan's window
+(collab.hivemind_hooks.matchmaking.follow_a_plan). At 64 peers on 2 cores the planned leader began its search 8 s after
+the first of its followers; their 3-s plans had ended, and the round split into 10 groups, none of them a majority.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class WokenByAsks:
     def _note_ask(self, group_key: str) -> bool:
         """(the averager's process) A join request came under `group_key`: noted if this peer was not searching and
         the key's epoch is one it has yet to search for. Whether it was: the asker is told that this peer's search
-        is yet to begin (NOT_DECLARED, collab.averaging.robust_rounds), and asks on (patches.follow_a_plan)."""
+        is yet to begin (NOT_DECLARED, collab.averaging.robust_rounds), and asks on (matchmaking.follow_a_plan)."""
         matchmaking = getattr(self, "_matchmaking", None)
         if self._asked is None or matchmaking is None or matchmaking.is_looking_for_group:
             return False

@@ -7,7 +7,7 @@ The package holds the hooks themselves:
   method whose default is hivemind's own behaviour; collab's classes derive from these and override the public
   names, so a class elsewhere in collab never names a private hivemind method.
 - `patches` holds every run-time patch of a hivemind module, class or object, and every call of a private hivemind
-  function, one function each, with one line on why.
+  function, one function each, with one line on why; `matchmaking`, those of hivemind's Matchmaking (per averager).
 Public methods collab's classes override (a constructor, `step`, a codec's `extract`) are listed here too.
 
 tests/unit/test_hivemind_hooks.py checks this list against the installed hivemind and against collab's own classes

@@ -1,4 +1,4 @@
-"""A planned leader's search (collab.hivemind_hooks.patches.follow_a_plan): with followers, it leads to its end."""
+"""A planned leader's search (collab.hivemind_hooks.matchmaking.follow_a_plan): with followers, it leads to its end."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from collab.hivemind_hooks.patches import LEADER_LOOK, follow_a_plan, hear_first_answers
+from collab.hivemind_hooks.matchmaking import LEADER_LOOK, follow_a_plan, hear_first_answers
 
 
 def _search(window: float, expires: float, followers: dict):

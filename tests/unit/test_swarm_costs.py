@@ -18,7 +18,7 @@ from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.robust_rounds import CheckedRounds
 from collab.averaging.round_plans import PlansRounds, _peers_training
 from collab.hivemind_hooks.dht_node import count_dht_requests
-from collab.hivemind_hooks.patches import pace_group_reads, time_matchmaking
+from collab.hivemind_hooks.matchmaking import pace_group_reads, time_matchmaking
 from collab.swarm.dht_traffic import DHTRequests, known_keys
 
 
