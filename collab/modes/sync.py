@@ -158,9 +158,8 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
         # nor a peer this one caught cheating: its averager refuses it as leader and as follower (robust_rounds), so
         # it never joins. A NaN attacker held on its epoch kept an honest peer, whose retry of a round the others
         # had applied, searching its whole averaging_timeout (45 s) while they made 4 epochs (a CI run, Dec 7)
-        refused = frozenset(self.rejections.caught_ever()) if getattr(self, "rejections", None) else frozenset()
         try:
-            others = others_epochs(self.dht, self.run_id, me, refused=refused)
+            others = others_epochs(self.dht, self.run_id, me, refused=frozenset(self.rejections.caught_ever()))
         except Exception:  # a DHT that does not answer: wait on, as without this check
             return
         swarm = swarm_finished_without(others, epoch)
