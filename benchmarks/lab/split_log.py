@@ -8,8 +8,8 @@ it, only what the few did is counted). Per epoch: the group sizes (peers that lo
 time: an estimate when two groups have one size), how many of the few replayed the many's round, stepped on their
 own average, stopped waiting because no group won; and, over the run, the re-syncs by a state download. With
 collab.hivemind_hooks.matchmaking logging too, also how late the planned leader began (its search against the first of
-its followers') and how many followers heard it say it was coming (NOT_DECLARED) and asked on past their plan: whether
-a split round's leader was late, and whether its followers knew.
+its followers'; negative: before them) and how many followers heard it say it was coming (NOT_DECLARED) and asked on
+past their plan: whether a split round's leader was late, and whether its followers knew.
 """
 
 from __future__ import annotations
@@ -86,13 +86,15 @@ def _seconds(stamp: str) -> float:
 
 
 def leader_lag(row: dict, ids: dict[str, str]) -> str:
-    """How long after the first of its followers the most named planned leader began its own search (from the peers'
-    "asks ... first" lines: a planned leader names itself; `ids`: each log's peer id, from its summary), or '-'."""
+    """How long after the first of its followers the most named planned leader began its own search (negative: before
+    them; from the peers' "asks ... first" lines: a planned leader names itself; `ids`: each log's peer id, from its
+    summary), or '-'."""
     if not row["leaders"]:
         return "-"
     leader = row["leaders"].most_common(1)[0][0]
     own = [when for name, (when, _) in row["began"].items() if ids.get(name, "").endswith(leader)]
-    return "-" if not own else f"{own[0] - min(when for when, _ in row['began'].values()):.1f} s"
+    followers = [when for name, (when, _) in row["began"].items() if not ids.get(name, "").endswith(leader)]
+    return "-" if not own or not followers else f"{own[0] - min(followers):.1f} s"
 
 
 def groups(sizes: Counter) -> list[int]:
