@@ -9,7 +9,8 @@ time: an estimate when two groups have one size), how many of the few replayed t
 own average, stopped waiting because no group won; and, over the run, the re-syncs by a state download. With
 collab.hivemind_hooks.matchmaking logging too, also how late the planned leader began (its search against the first of
 its followers'; negative: before them) and how many followers heard it say it was coming (NOT_DECLARED) and asked on
-past their plan: whether a split round's leader was late, and whether its followers knew.
+past their plan: whether a split round's leader was late, and whether its followers knew. With collab.modes.leading
+logging, how many peers began as a round's leader early (knowing it from the round before) or woken by an ask.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ ASKED_ON = re.compile(r"(?<!state round: )planned leader \.\.\.\S+ has yet to be
 FEW = re.compile(r"Epoch (\d+): its gradient round gathered (\d+) of the (\d+) peers training; (.*)")
 NO_MAJORITY = re.compile(r"Epoch (\d+): its round split into groups of .* none of them a majority")
 RESYNC = re.compile(r"in sync with the swarm again \((\w+)")
+EARLY = re.compile(r"Epoch (\d+): the planned leader of its round; searching from")  # (collab.modes.leading)
+WOKEN = re.compile(r"Epoch (\d+): asked to lead its round by a peer already searching")
 
 
 def peer_logs(source: Path, suffix: str = ".log") -> dict[str, str]:
@@ -56,7 +59,7 @@ def peer_ids(source: Path) -> dict[str, str]:
 def read_rounds(logs: dict[str, str]) -> tuple[dict, Counter]:
     """Per epoch: group sizes as each peer saw them, and what the few did; over the run: re-syncs by how."""
     epochs: dict[int, dict] = defaultdict(lambda: dict(sizes=Counter(), replayed=0, own=0, no_majority=0, began={},
-                                                       leaders=Counter(), asked_on=set()))
+                                                       leaders=Counter(), asked_on=set(), early=0, woken=0))
     resyncs: Counter = Counter()
     for name, text in logs.items():
         searching = None  # the epoch of this peer's gradient round under way (its last "asks ... first")
@@ -76,6 +79,10 @@ def read_rounds(logs: dict[str, str]) -> tuple[dict, Counter]:
                 epochs[int(match[1])]["no_majority"] += 1
             elif match := RESYNC.search(line):
                 resyncs[match[1]] += 1
+            elif match := EARLY.search(line):
+                epochs[int(match[1])]["early"] += 1
+            elif match := WOKEN.search(line):
+                epochs[int(match[1])]["woken"] += 1
     return dict(epochs), resyncs
 
 
@@ -109,8 +116,8 @@ def main() -> None:
     epochs, resyncs = read_rounds(peer_logs(args.source))
     ids = peer_ids(args.source)
     print("| epoch | groups | split | few replayed | few own step | few stopped: no majority | planned leader began "
-          "after the first | asked on past the plan |")
-    print("|---|---|---|---|---|---|---|---|")
+          "after the first | asked on past the plan | leaders begun early / woken |")
+    print("|---|---|---|---|---|---|---|---|---|")
     split = 0
     for epoch in sorted(epochs):
         row = epochs[epoch]
@@ -118,7 +125,7 @@ def main() -> None:
         split += len(formed) > 1
         print(f"| {epoch} | {' + '.join(map(str, formed)) or '-'} | {'yes' if len(formed) > 1 else ''} | "
               f"{row['replayed']} | {row['own']} | {row['no_majority']} | {leader_lag(row, ids)} | "
-              f"{len(row['asked_on'])} of {len(row['began'])} |")
+              f"{len(row['asked_on'])} of {len(row['began'])} | {row['early']} / {row['woken']} |")
     print(f"\n{split} of {len(epochs)} rounds split; the few replayed {sum(r['replayed'] for r in epochs.values())}, "
           f"stepped on their own {sum(r['own'] for r in epochs.values())} times "
           f"({sum(r['no_majority'] for r in epochs.values())} of them stopping early: no majority); re-syncs: "
