@@ -55,8 +55,12 @@ class WokenByAsks:
     def _note_next_lead(self, epoch: int) -> None:
         """(the averager's process, once this peer averaged `epoch`'s gradient round or replayed it) Whether this peer
         is the planned leader of the next epoch's round, by the records, last group and step the plan of that round
-        will read (collab.averaging.round_plans._plan): a newer read of the records may still name another."""
+        will read (collab.averaging.round_plans._plan): a newer read of the records may still name another. None
+        with averaging.group_size set: its rounds have no plan (hivemind's search alone)."""
         if self._leads is None:
+            return
+        if self.__dict__.get("_configured_group_size") is not None:
+            self._leads.value = -1
             return
         records = self.__dict__.get("_progress_cache", {}).get("records", {})
         leader = planned_leader(records, epoch + 1, self._last_group, self._step_group(epoch + 1))

@@ -159,3 +159,10 @@ def test_after_a_round_the_averager_tells_its_trainer_whether_it_leads_the_next_
     averager._progress_cache = {"records": {}}  # no records: no plan, no early search
     averager._note_next_lead(5)
     assert averager.planned_to_lead() is None
+    leader_peer = next(peer for peer in peers if peer.to_base58() == leader)
+    configured = _Rounds()  # averaging.group_size set: no planned rounds (round_plans._plan_round), so none early
+    configured.listen_for_asks()
+    configured.__dict__.update(peer_id=leader_peer, kind="gradients", _progress_cache={"records": records},
+                               _last_group=frozenset(records), _averaged_epoch=4, _configured_group_size=4)
+    configured._note_next_lead(4)
+    assert configured.planned_to_lead() is None
