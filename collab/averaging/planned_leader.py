@@ -13,9 +13,7 @@ is least. It changes each epoch, so no peer leads every round. For the first par
 asks that leader directly, again every ASK_AGAIN s while the leader is not searching yet, and the leader itself asks
 no one; after that, hivemind's own search takes over, so a planned leader that is missing or slow costs part of one
 search, not the round; unless the leader answered that its search is yet to begin (collab.averaging.woken_leader):
-then it is asked on, up to LATE_LEADER_SHARE of the round's time. The leader itself, knowing it leads the next round
-from the one before, begins its search LEAD_EARLY matchmaking times before its followers (`begins_early`; its
-followers wake it if its own forecast is late). The leader, once followed, leads its whole search
+then it is asked on, up to LATE_LEADER_SHARE of the round's time. The leader, once followed, leads its whole search
 (it used to begin its group at its plan's end, half-way: collab.hivemind_hooks.matchmaking.follow_a_plan). The leader
 accepts a follower whose search ends up to two request_timeouts before its own (hivemind refuses any such): the
 follower waits for the group's start three past its deadline (collab.hivemind_hooks.matchmaking.patient_followers). With
@@ -34,15 +32,6 @@ from typing import Optional
 PLAN_SHARE = 0.5  # of a search's time: how long a peer asks the planned leader before hivemind's own search
 ASK_AGAIN = 0.3  # seconds between asks while the planned leader is not searching yet
 LATE_LEADER_SHARE = 1 / 3  # of a round's time to its deadline: how long a leader that says it is coming is asked
-LEAD_EARLY = 1.0  # matchmaking times: how much sooner than its followers a planned leader begins its search
-
-
-def begins_early(seconds_left: float, matchmaking_time: float, averaging_timeout: float) -> bool:
-    """Whether a planned leader whose forecast says its epoch ends in `seconds_left` begins its round's search now:
-    within LEAD_EARLY matchmaking times of its followers' start (hivemind begins a search matchmaking_time before
-    the forecast end), and with over half the round's timeout left once its group begins at that end (a search
-    begun that early would leave its all-reduce too little)."""
-    return seconds_left <= (1 + LEAD_EARLY) * matchmaking_time and seconds_left < averaging_timeout / 2
 
 
 def peers_training(records: dict, last_group: frozenset = frozenset()) -> set:

@@ -349,8 +349,6 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
             del recent[:-16]
         if self.kind == "gradients" and not phase:
             self._averaged_epoch = self._round_epoch  # (collab.averaging.round_plans._step_group)
-            if self._round_epoch is not None:
-                self._note_next_lead(self._round_epoch)  # (collab.averaging.woken_leader)
             if getattr(self, "_partial", None) is not None:
                 self.keep_partial_round(None, None, None)  # an earlier left-out round's: one model's worth, let go
         self.last_updated = get_dht_time()

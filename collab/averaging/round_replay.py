@@ -158,7 +158,6 @@ class ServedRounds:
     async def _adopt_step_group(self, epoch: int, members: list[str]) -> None:
         # (collab.averaging.round_plans: the group of the round before an epoch's names who may lead it)
         self._last_group, self._averaged_epoch = frozenset(members), epoch
-        self._note_next_lead(epoch)  # (collab.averaging.woken_leader)
 
     async def _fetch_round(self, epoch: int, donors: list[str], timeout: float, future: MPFuture) -> None:
         answers = RoundAnswers()

@@ -15,13 +15,6 @@ The asker is told so (NOT_DECLARED: "my search is yet to begin", where hivemind 
 also means "my round is over") and asks on past its plan's window
 (collab.hivemind_hooks.matchmaking.follow_a_plan). At 64 peers on 2 cores the planned leader began its search 8 s after
 the first of its followers; their 3-s plans had ended, and the round split into 10 groups, none of them a majority.
-
-A planned leader need not wait to be woken: after each gradient round its averager works out whether this peer is the
-planned leader of the next epoch's (from the records and group the plan will be made from) and tells the trainer
-(`planned_to_lead`), which then begins that round's search a matchmaking_time before its followers do
-(collab.modes.leading), so that it is searching when they come; an ask wakes it all the same. It learns of its epoch's
-end from the same late reads of the swarm's progress as every peer, and only at a micro-batch's end: at 32 peers on 2
-cores (epochs of ~13 s) it began before every follower in 5 of 9 rounds, against 1 of 11 when only asks woke it.
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ import multiprocessing
 import re
 from typing import Optional
 
-from collab.averaging.planned_leader import planned_leader
 from collab.averaging.round_plans import epoch_prefix
 
 MOST_DIGITS = 12  # an epoch in a group key: beyond this, not a round of this run
@@ -38,33 +30,13 @@ COMING_EPOCHS = 2  # a peer that searched for epoch E's round is coming to lead 
 
 
 class WokenByAsks:
-    """A CheckedRounds mixin (beside round_plans.PlansRounds, whose `_run_prefix`, `_searched_epoch`, `_last_group` and
-    `_step_group` it reads): call `listen_for_asks()` before hivemind's constructor forks the averager process."""
+    """A CheckedRounds mixin (beside round_plans.PlansRounds, whose `_run_prefix` and `_searched_epoch` it reads): call
+    `listen_for_asks()` before hivemind's constructor forks the averager process."""
 
     _asked = None  # multiprocessing.RawValue("q"): the newest epoch whose round a peer asked this one to lead, or -1
-    _leads = None  # multiprocessing.RawValue("q"): the next epoch whose round this peer is planned to lead, or -1
 
     def listen_for_asks(self) -> None:
-        self._asked, self._leads = multiprocessing.RawValue("q", -1), multiprocessing.RawValue("q", -1)
-
-    def planned_to_lead(self) -> Optional[int]:
-        """(the trainer's process) The epoch whose round this peer is the planned leader of, as its averager worked
-        it out after its last gradient round; None: not the next one's."""
-        return None if self._leads is None or self._leads.value < 0 else int(self._leads.value)
-
-    def _note_next_lead(self, epoch: int) -> None:
-        """(the averager's process, once this peer averaged `epoch`'s gradient round or replayed it) Whether this peer
-        is the planned leader of the next epoch's round, by the records, last group and step the plan of that round
-        will read (collab.averaging.round_plans._plan): a newer read of the records may still name another. None
-        with averaging.group_size set: its rounds have no plan (hivemind's search alone)."""
-        if self._leads is None:
-            return
-        if self.__dict__.get("_configured_group_size") is not None:
-            self._leads.value = -1
-            return
-        records = self.__dict__.get("_progress_cache", {}).get("records", {})
-        leader = planned_leader(records, epoch + 1, self._last_group, self._step_group(epoch + 1))
-        self._leads.value = epoch + 1 if leader is not None and leader == self.peer_id.to_base58() else -1
+        self._asked = multiprocessing.RawValue("q", -1)
 
     def asked_to_lead(self) -> Optional[int]:
         """(the trainer's process) The newest epoch whose round another peer asked this one to lead before it

@@ -26,7 +26,6 @@ from collab.averaging.round_replay import what_is_wrong
 from collab.averaging.split_rounds import KnownGroups, round_group
 from collab.modes import ModeContext
 from collab.modes.base import SwarmOptimizer
-from collab.modes.leading import LeadsPlannedRounds
 from collab.modes.leaving import LeavingMidStep
 from collab.modes.round_failures import NobodyLeftToJoin, round_failure, why_no_group
 from collab.modes.staying_donor import StaysAsDonor
@@ -43,7 +42,7 @@ EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a roun
 logger = get_logger(__name__)
 
 
-class CollabOptimizer(StaysAsDonor, LeadsPlannedRounds, SwarmOptimizer):
+class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
     """The sync mode's optimizer, on collab.modes.base.SwarmOptimizer: it records each gradient-averaging round,
     refuses averages it cannot trust, steps on its own gradients when a round fails, and re-syncs after.
 
@@ -375,6 +374,27 @@ class CollabOptimizer(StaysAsDonor, LeadsPlannedRounds, SwarmOptimizer):
         # with reuse_grad_buffers hivemind accumulates in .grad itself and clears it after each epoch
         if not self.grad_averager.reuse_grad_buffers:
             super().zero_grad(set_to_none)
+
+    def schedule_gradient_round(self) -> None:
+        # hivemind pre-schedules matchmaking even for a peer that is alone, and the fruitless search keeps
+        # the DHT and averager processes busy (a third of a core here). With one peer there is nobody to
+        # match; when another appears, begin_gradient_round still starts a round at the epoch's end.
+        if self.tracker.global_progress.num_peers > 1:
+            self.grad_averager.epoch = self.local_epoch
+            if self._asked_to_lead_now():
+                self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+                return
+            super().schedule_gradient_round()
+
+    def _asked_to_lead_now(self) -> bool:
+        """Whether a peer already searching asked this one to lead this epoch's round before this peer's own reads
+        said the epoch ends (collab.averaging.woken_leader), and no round of this peer's is under way."""
+        asked = getattr(self.grad_averager, "asked_to_lead", lambda: None)()
+        control = self.scheduled_grads
+        if asked != self.local_epoch or not (control is None or control.triggered or control.done()):
+            return False
+        logger.debug(f"Epoch {self.local_epoch}: asked to lead its round by a peer already searching; beginning now")
+        return True
 
     def _averaged_gradients_are_finite(self) -> bool:
         with torch.no_grad(), self.grad_averager.get_tensors() as tensors:

@@ -4,9 +4,6 @@ from types import SimpleNamespace
 
 from hivemind.utils import get_dht_time
 
-from hivemind.p2p import PeerID
-
-from collab.averaging.planned_leader import begins_early, planned_leader
 from collab.averaging.round_plans import PlansRounds, epoch_prefix
 from collab.averaging.woken_leader import WokenByAsks, epoch_of_key
 from collab.modes.sync import CollabOptimizer
@@ -78,31 +75,27 @@ def test_the_trainer_begins_its_round_when_asked_for_its_own_epoch_and_no_round_
 
 
 class _Averager:
-    def __init__(self, asked, leads=None):
-        self.asked, self.leads, self.steps = asked, leads, []
+    def __init__(self, asked):
+        self.asked, self.steps = asked, []
 
     def asked_to_lead(self):
         return self.asked
-
-    def planned_to_lead(self):
-        return self.leads
 
     def schedule_step(self, **kwargs):
         self.steps.append(kwargs)
         return SimpleNamespace(triggered=False, done=lambda: False)
 
 
-def _trainer(asked, local_epoch: int = 5, leads=None, seconds_left: float = 100.0):
-    """A CollabOptimizer (its constructor skipped) whose own reads say the epoch ends in `seconds_left` s (100:
-    hivemind's forecast alone schedules nothing)."""
+def _trainer(asked, local_epoch: int = 5):
+    """A CollabOptimizer (its constructor skipped) whose own reads say the epoch ends in 100 s: hivemind's forecast
+    alone schedules nothing."""
     trainer = object.__new__(CollabOptimizer)
     trainer.__dict__.update(
-        grad_averager=_Averager(asked, leads), state_averager=SimpleNamespace(local_epoch=local_epoch),
-        scheduled_grads=None,
+        grad_averager=_Averager(asked), state_averager=SimpleNamespace(local_epoch=local_epoch), scheduled_grads=None,
         averaging_timeout=30.0, _parent_pid=-1,  # (not this process's: hivemind's __del__ shuts nothing down)
         matchmaking_time=3.0, use_gradient_averaging=True, status_loglevel=10,
         tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=3),
-                                estimated_next_update_time=get_dht_time() + seconds_left))
+                                estimated_next_update_time=get_dht_time() + 100))
     return trainer
 
 
@@ -117,52 +110,3 @@ def test_asked_for_its_own_epoch_the_trainer_schedules_its_round_now_whatever_it
         waiting = _trainer(asked)
         waiting.schedule_gradient_round()
         assert waiting.grad_averager.steps == [] and waiting.scheduled_grads is None, asked
-
-
-def test_a_planned_leader_begins_a_matchmaking_time_before_its_followers_within_its_round_timeout():
-    assert begins_early(5.9, matchmaking_time=3.0, averaging_timeout=30.0)  # followers begin at 3 s
-    assert begins_early(1.0, matchmaking_time=3.0, averaging_timeout=30.0)
-    assert not begins_early(6.1, matchmaking_time=3.0, averaging_timeout=30.0)
-    assert not begins_early(5.0, matchmaking_time=3.0, averaging_timeout=8.0)  # its group would begin past half
-
-
-def test_the_planned_leader_of_its_epoch_searches_early_until_the_forecast_end_and_no_other_peer_does():
-    leader = _trainer(asked=None, leads=5, seconds_left=5.0)
-    leader.schedule_gradient_round()
-    (step,) = leader.grad_averager.steps
-    # its group begins where its followers' searches end (they begin matchmaking_time before the forecast end)
-    assert step["timeout"] == 30.0 and abs(step["scheduled_time"] - (get_dht_time() + 5.0)) < 0.5
-    leader.schedule_gradient_round()  # its round is under way: not a second one
-    assert len(leader.grad_averager.steps) == 1
-    for leads, seconds_left in ((5, 8.0), (4, 5.0), (6, 5.0), (None, 5.0)):  # too soon; another epoch's; none
-        follower = _trainer(asked=None, leads=leads, seconds_left=seconds_left)
-        follower.schedule_gradient_round()
-        assert follower.grad_averager.steps == [] and follower.scheduled_grads is None, (leads, seconds_left)
-
-
-def test_after_a_round_the_averager_tells_its_trainer_whether_it_leads_the_next_epochs_round():
-    """The next round's planned leader, worked out as its plan will be: from the records, the last group and whether
-    this peer averaged the round before (collab.averaging.round_plans._step_group)."""
-    peers = [PeerID.from_base58(name) for name in (
-        "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN", "QmSoLPppuBtQSGwKDZT2M73ULpjvfd3aZ6ha4oFGL1KrGM",
-        "QmSoLSafTMBsPKadTEgaXctDQVcqN88CNLHXMkTNwMKPnu")]
-    records = {peer.to_base58(): SimpleNamespace(epoch=4, client_mode=False) for peer in peers}
-    leader = planned_leader(records, 5, frozenset(records), frozenset(records))
-    for peer in peers:
-        averager = _Rounds()
-        averager.listen_for_asks()
-        averager.__dict__.update(peer_id=peer, kind="gradients", _progress_cache={"records": records},
-                                 _last_group=frozenset(records), _averaged_epoch=4)
-        assert averager.planned_to_lead() is None  # (no round yet)
-        averager._note_next_lead(4)
-        assert averager.planned_to_lead() == (5 if peer.to_base58() == leader else None), peer
-    averager._progress_cache = {"records": {}}  # no records: no plan, no early search
-    averager._note_next_lead(5)
-    assert averager.planned_to_lead() is None
-    leader_peer = next(peer for peer in peers if peer.to_base58() == leader)
-    configured = _Rounds()  # averaging.group_size set: no planned rounds (round_plans._plan_round), so none early
-    configured.listen_for_asks()
-    configured.__dict__.update(peer_id=leader_peer, kind="gradients", _progress_cache={"records": records},
-                               _last_group=frozenset(records), _averaged_epoch=4, _configured_group_size=4)
-    configured._note_next_lead(4)
-    assert configured.planned_to_lead() is None
