@@ -9,8 +9,9 @@ time: an estimate when two groups have one size), how many of the few replayed t
 own average, stopped waiting because no group won; and, over the run, the re-syncs by a state download. With
 collab.hivemind_hooks.matchmaking logging too, also how late the planned leader began (its search against the first of
 its followers'; negative: before them) and how many followers heard it say it was coming (NOT_DECLARED) and asked on
-past their plan: whether a split round's leader was late, and whether its followers knew. With collab.modes.leading
-logging, how many peers began as a round's leader early (knowing it from the round before) or woken by an ask.
+past their plan: whether a split round's leader was late, and whether its followers knew. With collab.modes.sync
+logging, how many peers began as a round's leader woken by an ask (and, in logs of the early planned leader, taken
+out on 2026-12-07, how many began early, knowing it from the round before: its module was collab.modes.leading).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ASKED_ON = re.compile(r"(?<!state round: )planned leader \.\.\.\S+ has yet to be
 FEW = re.compile(r"Epoch (\d+): its gradient round gathered (\d+) of the (\d+) peers training; (.*)")
 NO_MAJORITY = re.compile(r"Epoch (\d+): its round split into groups of .* none of them a majority")
 RESYNC = re.compile(r"in sync with the swarm again \((\w+)")
-EARLY = re.compile(r"Epoch (\d+): the planned leader of its round; searching from")  # (collab.modes.leading)
+EARLY = re.compile(r"Epoch (\d+): the planned leader of its round; searching from")  # (the early leader, taken out)
 WOKEN = re.compile(r"Epoch (\d+): asked to lead its round by a peer already searching")
 
 
