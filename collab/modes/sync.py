@@ -16,7 +16,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 from hivemind.averaging.control import AveragingStage
 from hivemind.utils.logging import get_logger
-from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.left_out import LeftOutOfRound
 from collab.averaging.planned_leader import loses_an_even_split, planned_leader
@@ -26,6 +25,7 @@ from collab.averaging.round_replay import what_is_wrong
 from collab.averaging.split_rounds import KnownGroups, round_group
 from collab.modes import ModeContext
 from collab.modes.base import SwarmOptimizer
+from collab.modes.fresh_rounds import FreshRounds
 from collab.modes.leaving import LeavingMidStep
 from collab.modes.round_failures import NobodyLeftToJoin, round_failure, why_no_group
 from collab.modes.staying_donor import StaysAsDonor
@@ -42,7 +42,7 @@ EMPTY_LOOKS = 2  # looks in a row that find no other peer's record before a roun
 logger = get_logger(__name__)
 
 
-class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
+class CollabOptimizer(FreshRounds, StaysAsDonor, SwarmOptimizer):
     """The sync mode's optimizer, on collab.modes.base.SwarmOptimizer: it records each gradient-averaging round,
     refuses averages it cannot trust, steps on its own gradients when a round fails, and re-syncs after.
 
@@ -64,7 +64,7 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
         self.grad_averager.epoch = self.local_epoch  # (grad_averager.EpochGroups) the round ends this epoch
         if hasattr(self.grad_averager, "set_round_context"):  # dgc: its warm-up and its clipping need these
             self.grad_averager.set_round_context(self.local_epoch, max(1, self.tracker.global_progress.num_peers))
-        self._renew_a_stale_round()
+        self.refresh_the_pre_scheduled_round()
         began = super().begin_gradient_round(grad_scaler)
         if not began and self._most_peers > 1:
             # hivemind steps alone while others average. Not a round that failed when this peer is leaving: its
@@ -73,25 +73,6 @@ class CollabOptimizer(StaysAsDonor, SwarmOptimizer):
                 self.averaging_log.failure("round could not start")
             self._record_own_step("the gradient round could not start")
         return began
-
-    def _renew_a_stale_round(self) -> None:
-        """hivemind pre-schedules an epoch's gradient round when its forecast says the epoch ends within
-        matchmaking_time, and that round gives up averaging_timeout after it was scheduled, not after it is
-        triggered. When the epoch ends much later than forecast (a slow groupmate, a busy machine), the round has
-        seconds left when its peer reaches the step: a client-mode peer's round can run out just before its server
-        joins it, and both step alone. Such a round is cancelled and a fresh one, with the whole averaging_timeout,
-        takes its place."""
-        control = self.scheduled_grads
-        # (a round whose group is assembled waits only for this trigger: its deadline no longer matters)
-        if control is None or control.triggered or control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
-            return
-        left = control.deadline - get_dht_time()
-        if not round_is_stale(left, self.averaging_timeout):
-            return
-        cancel_round(control)
-        self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
-        logger.warning(f"Epoch {self.local_epoch}: the pre-scheduled gradient round had {left:.1f} s left of its "
-                       f"{self.averaging_timeout:g} s; renewed")
 
     def _record_own_step(self, why: str, whose: str = "this peer's own gradients") -> None:
         peers = max(self._most_peers, self.tracker.global_progress.num_peers)
@@ -433,13 +414,6 @@ def the_many(records: dict, epoch: int, group, me: str) -> list[str]:
     random.shuffle(others)
     leader = planned_leader(records, epoch)
     return sorted(others, key=lambda peer: peer != leader)
-
-
-def round_is_stale(seconds_left: float, averaging_timeout: float) -> bool:
-    """Whether a pre-scheduled round, still looking for a group when its peer reaches the step, has spent too much
-    of its timeout waiting for it: over half. (Pre-scheduled on a forecast that the epoch ends within
-    matchmaking_time, it normally has all but a few seconds left)"""
-    return seconds_left < averaging_timeout / 2
 
 
 def optimizer_options(context: ModeContext) -> dict:

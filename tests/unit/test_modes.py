@@ -48,7 +48,7 @@ def test_an_unknown_mode_is_named():
 
 
 def test_a_pre_scheduled_round_that_waited_out_half_its_timeout_is_renewed_at_the_step():
-    from collab.modes.sync import round_is_stale
+    from collab.modes.fresh_rounds import round_is_stale
 
     # pre-scheduled when the forecast said the epoch ends within matchmaking_time (5 s): triggered on time, kept
     assert not round_is_stale(30.0 - 5.0, averaging_timeout=30.0)
@@ -56,6 +56,57 @@ def test_a_pre_scheduled_round_that_waited_out_half_its_timeout_is_renewed_at_th
     # groupmate's own matchmaking and all-reduce began
     assert round_is_stale(30.0 - 25.0, averaging_timeout=30.0)
     assert round_is_stale(-1.0, averaging_timeout=30.0)
+
+
+def test_a_pre_scheduled_round_that_ended_before_the_step_is_replaced_by_a_fresh_round():
+    """hivemind discards a pre-scheduled round that ended before the step and steps on this peer's own gradients
+    ("round could not start"); collab begins a fresh round instead, except for a peer that is leaving."""
+    import logging
+    import threading
+    from types import SimpleNamespace
+
+    from concurrent.futures import Future
+
+    from hivemind.averaging.control import AveragingStage
+
+    from collab.modes.sync import CollabOptimizer
+
+    class Control(Future):  # hivemind's StepControl as the step reads it: a future, its trigger and its stage
+        triggered, stage, deadline = False, AveragingStage.LOOKING_FOR_GROUP, float("inf")
+
+    def control() -> Control:
+        return Control()
+
+    def peer(stop: bool):
+        ended = control()
+        ended.stage = AveragingStage.FINISHED
+        ended.set_exception(TimeoutError("averaging_timeout ran out while looking for a group"))
+        steps, failures, own_steps = [], [], []
+
+        def step(control=None, reset_accumulators=True, wait=False):
+            steps.append(control)
+            return fresh
+
+        fresh = control()
+        opt = CollabOptimizer.__new__(CollabOptimizer)
+        opt._parent_pid = None  # hivemind's __del__ reads it: this one never started a process
+        vars(opt).update(
+            scheduled_grads=ended, scheduled_state=None, grad_averager=SimpleNamespace(step=step, epoch=None),
+            averaging_timeout=30.0,
+            tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=3)), state_averager=SimpleNamespace(
+                local_epoch=3), stop=threading.Event(), _most_peers=3, status_loglevel=logging.DEBUG,
+            averaging_log=SimpleNamespace(failure=failures.append), delay_grad_averaging=False,
+            replica=SimpleNamespace(stepped_alone=lambda *args: own_steps.append(args)))
+        if stop:
+            opt.stop.set()
+        return opt, opt.begin_gradient_round(None), fresh, steps, failures, own_steps
+
+    opt, began, fresh, steps, failures, own_steps = peer(stop=False)
+    assert began and steps == [None] and opt.scheduled_grads is fresh, (began, steps)
+    assert failures == [] and own_steps == []
+    # leaving: its leave ended the round, and no new one begins
+    opt, began, fresh, steps, failures, own_steps = peer(stop=True)
+    assert not began and steps == [] and opt.scheduled_grads is None and failures == []
 
 
 def test_every_mode_reports_itself_in_one_typed_report():
