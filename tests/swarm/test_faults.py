@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.lab.faults import freeze_scenario, split_scenario
 from collab.peers.netns import namespaces_skip_reason
-from tests.conftest import fork_server, peer_env, swarm_config
+from tests.conftest import fork_server, peer_env, swarm_config, swarm_logs
 from tests.swarm.test_swarm_training import PARAM_TOLERANCE
 
 # Each lasts its seconds and then on until the swarm made some epochs of its own in it
@@ -58,5 +58,8 @@ def test_a_split_swarm_heals_and_its_replicas_agree_again(tmp_path, run_id, no_l
     assert min(moved) >= 1, f"a half stopped training while split: {result}"
     assert result.apart > 10 * PARAM_TOLERANCE, f"the halves did not train apart (no split?): {result}"
     assert result.first_common_epoch is not None, f"no epoch 3-5 after the heal that all four checkpointed: {result}"
-    assert result.difference_after < PARAM_TOLERANCE, f"3 epochs after the heal the replicas differ: {result}"
+    # (with the peers' logs: a CI run once ended with one replica 0.025 apart after a round whose parts came late,
+    # and its message could not say what each peer did next)
+    assert result.difference_after < PARAM_TOLERANCE, \
+        f"3 epochs after the heal the replicas differ: {result}\n{swarm_logs(tmp_path, tail=8000)}"
     assert sum(result.found_back) >= 1, f"the halves found each other without collab.swarm.rejoin: {result}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from collab.peers.simulation import Simulation, SimulationSpec
-from tests.conftest import fork_server, peer_env, scaled
+from tests.conftest import fork_server, peer_env, scaled, swarm_logs
 
 PEERS, EPOCHS = 12, 4
 DISTANCE = 10.0  # |w - w*| at the start (noise_sd: the default 1)
@@ -44,7 +44,8 @@ def test_twelve_peers_average_in_whole_groups_and_end_on_one_epoch_with_equal_re
     # rounds are checked, each round's largest group; each peer's own, for ten of the twelve (no failed round, every
     # round after the first joined); and no failure but finding nobody
     for p in peers:
-        assert set(p["rounds_failed_by_reason"]) <= {"nobody left to join", "no group found"}, p
+        assert set(p["rounds_failed_by_reason"]) <= {"nobody left to join", "no group found"}, \
+            f"{p}\n{swarm_logs(tmp_path / 'run', tail=2500)}"
     punctual = [p for p in peers if p["rounds_failed"] == 0 and p["rounds_joined"] >= EPOCHS - 1]
     assert len(punctual) >= PEERS - 2, [(p["rounds_joined"], p["rounds_failed_by_reason"]) for p in peers]
     # whole groups, not fragments (before the fixes: groups of 2-7; before the planned leader, 6 + 6, 8 + 4 or 7 + 5
