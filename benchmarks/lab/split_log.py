@@ -10,8 +10,7 @@ own average, stopped waiting because no group won; and, over the run, the re-syn
 collab.hivemind_hooks.matchmaking logging too, also how late the planned leader began (its search against the first of
 its followers'; negative: before them) and how many followers heard it say it was coming (NOT_DECLARED) and asked on
 past their plan: whether a split round's leader was late, and whether its followers knew. With collab.modes.sync
-logging, how many peers began as a round's leader woken by an ask (and, in logs of the early planned leader, taken
-out on 2026-12-07, how many began early, knowing it from the round before: its module was collab.modes.leading).
+logging, how many peers began as a round's leader woken by an ask.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ ASKED_ON = re.compile(r"(?<!state round: )planned leader \.\.\.\S+ has yet to be
 FEW = re.compile(r"Epoch (\d+): its gradient round gathered (\d+) of the (\d+) peers training; (.*)")
 NO_MAJORITY = re.compile(r"Epoch (\d+): its round split into groups of .* none of them a majority")
 RESYNC = re.compile(r"in sync with the swarm again \((\w+)")
-EARLY = re.compile(r"Epoch (\d+): the planned leader of its round; searching from")  # (the early leader, taken out)
 WOKEN = re.compile(r"Epoch (\d+): asked to lead its round by a peer already searching")
 
 
@@ -60,7 +58,7 @@ def peer_ids(source: Path) -> dict[str, str]:
 def read_rounds(logs: dict[str, str]) -> tuple[dict, Counter]:
     """Per epoch: group sizes as each peer saw them, and what the few did; over the run: re-syncs by how."""
     epochs: dict[int, dict] = defaultdict(lambda: dict(sizes=Counter(), replayed=0, own=0, no_majority=0, began={},
-                                                       leaders=Counter(), asked_on=set(), early=0, woken=0))
+                                                       leaders=Counter(), asked_on=set(), woken=0))
     resyncs: Counter = Counter()
     for name, text in logs.items():
         searching = None  # the epoch of this peer's gradient round under way (its last "asks ... first")
@@ -80,8 +78,6 @@ def read_rounds(logs: dict[str, str]) -> tuple[dict, Counter]:
                 epochs[int(match[1])]["no_majority"] += 1
             elif match := RESYNC.search(line):
                 resyncs[match[1]] += 1
-            elif match := EARLY.search(line):
-                epochs[int(match[1])]["early"] += 1
             elif match := WOKEN.search(line):
                 epochs[int(match[1])]["woken"] += 1
     return dict(epochs), resyncs
@@ -117,7 +113,7 @@ def main() -> None:
     epochs, resyncs = read_rounds(peer_logs(args.source))
     ids = peer_ids(args.source)
     print("| epoch | groups | split | few replayed | few own step | few stopped: no majority | planned leader began "
-          "after the first | asked on past the plan | leaders begun early / woken |")
+          "after the first | asked on past the plan | leaders woken by an ask |")
     print("|---|---|---|---|---|---|---|---|---|")
     split = 0
     for epoch in sorted(epochs):
@@ -126,7 +122,7 @@ def main() -> None:
         split += len(formed) > 1
         print(f"| {epoch} | {' + '.join(map(str, formed)) or '-'} | {'yes' if len(formed) > 1 else ''} | "
               f"{row['replayed']} | {row['own']} | {row['no_majority']} | {leader_lag(row, ids)} | "
-              f"{len(row['asked_on'])} of {len(row['began'])} | {row['early']} / {row['woken']} |")
+              f"{len(row['asked_on'])} of {len(row['began'])} | {row['woken']} |")
     print(f"\n{split} of {len(epochs)} rounds split; the few replayed {sum(r['replayed'] for r in epochs.values())}, "
           f"stepped on their own {sum(r['own'] for r in epochs.values())} times "
           f"({sum(r['no_majority'] for r in epochs.values())} of them stopping early: no majority); re-syncs: "

@@ -55,11 +55,12 @@ class FreshRounds:
         join and the peer replays their round (collab.averaging.round_replay) rather than step alone and download the
         swarm's state. Not for a peer that is leaving: its leave ended the round."""
         control = self.scheduled_grads
+        # (a cancelled StepControl reads as triggered too: hivemind cancels its trigger with it)
         if control is None or control.triggered or not control.done() or self.stop.is_set():
             return
-        why = "cancelled" if control.cancelled() else f"{type(control.exception()).__name__}: {control.exception()}"
-        logger.warning(f"Epoch {self.local_epoch}: its pre-scheduled gradient round ended before the step ({why}); "
-                       "beginning a fresh one")
+        error = control.exception()
+        logger.warning(f"Epoch {self.local_epoch}: its pre-scheduled gradient round ended before the step "
+                       f"({type(error).__name__}: {error}); beginning a fresh one")
         self.scheduled_grads = None
 
 

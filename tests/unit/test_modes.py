@@ -63,9 +63,8 @@ def test_a_pre_scheduled_round_that_ended_before_the_step_is_replaced_by_a_fresh
     ("round could not start"); collab begins a fresh round instead, except for a peer that is leaving."""
     import logging
     import threading
-    from types import SimpleNamespace
-
     from concurrent.futures import Future
+    from types import SimpleNamespace
 
     from hivemind.averaging.control import AveragingStage
 
@@ -74,11 +73,8 @@ def test_a_pre_scheduled_round_that_ended_before_the_step_is_replaced_by_a_fresh
     class Control(Future):  # hivemind's StepControl as the step reads it: a future, its trigger and its stage
         triggered, stage, deadline = False, AveragingStage.LOOKING_FOR_GROUP, float("inf")
 
-    def control() -> Control:
-        return Control()
-
     def peer(stop: bool):
-        ended = control()
+        ended = Control()
         ended.stage = AveragingStage.FINISHED
         ended.set_exception(TimeoutError("averaging_timeout ran out while looking for a group"))
         steps, failures, own_steps = [], [], []
@@ -87,7 +83,7 @@ def test_a_pre_scheduled_round_that_ended_before_the_step_is_replaced_by_a_fresh
             steps.append(control)
             return fresh
 
-        fresh = control()
+        fresh = Control()
         opt = CollabOptimizer.__new__(CollabOptimizer)
         opt._parent_pid = None  # hivemind's __del__ reads it: this one never started a process
         vars(opt).update(
