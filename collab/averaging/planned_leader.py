@@ -46,21 +46,23 @@ def peers_training(records: dict, last_group: frozenset = frozenset()) -> set:
 
 
 def planned_leader(records: dict, epoch: int, last_group: frozenset = frozenset(),
-                   step_group: Optional[frozenset] = None) -> Optional[str]:
+                   step_group: Optional[frozenset] = None, step_leader: Optional[str] = None) -> Optional[str]:
     """The round's planned leader (base58), or None when fewer than two peers are training or none can lead (a
     client-mode peer accepts no one). `step_group` (this peer's group of the round before this one, which averaged,
-    or empty): only a peer on the swarm's step leads while there is one (`on_the_swarms_step`)."""
+    or empty): only a peer on the swarm's step leads while there is one (`on_the_swarms_step`); `step_leader`: the
+    planned leader of that round as this peer's search planned it (None: not known)."""
     training = peers_training(records, last_group)
     able = [peer for peer in training if getattr(records[peer], "client_mode", False) is False]
     if len(training) < 2 or not able:
         return None
     if step_group is not None:
-        on_step = on_the_swarms_step(records, training, step_group, epoch - 1)
+        on_step = on_the_swarms_step(records, training, step_group, epoch - 1, step_leader)
         able = [peer for peer in able if peer in on_step] or able
     return min(able, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).digest())
 
 
-def on_the_swarms_step(records: dict, training: set, step_group: frozenset, step_epoch: int) -> set:
+def on_the_swarms_step(records: dict, training: set, step_group: frozenset, step_epoch: int,
+                       step_leader: Optional[str] = None) -> set:
     """The peers training that are surely on the swarm's step, and so begin the next round on time: the few of a split
     round re-sync first (a state download: 1.5-39 s at 32 peers on 2 cores) and lead late. At 32 peers the planned
     leader of 2 of a run's 4 split rounds had been in the few of the round before, and its own round split again (the
@@ -76,23 +78,28 @@ def on_the_swarms_step(records: dict, training: set, step_group: frozenset, step
     names it: collab.averaging.round_replay), so it names the same set as they do."""
     group = step_group & training
     if len(group) * 2 > len(training) or \
-            (len(group) * 2 == len(training) and not loses_an_even_split(records, step_epoch, group)):
+            (len(group) * 2 == len(training) and not loses_an_even_split(records, step_epoch, group, step_leader)):
         return set(group)
     epochs = {peer: getattr(records[peer], "epoch", None) for peer in training}
     furthest = max((e for e in epochs.values() if isinstance(e, int)), default=None)
     return {peer for peer, e in epochs.items() if e == furthest}
 
 
-def loses_an_even_split(records: dict, epoch: int, group) -> bool:
+def loses_an_even_split(records: dict, epoch: int, group, leader: Optional[str] = None) -> bool:
     """Whether this peer's gradient round at `epoch`, which gathered exactly half the peers training (`group`, base58),
-    was the half without the round's planned leader: that half re-syncs from the other. Only when most of the other
-    half is on `epoch` too (its records say so), so that it can have made this epoch's step in a round of its own:
-    after a network split heals, the other half may be an epoch behind, catching up by download (a 2 + 2 swarm), and
-    then this half's step is the swarm's. Without records of the others, neither half re-syncs."""
+    was the half without the round's planned leader: that half re-syncs from the other. `leader`: the one this
+    peer's search planned (collab.averaging.round_plans.round_leader); None: named from `records` as they are now,
+    without the group of the round before, which can name another. At 32 peers (100 ms round trips, 2 cores) the
+    planned leader's own half of a 16 + 16 split, named so a round later, found itself without it: the leader and
+    half its group replayed the other half's round, and each peer then named the next leader from another set (15
+    groups). Only when most of the other half is on `epoch` too (its records say so), so that it can have made this
+    epoch's step in a round of its own: after a network split heals, the other half may be an epoch behind, catching
+    up by download (a 2 + 2 swarm), and then this half's step is the swarm's. Without records of the others, neither
+    half re-syncs."""
     members = set(group)
     others = [record for peer, record in records.items() if peer not in members]
     on_epoch = sum(getattr(record, "epoch", None) is not None and record.epoch >= epoch for record in others)
     if not others or on_epoch * 2 < len(others):
         return False
-    leader = planned_leader(records, epoch)
+    leader = leader if leader is not None else planned_leader(records, epoch)
     return leader is not None and leader not in members

@@ -357,6 +357,7 @@ class CheckedRounds(PlansRounds, WokenByAsks, ReadsSignedProgress, LeavesNoSocke
     def _matched_in(self, seconds: float, group: Optional[GroupInfo]) -> None:
         self._matching_seconds = seconds
         self.group_found(group)
+        self._note_round_leader()
         matchmaking = getattr(self, "_matchmaking", None)
         self._log_group(seconds, group, getattr(matchmaking, "target_group_size", None))
         if self._budget is not None and matchmaking is not None:

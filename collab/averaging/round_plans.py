@@ -11,10 +11,12 @@ first (`_plan_round`, `_plan`; collab.averaging.planned_leader). A state round i
 from __future__ import annotations
 
 import logging
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 
 from collab.averaging.matching_budget import MatchingBudget
 from collab.averaging.planned_leader import LATE_LEADER_SHARE, PLAN_SHARE, peers_training, planned_leader
@@ -28,6 +30,8 @@ BUDGET_CEILING = 3.0  # a search waits at most this many times the configured ma
 # after its search ended: 27 of 64 given up at 32 peers, 9 of 64 at 1x (every group that formed was the whole swarm)
 STATE_SEARCH = 1.0
 FIRST_PLAN_WAIT = 5.0  # seconds a first gradient round waits for the records its plan is made from (reads: <= 3.2 s)
+KEPT_LEADERS = 4  # epochs whose rounds' planned leaders the averager keeps (the trainer asks for its last round's)
+ROUND_LEADER_WAIT = 2.0  # seconds the trainer waits for the averager's process to name its round's planned leader
 
 
 class PlansRounds:
@@ -151,12 +155,45 @@ class PlansRounds:
         if self._round_plan is None:
             return None
         epoch, until, latest = self._round_plan
-        records = self.__dict__.get("_progress_cache", {}).get("records", {})
-        leader = planned_leader(records, epoch, self._last_group, self._step_group(epoch))
+        leader = self._planned_leader(epoch)
         if leader is None:
             return None
         leader_id = PeerID.from_base58(leader)
         return None if self.banned(leader_id) else (leader_id, until, latest)
+
+    def _planned_leader(self, epoch: int) -> Optional[str]:
+        """The planned leader (base58) of this averager's round of `epoch`, from the records as last read."""
+        records = self.__dict__.get("_progress_cache", {}).get("records", {})
+        step_leader = self._round_leaders().get(epoch - 1) if self._round_kind() == "" else None
+        return planned_leader(records, epoch, self._last_group, self._step_group(epoch), step_leader)
+
+    def _round_leaders(self) -> dict:
+        """(the averager's process) epoch -> the planned leader (base58) of this peer's gradient round of that epoch,
+        as its search last planned it: both halves of an even split, and the next round's plan, judge by it
+        (collab.averaging.planned_leader.loses_an_even_split)."""
+        return self.__dict__.setdefault("_leaders_planned", {})
+
+    def _note_round_leader(self) -> None:
+        """(the averager's process) As a gradient round's search ends: the leader it planned, kept for a few epochs."""
+        if self._round_plan is None or self._round_kind() != "":
+            return
+        leaders = self._round_leaders()
+        leaders[self._round_plan[0]] = self._planned_leader(self._round_plan[0])
+        for old in sorted(leaders)[:-KEPT_LEADERS]:
+            del leaders[old]
+
+    def round_leader(self, epoch: int, timeout: float = ROUND_LEADER_WAIT) -> Optional[str]:
+        """(the trainer's process) The planned leader of this peer's gradient round of `epoch` (base58), as its search
+        planned it; None when it planned none, or the averager's process does not answer within `timeout` s."""
+        future = MPFuture()
+        self._outer_pipe.send(("_tell_round_leader", [], dict(epoch=epoch, future=future)))
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            return None
+
+    async def _tell_round_leader(self, epoch: int, future: MPFuture) -> None:
+        future.set_result(self._round_leaders().get(epoch))
 
     def _step_group(self, epoch: int) -> Optional[frozenset]:
         """The group this peer averaged with in the gradient round before `epoch`'s; empty if it did not average then.
@@ -175,8 +212,7 @@ class PlansRounds:
             return
         records = self.__dict__.get("_progress_cache", {}).get("records", {})
         counted = peers_training(records, self._last_group)
-        leader = planned_leader(records, self._round_plan[0], self._last_group,
-                                self._step_group(self._round_plan[0]))
+        leader = self._planned_leader(self._round_plan[0])
         members = {peer.to_base58() for peer in group.peer_ids} if group is not None else set()
         left_out = sorted(f"{peer[-6:]}@{getattr(records[peer], 'epoch', '?')}" for peer in set(records) - counted)
         log.debug(f"{self._round_kind()}round of epoch {self._round_plan[0]}: group of {len(members) or None} for a "

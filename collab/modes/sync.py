@@ -88,12 +88,16 @@ class CollabOptimizer(FreshRounds, StaysAsDonor, SwarmOptimizer):
         leaders matched at once: 12 linreg peers on 2 cores went 9 + 3), and the replicas of the few part from the
         many's. Such a step is treated as an own step: the few re-sync from the many (whose records claim the epoch
         while the few hold theirs at the one before, collab.modes.replica_sync), not the other way round. In an even
-        split (6 + 6) the half without the round's planned leader (collab.averaging.planned_leader, named from this
-        peer's own read of the records) re-syncs from the half with it, if the other half was on this epoch too."""
+        split (6 + 6) the half without the round's planned leader (the one this peer's search planned:
+        collab.averaging.round_plans.round_leader) re-syncs from the half with it, if the other half was on this epoch
+        too."""
         peers = self.tracker.global_progress.num_peers
         if len(group) * 2 != peers:
             return len(group) * 2 < peers
-        return loses_an_even_split(getattr(self.tracker, "records_seen", {}), self.grad_averager.epoch, group)
+        epoch = self.grad_averager.epoch
+        ask = getattr(self.grad_averager, "round_leader", None)
+        return loses_an_even_split(getattr(self.tracker, "records_seen", {}), epoch, group,
+                                   ask(epoch) if ask is not None else None)
 
     def should_download_state(self) -> bool:
         # after a step on our own gradients, download the swarm's state at the next step: exact, and the
