@@ -33,6 +33,20 @@ def why_no_group(epoch: int, client_mode: bool, peers_seen: list, matchmaking_ti
             "slow or distant links raise averaging.matchmaking_time")
 
 
+def why_not_begun(control, peers: int) -> str:
+    """Why hivemind began no gradient round at the step, from what it reads there: the pre-scheduled round
+    (`control`, a StepControl or None) as it was before the step, and how many peers the tracker counted. hivemind
+    says why only at debug level; a CI run's 12-peer test failed on such a round once with nothing in the log."""
+    if control is not None and control.done():
+        what = "been cancelled" if control.cancelled() else f"ended ({control.exception() or 'averaged'})"
+        return f"its pre-scheduled round had {what} before the step"
+    if control is not None and control.triggered:
+        return "its pre-scheduled round had been triggered before the step (hivemind uses such a round no more)"
+    if peers <= 1:
+        return f"the tracker counted {peers} peer(s) training at the step"
+    return "hivemind's step raised (the error is above)"
+
+
 def round_failure(error: BaseException) -> str:
     """Why a gradient round failed, in a few words that add up across peers (the simulator's and scale
     benchmark's "rounds failed, and why")."""

@@ -27,7 +27,7 @@ from collab.modes import ModeContext
 from collab.modes.base import SwarmOptimizer
 from collab.modes.fresh_rounds import FreshRounds
 from collab.modes.leaving import LeavingMidStep
-from collab.modes.round_failures import NobodyLeftToJoin, round_failure, why_no_group
+from collab.modes.round_failures import NobodyLeftToJoin, round_failure, why_no_group, why_not_begun
 from collab.modes.staying_donor import StaysAsDonor
 from collab.records.untrusted import progress_records
 
@@ -65,13 +65,14 @@ class CollabOptimizer(FreshRounds, StaysAsDonor, SwarmOptimizer):
         if hasattr(self.grad_averager, "set_round_context"):  # dgc: its warm-up and its clipping need these
             self.grad_averager.set_round_context(self.local_epoch, max(1, self.tracker.global_progress.num_peers))
         self.refresh_the_pre_scheduled_round()
+        control, peers = self.scheduled_grads, self.tracker.global_progress.num_peers
         began = super().begin_gradient_round(grad_scaler)
         if not began and self._most_peers > 1:
             # hivemind steps alone while others average. Not a round that failed when this peer is leaving: its
             # leave cancelled the pre-scheduled round (every peer of a `simulate --duration` run, at its end)
             if not self.stop.is_set():
                 self.averaging_log.failure("round could not start")
-            self._record_own_step("the gradient round could not start")
+            self._record_own_step(f"the gradient round could not start: {why_not_begun(control, peers)}")
         return began
 
     def _record_own_step(self, why: str, whose: str = "this peer's own gradients") -> None:
