@@ -236,6 +236,7 @@ def row(peers: int, result: dict, single_rate: float, rtt_ms: float = 0.0, overl
         "from_nearest": _mean(p.get("progress_reads_from_nearest") for p in per_peer),
         "records_nearest": _mean(p.get("records_per_nearest_read") for p in per_peer),
         "records_missed": _mean(p.get("records_missed_per_nearest_read") for p in per_peer),
+        "found_nothing": _mean(p.get("progress_reads_found_nothing") for p in per_peer),
         "failed_why": ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:2])
         + (f" ({replayed} replayed)" if replayed else ""),
         "spread": max(spreads.values()) if spreads else None,
@@ -354,6 +355,7 @@ HEADER = ("peers", "RTT ms", "overlap", "samples/s", "vs linear", "epochs/min", 
           "failed: why", "mean group", "epochs", "replica spread", "matchmaking s/round", "all-reduce s/round",
           "DHT requests/min/peer", "DHT KB/min/peer", "progress reads KB/min/peer",
           "progress reads shared %", "progress reads from nearest %", "records a nearest read: found / missed",
+          "progress reads that found nothing/peer",
           "cores/peer", "of them trainer / DHT / p2pd / helpers", "CPU bound", "PSS MB/peer",
           "records from memory %", "forced exits", "state rounds ok / given up / failed (mean group)")
 
@@ -389,6 +391,7 @@ def _line(r: dict, cores: int) -> str:
                        _fmt(100 * r["progress_shared"] if r["progress_shared"] is not None else None, 0),
                        _fmt(100 * r["from_nearest"] if r["from_nearest"] is not None else None, 0),
                        f"{_fmt(r['records_nearest'], 1)} / {_fmt(r['records_missed'], 2)}",
+                       _fmt(r["found_nothing"], 1),
                        f"{r['cores_per_peer']:.2f}",
                        " / ".join(f"{r['role_cores'][role]:.3f}" for role in ROLES[:4]), bound,
                        f"{r['rss_mb_per_peer']:.0f}",

@@ -61,6 +61,9 @@ class PeerReport:
     progress_reads_from_nearest: Optional[float] = None
     records_per_nearest_read: Optional[float] = None
     records_missed_per_nearest_read: Optional[float] = None
+    # its tracker's reads of the progress key that found no record at all while others trained: failed reads, which
+    # the last read stood in for (collab.modes.tracker.FOUND_NOTHING_KEPT)
+    progress_reads_found_nothing: int = 0
     rounds_failed_by_reason: dict = field(default_factory=dict)  # collab.modes.round_failures.round_failure
     rounds_replayed: int = 0  # failed rounds it then applied from a peer that made them (averaging.round_replay)
     state_rounds: dict = field(default_factory=dict)  # state rounds: ok, given_up, failed; "peers": group sizes summed
@@ -264,6 +267,7 @@ def peer_report(peer: PeerProcess, link: str, counters: Optional[dict], hits: in
                                      if dht_minutes else None),
         progress_reads_shared=_shared_share([d["shared_reads"] for d in dht if d.get("shared_reads")]),
         **_reads_made([d["shared_reads"] for d in dht if d.get("shared_reads")]),
+        progress_reads_found_nothing=sum(s.get("progress_reads", {}).get("found_nothing", 0) for s in summaries),
         # a later incarnation's sketch of an epoch replaces an earlier one's
         replica_sketches={epoch: values for s in summaries for epoch, values in s.get("replica_sketches", {}).items()},
     )

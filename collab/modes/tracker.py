@@ -74,6 +74,11 @@ NEAR_THE_END_STORES_PER_READ = 4
 # other readers of the key (its sync thread, donor waits, averager processes) share these reads
 # (collab.records.shared_reads: the same period, share_for)
 assert READ_EVERY_MOST <= EXTRAPOLATE_AT_MOST / 2
+# A read that finds no record at all, not even this peer's own (stored at least every half of its 60-s lifetime), is a
+# read that failed: the key's nodes did not answer in time. hivemind takes it for an empty swarm: 0 peers, an epoch
+# that ends on this peer's own forecast, and no gradient round at the step ("could not start"). Within this many
+# seconds of a read that found others, the last read stands and the key is read again soon
+FOUND_NOTHING_KEPT = 10.0
 GOODBYE_WAIT = 2.0  # seconds a leaving peer waits for its goodbye (its progress record cleared) to be stored
 GOODBYE_KEEP = 4.0  # seconds of a signalled leave's grace kept for what follows (averagers, checkpoint, DHT)
 
@@ -86,6 +91,8 @@ class HonestProgressTracker(TrackerHooks):
     micro_batch_size: Optional[int] = None  # this run's: how far a record may be extrapolated
     reads = 0  # how many times the swarm's progress was read (hivemind's schedule and refresh() alike)
     read_at = float("-inf")  # time.monotonic() of the last read
+    found_nothing = 0  # reads that found no record at all, its own included, while others were training (failed)
+    _found_others_at = float("-inf")  # time.monotonic() of the last read that found another peer's record
     forecast_at = float("-inf")  # dht time of the read that made the current ETA
     computing_since: Optional[float] = None  # dht time of this epoch's first micro-batch; None before it
     _stored_at = float("-inf")  # time.monotonic() of this peer's last stored record (_store_due)
@@ -155,6 +162,12 @@ class HonestProgressTracker(TrackerHooks):
         return near and since >= self.near_the_end_every()
 
     def parse_swarm_progress(self, metadata):
+        if self._read_failed(metadata):
+            self.found_nothing += 1
+            progress = self.global_progress
+            logger.debug(f"a progress read found no record, its own included: {progress.num_peers} peers kept")
+            progress.next_fetch_time = get_dht_time() + self.min_refresh_period
+            return progress
         if isinstance(metadata, dict):
             metadata = forecastable(trusted_progress(metadata, self.rejected, self._said, self.members),
                                     get_dht_time(), self.micro_batch_size)
@@ -168,6 +181,8 @@ class HonestProgressTracker(TrackerHooks):
         due = getattr(getattr(self, "global_progress", None), "next_fetch_time", None)  # (None: the first read)
         progress = super().parse_swarm_progress(metadata)
         self.reads, self.read_at, self.forecast_at = self.reads + 1, time.monotonic(), get_dht_time()
+        if progress.num_peers > 1:
+            self._found_others_at = self.read_at
         # (a peer that learns of an epoch's end late begins its round late: at 32 peers on 2 cores, reads landed a
         # median 1.2 s after due, a tenth over 4 s)
         if due is not None and logger.isEnabledFor(logging.DEBUG):
@@ -176,6 +191,14 @@ class HonestProgressTracker(TrackerHooks):
                          f"{progress.epoch}, ETA in {progress.eta_next_epoch - self.forecast_at:.1f} s")
         progress.next_fetch_time = max(progress.next_fetch_time, self.forecast_at + self.read_every(progress.num_peers))
         return progress
+
+    def _read_failed(self, metadata) -> bool:
+        """Whether a read found no record, not even this peer's own, within FOUND_NOTHING_KEPT of one that found
+        others: a read that failed, not a swarm that left (a peer that leaves clears its record, and this peer's own
+        stays). Before this peer's first micro-batch it has stored no record, and nothing is what there is."""
+        if isinstance(metadata, dict) and metadata:
+            return False
+        return self.trained and time.monotonic() - self._found_others_at < FOUND_NOTHING_KEPT
 
     def read_every(self, peers: int) -> float:
         """The least seconds between two of this peer's scheduled reads of the swarm's progress."""

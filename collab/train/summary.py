@@ -82,6 +82,9 @@ class Summary:
     local_group: dict = field(default_factory=dict)
     # what its DHT node sent the swarm: requests and bytes, per RPC, over `seconds` (collab.swarm.dht_traffic)
     dht: dict = field(default_factory=dict)
+    # its tracker's reads of the run's progress: how many, and how many found no record at all while others trained
+    # (failed reads, which the last read stood in for: collab.modes.tracker.FOUND_NOTHING_KEPT)
+    progress_reads: dict = field(default_factory=dict)
     # micro-batches skipped by fp16 loss scaling (not dropped: collab.train.guard never saw them)
     fp16_overflows: int = 0
     # a count sketch of its parameters as each epoch began, the last REPLICA_SKETCHES_KEPT epochs: the distance
@@ -145,3 +148,6 @@ def harvest(summary: Summary, opt, model, log: AveragingLog) -> None:
     report = opt.mode_report()
     summary.outer_steps, summary.gossip = report.outer_steps, report.gossip
     summary.noise_scale, summary.noise_inputs = report.noise, report.noise_inputs
+    tracker = getattr(opt, "tracker", None)
+    summary.progress_reads = {"read": getattr(tracker, "reads", 0),
+                              "found_nothing": getattr(tracker, "found_nothing", 0)}

@@ -10,6 +10,7 @@ import time
 
 from hivemind.utils.timed_storage import get_dht_time
 
+import collab.modes.tracker as tracker_module
 import collab.records.shared_reads as shared_reads
 from collab.modes.tracker import REPORT_EVERY, HonestProgressTracker
 from collab.records.identity import hivemind_reads_ed25519, load_or_create_identity
@@ -106,6 +107,28 @@ def test_a_paused_peers_record_does_not_end_the_epoch_on_a_forecast(tmp_path, no
         assert not ours.ready_to_update_epoch
         ours.global_progress.samples_accumulated = 2000  # what was counted still does
         assert ours.ready_to_update_epoch
+
+
+def test_a_read_that_found_no_record_does_not_leave_the_peer_alone(tmp_path, monkeypatch, no_leftover_processes):
+    """A read of the progress key that found nothing, not even this peer's own record, failed (the key's nodes did
+    not answer in time). hivemind took it for an empty swarm: 0 peers, and at the step no gradient round ("could not
+    start": one peer of the 12-peer test in three CI runs). The last read stands for FOUND_NOTHING_KEPT seconds."""
+    with two_trackers(tmp_path, target_batch_size=1000) as (ours, theirs):
+        ours.report_local_progress(0, 40)
+        theirs.report_local_progress(0, 70)
+        records_visible(ours, 2)
+        assert ours.refresh(timeout=5.0) and ours.global_progress.num_peers == 2, ours.global_progress
+        reads = ours.reads
+        progress = ours.parse_swarm_progress(None)  # what hivemind's reader passes for a read that found nothing
+        assert progress.num_peers == 2 and progress.samples_accumulated == 110, progress
+        assert ours.found_nothing == 1 and ours.reads == reads  # counted, and not a read: refresh() waits on
+        assert progress.next_fetch_time <= get_dht_time() + ours.min_refresh_period, progress  # read again soon
+        # long after the last read that found others, nothing is what there is: hivemind's empty swarm
+        monkeypatch.setattr(tracker_module, "FOUND_NOTHING_KEPT", 0.0)
+        assert ours.parse_swarm_progress({}).num_peers == 0
+    with two_trackers(tmp_path, target_batch_size=1000) as (ours, _):
+        assert ours.parse_swarm_progress(None).num_peers == 0  # nothing stored yet, nobody read: nothing to keep
+        assert ours.found_nothing == 0
 
 
 def test_a_computing_peer_stores_its_progress_every_half_second_mid_epoch_and_a_few_times_a_read_at_the_end(
