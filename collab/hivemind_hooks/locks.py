@@ -10,6 +10,10 @@ round never returns. In CI a test worker's DHT processes hung that way in `DHT._
 Here the kernel does the bookkeeping: a POSIX record lock (fcntl) on an unlinked file belongs to the process that
 took it and goes when that process ends, however it ends. Record locks do not exclude the threads of one process,
 so a thread lock does that, made anew in each forked child (a thread that held it in the parent is not there).
+
+A lock whose section does work that a fork must not cut in half (SharedBytes': torch's share_memory_, whose own
+locks a child would inherit held) is made `quiet_at_fork`: a fork waits, up to FORK_WAIT, until no thread of the
+forking process is inside it.
 """
 
 from __future__ import annotations
@@ -20,18 +24,33 @@ import os
 import tempfile
 import threading
 
+FORK_WAIT = 2.0  # seconds a fork waits for a quiet_at_fork lock's section to end (then it forks anyway)
+
 
 class DeathSafeLock:
     """A lock between processes and threads, released when its holder dies. Made before the processes that share it
     are forked (they inherit the file); `with` or acquire/release, like multiprocessing's lock."""
 
-    def __init__(self):
+    def __init__(self, quiet_at_fork: bool = False):
         self._file = tempfile.TemporaryFile()  # unlinked at once: nothing is left in /tmp, whatever happens
         self._threads = threading.Lock()
-        os.register_at_fork(after_in_child=self._forked)
+        self._held_for_fork = False
+        if quiet_at_fork:
+            os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork_in_parent,
+                                after_in_child=self._forked)
+        else:
+            os.register_at_fork(after_in_child=self._forked)
+
+    def _before_fork(self) -> None:
+        self._held_for_fork = self._threads.acquire(timeout=FORK_WAIT)
+
+    def _after_fork_in_parent(self) -> None:
+        if self._held_for_fork:
+            self._held_for_fork = False
+            self._threads.release()
 
     def _forked(self) -> None:
-        self._threads = threading.Lock()
+        self._threads, self._held_for_fork = threading.Lock(), False
 
     def acquire(self, block: bool = True) -> bool:
         if not self._threads.acquire(block):

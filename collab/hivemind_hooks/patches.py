@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from multiprocessing.reduction import ForkingPickler
@@ -201,8 +202,33 @@ def death_safe_locks(anew: bool = False) -> None:
         return
     MPFuture._initialization_lock = DeathSafeLock()
     MPFuture._update_lock = DeathSafeLock()
-    SharedBytes._lock = DeathSafeLock()
+    SharedBytes._lock = DeathSafeLock(quiet_at_fork=True)  # its section shares memory: torch_shares_after_fork
     _AsyncContextWrapper.EXECUTOR_LOCK = DeathSafeLock()
+    torch_shares_after_fork()
+
+
+_torch_hook = False  # whether this process (or the one it was forked from) registered torch_shares_after_fork's
+
+
+def torch_shares_after_fork() -> None:
+    """torch guards every share_memory_ with a module lock (torch.storage's _share_memory_lock) and a lock per
+    storage, and does not renew them in a forked child: a process forked while another of its threads was sharing a
+    tensor has them held for good. hivemind shares memory for every 16th MPFuture (SharedBytes), and a peer's tracker
+    thread makes futures while its trainer forks the averagers. One of 12 peers of a scale run never started: its
+    trainer waited for the gradient averager's process to say it was ready, and its tracker thread waited on
+    SharedBytes' lock, held by another of the peer's processes, as a child stuck in its first share would. A child
+    gets torch's locks new (and SharedBytes' lock is quiet_at_fork). Once per process tree."""
+    global _torch_hook
+    if not _torch_hook:
+        _torch_hook = True
+        os.register_at_fork(after_in_child=_new_share_locks)
+
+
+def _new_share_locks() -> None:
+    import torch.storage  # (imported with torch; by name, as torch's own code reads it at each share)
+
+    torch.storage._share_memory_lock = threading.Lock()
+    torch.storage._share_memory_map.clear()
 
 
 def cancelled_enters_exit() -> None:

@@ -7,12 +7,14 @@ after it hung in `DHT.__init__`, its process waiting for that lock (600 s each, 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
 
 import hivemind
+import torch
 from hivemind.utils import get_dht_time
-from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from collab.hivemind_hooks.patches import death_safe_locks
 from collab.swarm.node import shut_down_dht
@@ -72,4 +74,62 @@ def test_the_lock_still_excludes_other_processes_and_threads(no_leftover_process
     child.join(10)
     assert waited > 0.5, f"took a lock another process held after {waited:.2f} s"
     assert lock.acquire(block=False)
+    lock.release()
+
+
+def _share_a_tensor() -> None:
+    torch.empty(16).share_memory_()  # what hivemind's SharedBytes does for every 16th MPFuture
+
+
+def test_a_child_forked_while_a_thread_shares_memory_can_share_memory(no_leftover_processes):
+    """torch guards share_memory_ with a module lock it does not renew in a forked child: a child forked while another
+    thread held it waited for good at its first share (collab.hivemind_hooks.patches.torch_shares_after_fork). One of
+    12 peers of a scale run never started that way, its averager's process, it seems, stuck in its first MPFuture."""
+    death_safe_locks()
+    holding, done = threading.Event(), threading.Event()
+
+    def sharing() -> None:  # a thread in the middle of a share, as the fork happens
+        with torch.storage._share_memory_lock:
+            holding.set()
+            done.wait(30)
+    thread = threading.Thread(target=sharing, daemon=True)
+    thread.start()
+    assert holding.wait(10)
+    try:
+        child = FORK.Process(target=_share_a_tensor, daemon=True)
+        child.start()
+        child.join(20)
+        stuck = child.exitcode is None
+        if stuck:
+            child.kill()
+            child.join(10)
+    finally:
+        done.set()
+        thread.join(10)
+    assert not stuck, "the child was still waiting on torch's share lock after 20 s"
+    assert child.exitcode == 0
+
+
+def test_a_fork_waits_until_no_thread_is_inside_the_shared_bytes_lock(no_leftover_processes):
+    """SharedBytes' section shares memory; a fork in the middle of it would leave torch's own state half-changed in the
+    child, so the fork waits for the section to end (quiet_at_fork, FORK_WAIT at most)."""
+    death_safe_locks()
+    lock, holding, released = SharedBytes._lock, threading.Event(), []
+
+    def allocating() -> None:
+        with lock:
+            holding.set()
+            time.sleep(0.5)
+            released.append(time.monotonic())
+    thread = threading.Thread(target=allocating, daemon=True)
+    thread.start()
+    assert holding.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    forked = time.monotonic()
+    os.waitpid(pid, 0)
+    thread.join(10)
+    assert released and forked >= released[0], "the fork came while a thread was inside SharedBytes' section"
+    assert lock.acquire(block=False), "the lock stayed held after the fork"
     lock.release()
