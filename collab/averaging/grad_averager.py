@@ -17,6 +17,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 
 from collab.averaging.aggregation import Aggregation
+from collab.averaging.bounded_start import StartsWithin
 from collab.averaging.dgc import DGCMemory, DGCSettings
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
@@ -112,8 +113,8 @@ class DGCSelection:
             self.dgc.compress_(averaged, self.round_epoch, self.round_peers)
 
 
-class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, ServedRounds, SummedMicroBatches,
-                             SharesNoState, GradientAverager):
+class CollabGradientAverager(StartsWithin, MembersOnly, CheckedRounds, EpochGroups, OwnGradients, ServedRounds,
+                             SummedMicroBatches, SharesNoState, GradientAverager):
     def __init__(self, parameters, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(),
                  findings=None, traffic=None, replays: bool = True, **kwargs):
         # before hivemind's constructor starts the averager process, which takes a copy
@@ -124,7 +125,7 @@ class CollabGradientAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradien
         super().__init__(parameters, *args, **kwargs)
 
 
-class CollabPowerSGDAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, SummedMicroBatches,
+class CollabPowerSGDAverager(StartsWithin, MembersOnly, CheckedRounds, EpochGroups, OwnGradients, SummedMicroBatches,
                              SharesNoState, PowerSGDGradientAverager):
     """PowerSGD (Vogels et al. 2019) as hivemind implements it, with two changes.
 
@@ -168,8 +169,8 @@ class CollabPowerSGDAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradien
         self._feedback_before = None
 
 
-class CollabDGCAverager(MembersOnly, CheckedRounds, EpochGroups, OwnGradients, DGCSelection, SummedMicroBatches,
-                        SharesNoState, GradientAverager):
+class CollabDGCAverager(StartsWithin, MembersOnly, CheckedRounds, EpochGroups, OwnGradients, DGCSelection,
+                        SummedMicroBatches, SharesNoState, GradientAverager):
     """Deep Gradient Compression (collab.averaging.dgc); its sparse parts travel losslessly
     (collab.averaging.compression.SparseParts)."""
     measures_noise = False  # (collab.adaptive.noise_scale) its rounds carry no whole gradients

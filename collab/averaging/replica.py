@@ -26,6 +26,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.timed_storage import get_dht_time
 
 from collab.averaging.aggregation import Aggregation
+from collab.averaging.bounded_start import StartsWithin
 from collab.averaging.donor_patience import Behind
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
@@ -98,8 +99,8 @@ class _RecordOutcomes(DecentralizedAverager):
         return loaded
 
 
-class RecordingStateAverager(MembersOnly, CheckedRounds, CheckedDownloads, SitsOutWhileOutOfStep, ServesItsSteps,
-                             TrainingStateAverager, _RecordOutcomes):
+class RecordingStateAverager(StartsWithin, MembersOnly, CheckedRounds, CheckedDownloads, SitsOutWhileOutOfStep,
+                             ServesItsSteps, TrainingStateAverager, _RecordOutcomes):
     """hivemind's TrainingStateAverager, which also says whether a round or a download really happened, checks its
     rounds (collab.averaging.robust_rounds) and downloads (collab.averaging.state_download), serves a state under the
     epoch its tensors hold (collab.averaging.served_state), sits out state rounds while its replica awaits a re-sync

@@ -49,6 +49,7 @@ OVERRIDDEN = {
     "hivemind.averaging.averager.DecentralizedAverager._step": "self, *, step, future_for_init",
     "hivemind.averaging.averager.DecentralizedAverager.load_state_from_peers": "self, wait=True, timeout=None",
     "hivemind.averaging.averager.DecentralizedAverager.rpc_aggregate_part": "self, stream, context",
+    "hivemind.averaging.averager.DecentralizedAverager.run_in_background": "self, await_ready=True, timeout=None",
     "hivemind.averaging.averager.DecentralizedAverager.rpc_download_state": "self, _request, _context",
     "hivemind.averaging.averager.DecentralizedAverager.rpc_join_group": "self, request, context",
     "hivemind.averaging.averager.DecentralizedAverager.state_sharing_priority": "self",

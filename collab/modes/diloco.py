@@ -30,6 +30,7 @@ import torch
 from hivemind.optim.grad_averager import GradientAverager
 
 from collab.averaging.aggregation import Aggregation
+from collab.averaging.bounded_start import StartsWithin
 from collab.averaging.grad_averager import OwnGradients, SharesNoState
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.robust_rounds import CheckedRounds
@@ -80,7 +81,7 @@ class PseudoGradients:
         self._anchor_batch_size = None
 
 
-class PseudoGradientAverager(MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, SharesNoState,
+class PseudoGradientAverager(StartsWithin, MembersOnly, CheckedRounds, OwnGradients, PseudoGradients, SharesNoState,
                              GradientAverager):
     measures_noise = False  # (collab.adaptive.noise_scale) a pseudo-gradient is no per-sample mean gradient
     def __init__(self, *args, gate: Optional[MemberGate] = None, rule: Aggregation = Aggregation(), findings=None,

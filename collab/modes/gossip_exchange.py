@@ -21,6 +21,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import BaseModel, ConfigDict, Field
 
+from collab.averaging.bounded_start import StartsWithin
 from collab.averaging.compression import decode_part
 from collab.averaging.members_only import MembersOnly
 from collab.averaging.tidy_leave import LeavesNoSocketFile, ReadsWholeRequests
@@ -50,7 +51,7 @@ class Busy(Exception):
     """The asked peer has too many merges waiting: try another one next time (not a failure of the peer)."""
 
 
-class GossipAverager(LeavesNoSocketFile, ReadsWholeRequests, MembersOnly, DecentralizedAverager):
+class GossipAverager(StartsWithin, LeavesNoSocketFile, ReadsWholeRequests, MembersOnly, DecentralizedAverager):
     """Runs in its own process (as hivemind's averagers do): serves this peer's parameter snapshot to peers that
     ask, and asks peers for theirs. Its averaged tensors are the snapshot; received parameters go to the trainer
     on `inbox` (answered exchanges) or through the asking call's future."""

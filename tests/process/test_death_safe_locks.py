@@ -12,10 +12,14 @@ import threading
 import time
 
 import hivemind
+import pytest
 import torch
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
+import collab.averaging.bounded_start as bounded_start
+from collab.averaging.bounded_start import AveragerDidNotStart, StartsWithin
+from collab.hivemind_hooks.averager import AveragerHooks
 from collab.hivemind_hooks.patches import death_safe_locks
 from collab.swarm.node import shut_down_dht
 
@@ -133,3 +137,32 @@ def test_a_fork_waits_until_no_thread_is_inside_the_shared_bytes_lock(no_leftove
     assert released and forked >= released[0], "the fork came while a thread was inside SharedBytes' section"
     assert lock.acquire(block=False), "the lock stayed held after the fork"
     lock.release()
+
+
+class _Averager(StartsWithin, AveragerHooks):
+    """As collab's averagers are made: the bounded start first, hivemind's door (its leave closes its p2pd client)."""
+
+
+def test_an_averager_whose_process_never_says_it_is_ready_is_given_up_with_a_clear_error(monkeypatch,
+                                                                                          no_leftover_processes):
+    """hivemind waits for an averager's process to say it is ready for good: a peer whose averager's process was
+    stuck sat at start-up until stopped. Here the process cannot report (another process holds the update lock, as a
+    stuck one would) and the start gives up after its bound, naming the averager."""
+    death_safe_locks()
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
+    holder = averager = None
+    try:
+        averager = _Averager([torch.zeros(4)], dht, prefix="never-ready", start=False)
+        holder = _held_by_a_child(seconds=60)  # (the constructor asks the DHT's process, which then cannot answer)
+        began = time.monotonic()
+        monkeypatch.setattr(bounded_start, "START_WITHIN", 3.0)
+        with pytest.raises(AveragerDidNotStart, match=r"\(never-ready\) did not say it was ready within 3 s"):
+            averager.run_in_background(await_ready=True)  # as hivemind's constructor starts it: no timeout
+        assert time.monotonic() - began < 10
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.join(10)
+        if averager is not None and averager.is_alive():
+            averager.shutdown()
+        shut_down_dht(dht)
