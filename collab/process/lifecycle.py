@@ -20,6 +20,7 @@ from typing import Optional
 
 import psutil
 
+from collab.process import child_stacks
 from collab.process.reaper import end_processes, remove_own_sockets, watcher_pid
 
 GRACE_SECONDS = 7.0  # a leave's time on a machine with a core to spare
@@ -154,6 +155,7 @@ class StopOnSignal:
 
     def install(self) -> "StopOnSignal":
         self._owner = os.getpid()
+        child_stacks.arm()  # before hivemind's processes fork: a forced exit then has their stacks too
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         StopOnSignal._active = self
@@ -206,10 +208,13 @@ class StopOnSignal:
         for callback in self._before_force_exit:
             _quietly(callback, reason)
 
-        # where it hung is what a bug report needs: every thread's stack, in a file
+        # where it hung is what a bug report needs: every thread's stack, its hivemind processes' too, in a file
         fd, path = tempfile.mkstemp(prefix="collab-shutdown-", suffix=".log")
         with os.fdopen(fd, "w") as f:
+            f.write(f"process {os.getpid()} (this peer):\n")
+            f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+            f.write(child_stacks.collect(descendants()))
         print(f"{reason}; stopping hivemind processes (stacks in {path})", file=sys.stderr, flush=True)
         reap_children(timeout=1.0)
         remove_own_sockets()

@@ -1,0 +1,115 @@
+"""A forced exit's stacks file holds the stacks of the peer's hivemind processes too, not only its own.
+
+A peer that hangs usually hangs in one of its hivemind processes: the gradient averager's never said it was ready, and
+the peer's own stacks showed only the trainer waiting for it (the 12-peer scale run of 2026-12-08). Where the child
+itself waited was guessed, not read. Now each process forked from an armed peer dumps every thread's stack when it
+gets SIGUSR1 (faulthandler: it works in a process whose threads all wait on locks), into one unnamed file the peer
+holds open, so nothing is left on disk until a forced exit copies it into its stacks file. Only processes forked from
+this one that catch SIGUSR1 are signalled (same executable, and their /proc status says so): a Python program exec'd
+in between keeps the default action (exit), and p2pd (Go catches every signal) would only cost the wait.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import fcntl
+import os
+import signal
+import tempfile
+import time
+from typing import Optional
+
+import psutil
+
+SIGNAL = signal.SIGUSR1
+EACH_WAIT = 0.5  # seconds a process has to write its stacks (a frozen process never does: it is not waited for)
+ALL_WAIT = 2.0  # seconds all processes together have: a forced exit must still end the peer within its promise
+QUIET_FOR = 0.05  # seconds without a new byte after which a process's dump is taken as whole
+
+_file = None  # the unnamed file forked processes write into: this process's, or inherited from its armed parent
+_owner: Optional[int] = None  # the pid that armed _file: only it collects
+_hooked = False
+
+
+def arm() -> None:
+    """From now on every process forked from this one writes its stacks on SIGUSR1 into this process's unnamed file.
+    Call it in the peer's main process before hivemind's processes start; called again, it keeps its file."""
+    global _file, _owner, _hooked
+    if _file is not None and _owner == os.getpid():
+        return
+    try:
+        handle = tempfile.TemporaryFile(prefix="collab-stacks-")  # unlinked at once: nothing stays on disk
+        fcntl.fcntl(handle.fileno(), fcntl.F_SETFL, fcntl.fcntl(handle.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+    except OSError:  # no room in TMPDIR: a forced exit then has its own stacks only
+        return
+    _file, _owner = handle, os.getpid()
+    if not _hooked:
+        os.register_at_fork(after_in_child=_dump_on_signal)
+        _hooked = True
+
+
+def _dump_on_signal() -> None:
+    if _file is not None:
+        faulthandler.register(SIGNAL, file=_file, all_threads=True, chain=False)
+
+
+def catches_signal(pid: int) -> bool:
+    """Whether process `pid` handles SIGUSR1 (bit 9 of SigCgt in /proc/PID/status); False where unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (SIGNAL - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def collect(processes: list) -> str:
+    """The stacks of each of `processes` (psutil.Process) that dumps them on SIGUSR1, one after another (their
+    dumps would interleave): each headed by its pid and name. Bounded by EACH_WAIT a process and ALL_WAIT in all."""
+    if _file is None or _owner != os.getpid():
+        return ""
+    fd = _file.fileno()
+    ours = _executable(psutil.Process())
+    deadline = time.monotonic() + ALL_WAIT
+    for proc in processes:
+        if time.monotonic() >= deadline:
+            break
+        if ours is None or _executable(proc) != ours or not catches_signal(proc.pid):
+            continue
+        try:
+            name = proc.name()
+            os.write(fd, f"\nprocess {proc.pid} ({name}):\n".encode())
+            proc.send_signal(SIGNAL)
+        except (psutil.Error, OSError):
+            continue
+        _wait_for_dump(fd, min(deadline, time.monotonic() + EACH_WAIT))
+    return _read_all(fd)
+
+
+def _executable(proc) -> Optional[str]:
+    try:
+        return proc.exe()
+    except psutil.Error:
+        return None
+
+
+def _wait_for_dump(fd: int, until: float) -> None:
+    """Until `until`, or until the file has grown and then stayed the same for QUIET_FOR s."""
+    start = size = os.fstat(fd).st_size
+    quiet_since: Optional[float] = None
+    while time.monotonic() < until:
+        time.sleep(0.01)
+        now = os.fstat(fd).st_size
+        if now != size:
+            size, quiet_since = now, None
+        elif size > start:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= QUIET_FOR:
+                return
+
+
+def _read_all(fd: int) -> str:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0).decode(errors="replace") if size else ""

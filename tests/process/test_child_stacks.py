@@ -1,0 +1,54 @@
+"""A forced exit's stacks file has the stacks of the peer's hivemind processes, not only its own: the 12-peer scale
+run's stuck peer showed its trainer waiting for the gradient averager, and where the averager itself waited was
+guessed (collab.process.child_stacks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+CHILD = textwrap.dedent("""
+    import multiprocessing as mp, os, signal, sys, threading, time
+    import hivemind
+    from collab.process.lifecycle import StopOnSignal
+
+    stop = threading.Event()
+    guard = StopOnSignal(stop, grace=0.5).install()
+    dht = hivemind.DHT(start=True)  # a real hivemind process (and its p2pd, which must not be sent SIGUSR1)
+    lock = mp.get_context("fork").Lock()
+    lock.acquire()
+
+    def the_child_waits_here():
+        lock.acquire()
+
+    child = mp.get_context("fork").Process(target=the_child_waits_here, daemon=True)
+    child.start()
+    print("pids:", dht.pid, child.pid, flush=True)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    stop.wait(5)
+    time.sleep(30)  # the graceful path hangs: the watchdog's forced exit ends this process
+""")
+
+
+def _section(text: str, pid: int) -> str:
+    """The part of a stacks file headed by process `pid`."""
+    found = re.search(rf"^process {pid} \(.*?\):\n(.*?)(?=^process |\Z)", text, re.M | re.S)
+    return found.group(1) if found else ""
+
+
+def test_a_forced_exit_writes_the_stacks_of_the_peers_processes(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 1, done.stderr
+    dht_pid, child_pid = map(int, re.search(r"pids: (\d+) (\d+)", done.stdout).groups())
+    files = list(tmp_path.glob("collab-shutdown-*.log"))
+    assert len(files) == 1, done.stderr
+    text = files[0].read_text()
+    assert "in the_child_waits_here" in _section(text, child_pid), text
+    assert "hivemind/dht/dht.py" in _section(text, dht_pid), text
+    headed = {int(pid) for pid in re.findall(r"^process (\d+) \(", text, re.M)}
+    assert headed == {dht_pid, child_pid, int(re.search(r"^process (\d+) \(this peer\)", text, re.M).group(1))}, text
