@@ -13,6 +13,8 @@ from typing import Optional
 
 from hivemind.averaging import DecentralizedAverager
 
+from collab.process.child_stacks import stacks_file
+
 START_WITHIN = 300.0  # seconds an averager's process has to say it is ready (1-2 s alone; minutes at 64 peers on 2 cores)
 
 
@@ -28,5 +30,8 @@ class StartsWithin(DecentralizedAverager):
         try:
             super().run_in_background(await_ready=await_ready, timeout=bound)
         except TimeoutError:
+            # where its process waits is what a bug report needs (the peer's own stacks show only the wait for it)
+            path = stacks_file([self.pid], prefix="collab-stuck-") if self.pid is not None else None
+            where = f" (its stacks in {path})" if path else ""
             raise AveragerDidNotStart(f"the averager's process ({self.prefix}) did not say it was ready within "
-                                      f"{bound:g} s; start the peer again") from None
+                                      f"{bound:g} s{where}; start the peer again") from None

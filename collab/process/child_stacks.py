@@ -88,6 +88,24 @@ def collect(processes: list) -> str:
     return _read_all(fd)
 
 
+def stacks_file(pids: list, prefix: str) -> Optional[str]:
+    """The stacks of processes `pids` (forked from this one) in a new file named with `prefix`; None if none dumped
+    them. For a process that hangs while the peer itself goes on: an averager's process that never said it was ready."""
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    text = collect(processes)
+    if not text:
+        return None
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 def _executable(proc) -> Optional[str]:
     try:
         return proc.exe()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 
@@ -21,6 +22,7 @@ import collab.averaging.bounded_start as bounded_start
 from collab.averaging.bounded_start import AveragerDidNotStart, StartsWithin
 from collab.hivemind_hooks.averager import AveragerHooks
 from collab.hivemind_hooks.patches import death_safe_locks
+from collab.process import child_stacks
 from collab.swarm.node import shut_down_dht
 
 FORK = mp.get_context("fork")
@@ -147,8 +149,9 @@ def test_an_averager_whose_process_never_says_it_is_ready_is_given_up_with_a_cle
                                                                                           no_leftover_processes):
     """hivemind waits for an averager's process to say it is ready for good: a peer whose averager's process was
     stuck sat at start-up until stopped. Here the process cannot report (another process holds the update lock, as a
-    stuck one would) and the start gives up after its bound, naming the averager."""
+    stuck one would) and the start gives up after its bound, naming the averager and where its process waits."""
     death_safe_locks()
+    child_stacks.arm()  # as a peer's StopOnSignal does
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
     holder = averager = None
     try:
@@ -156,9 +159,14 @@ def test_an_averager_whose_process_never_says_it_is_ready_is_given_up_with_a_cle
         holder = _held_by_a_child(seconds=60)  # (the constructor asks the DHT's process, which then cannot answer)
         began = time.monotonic()
         monkeypatch.setattr(bounded_start, "START_WITHIN", 3.0)
-        with pytest.raises(AveragerDidNotStart, match=r"\(never-ready\) did not say it was ready within 3 s"):
+        with pytest.raises(AveragerDidNotStart, match=r"\(never-ready\) did not say it was ready within 3 s") as error:
             averager.run_in_background(await_ready=True)  # as hivemind's constructor starts it: no timeout
         assert time.monotonic() - began < 10
+        path = re.search(r"its stacks in (\S+)\)", str(error.value)).group(1)
+        with open(path) as f:
+            stacks = f.read()
+        os.remove(path)
+        assert f"process {averager.pid} " in stacks and "hivemind/averaging/averager.py" in stacks, stacks
     finally:
         if holder is not None:
             holder.kill()
