@@ -148,6 +148,6 @@ def harvest(summary: Summary, opt, model, log: AveragingLog) -> None:
     report = opt.mode_report()
     summary.outer_steps, summary.gossip = report.outer_steps, report.gossip
     summary.noise_scale, summary.noise_inputs = report.noise, report.noise_inputs
-    tracker = getattr(opt, "tracker", None)
-    summary.progress_reads = {"read": getattr(tracker, "reads", 0),
-                              "found_nothing": getattr(tracker, "found_nothing", 0)}
+    tracker = getattr(opt, "tracker", None)  # (a mode without collab's progress tracker reads nothing of its own)
+    if tracker is not None:
+        summary.progress_reads = {"read": tracker.reads, "found_nothing": tracker.found_nothing}

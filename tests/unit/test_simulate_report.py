@@ -38,10 +38,12 @@ def test_peer_report_adds_up_incarnations_and_keeps_the_furthest_epoch(tmp_path)
     first.write_text(json.dumps(dict(start_epoch=0, final_epoch=10, samples_contributed=648, rounds_joined=10,
                                      group_sizes=[2, 3], loss_by_epoch={"1": 9.7, "10": 9.4},
                                      train_seconds=40.0, compute_seconds=30.0,
+                                     progress_reads=dict(read=50, found_nothing=2),
                                      dht=dict(seconds=60, requests=10, bytes_sent=1, bytes_received=1,
                                               records=dict(checked=100, remembered=500)))))
     restart.write_text(json.dumps(dict(start_epoch=0, final_epoch=0, samples_contributed=0,
                                        exit_reason="stopped by signal", train_seconds=0.0,
+                                       progress_reads=dict(read=3, found_nothing=1),
                                        dht=dict(seconds=5, requests=1, bytes_sent=1, bytes_received=1,
                                                 records=dict(checked=100, remembered=100)))))
     report = peer_report(peer, "-", None, hits=1)
@@ -50,6 +52,7 @@ def test_peer_report_adds_up_incarnations_and_keeps_the_furthest_epoch(tmp_path)
     assert report.loss_epochs == 2
     # scale.py's rates: samples over the time in the training loop, both incarnations', not the wall time
     assert (report.train_seconds, report.compute_utilization) == (40.0, 0.75)
+    assert report.progress_reads_found_nothing == 3  # failed progress reads, both incarnations' (scale.py's column)
     assert report.records_remembered == 600 / 800  # both incarnations' records, answered from memory or checked
     assert report.exit == "not started; hit by churn 1x, started 2x"  # no process handle in this test
 
