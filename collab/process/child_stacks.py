@@ -4,9 +4,10 @@ A peer that hangs usually hangs in one of its hivemind processes: the gradient a
 the peer's own stacks showed only the trainer waiting for it (the 12-peer scale run of 2026-12-08). Where the child
 itself waited was guessed, not read. Now each process forked from an armed peer dumps every thread's stack when it
 gets SIGUSR1 (faulthandler: it works in a process whose threads all wait on locks), into one unnamed file the peer
-holds open, so nothing is left on disk until a forced exit copies it into its stacks file. Only processes forked from
-this one that catch SIGUSR1 are signalled (same executable, and their /proc status says so): a Python program exec'd
-in between keeps the default action (exit), and p2pd (Go catches every signal) would only cost the wait.
+holds open, so nothing is left on disk until a forced exit copies it into its stacks file. Only the armed process's
+own children get the handler (a grandchild's is taken off again: a peer that `collab simulate` forked arms a file of
+its own), and only a child that catches SIGUSR1 (its /proc status says so) is signalled: a program exec'd in between
+keeps the default action (exit), and p2pd (Go catches every signal) is no child of the peer's main process.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def arm() -> None:
 
 
 def _dump_on_signal() -> None:
-    if _file is not None:
+    if _file is not None and os.getppid() == _owner:
         faulthandler.register(SIGNAL, file=_file, all_threads=True, chain=False)
+    else:  # a grandchild: its parent's handler (inherited) would write into a file nobody reads
+        faulthandler.unregister(SIGNAL)
 
 
 def catches_signal(pid: int) -> bool:
@@ -66,25 +69,25 @@ def catches_signal(pid: int) -> bool:
 
 
 def collect(processes: list) -> str:
-    """The stacks of each of `processes` (psutil.Process) that dumps them on SIGUSR1, one after another (their
-    dumps would interleave): each headed by its pid and name. Bounded by EACH_WAIT a process and ALL_WAIT in all."""
+    """The stacks of each of `processes` (psutil.Process) that is this process's child and dumps them on SIGUSR1, one
+    after another (their dumps would interleave): each headed by its pid and name. Bounded by EACH_WAIT a process and
+    ALL_WAIT in all."""
     if _file is None or _owner != os.getpid():
         return ""
     fd = _file.fileno()
-    ours = _executable(psutil.Process())
     deadline = time.monotonic() + ALL_WAIT
     for proc in processes:
         if time.monotonic() >= deadline:
             break
-        if ours is None or _executable(proc) != ours or not catches_signal(proc.pid):
-            continue
         try:
-            name = proc.name()
-            os.write(fd, f"\nprocess {proc.pid} ({name}):\n".encode())
+            if proc.ppid() != _owner or not catches_signal(proc.pid):
+                continue
+            os.write(fd, f"\nprocess {proc.pid} ({proc.name()}):\n".encode())
             proc.send_signal(SIGNAL)
         except (psutil.Error, OSError):
             continue
-        _wait_for_dump(fd, min(deadline, time.monotonic() + EACH_WAIT))
+        if not _wait_for_dump(fd, min(deadline, time.monotonic() + EACH_WAIT)):
+            os.write(fd, b"(no stacks in time: a frozen or starved process)\n")
     return _read_all(fd)
 
 
@@ -106,15 +109,8 @@ def stacks_file(pids: list, prefix: str) -> Optional[str]:
     return path
 
 
-def _executable(proc) -> Optional[str]:
-    try:
-        return proc.exe()
-    except psutil.Error:
-        return None
-
-
-def _wait_for_dump(fd: int, until: float) -> None:
-    """Until `until`, or until the file has grown and then stayed the same for QUIET_FOR s."""
+def _wait_for_dump(fd: int, until: float) -> bool:
+    """Until `until`, or until the file has grown and then stayed the same for QUIET_FOR s; whether it grew."""
     start = size = os.fstat(fd).st_size
     quiet_since: Optional[float] = None
     while time.monotonic() < until:
@@ -125,7 +121,8 @@ def _wait_for_dump(fd: int, until: float) -> None:
         elif size > start:
             quiet_since = quiet_since or time.monotonic()
             if time.monotonic() - quiet_since >= QUIET_FOR:
-                return
+                return True
+    return os.fstat(fd).st_size > start
 
 
 def _read_all(fd: int) -> str:

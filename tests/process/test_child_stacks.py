@@ -21,13 +21,23 @@ CHILD = textwrap.dedent("""
     lock = mp.get_context("fork").Lock()
     lock.acquire()
 
-    def the_child_waits_here():
+    def the_child_waits_here(grandchild_pid):
+        pid = os.fork()
+        if pid == 0:  # a grandchild: no handler, its dump would go into a file nobody reads
+            time.sleep(60)
+            os._exit(0)
+        grandchild_pid.value = pid
         lock.acquire()
 
-    child = mp.get_context("fork").Process(target=the_child_waits_here, daemon=True)
+    grandchild_pid = mp.get_context("fork").Value("i", 0)
+    child = mp.get_context("fork").Process(target=the_child_waits_here, args=(grandchild_pid,), daemon=True)
     child.start()
-    print("pids:", dht.pid, child.pid, flush=True)
+    while not grandchild_pid.value:
+        time.sleep(0.05)
     time.sleep(0.5)
+    from collab.process.child_stacks import catches_signal
+    print("pids:", dht.pid, child.pid, flush=True)
+    print("catch:", catches_signal(child.pid), catches_signal(grandchild_pid.value), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
     stop.wait(5)
     time.sleep(30)  # the graceful path hangs: the watchdog's forced exit ends this process
@@ -45,6 +55,7 @@ def test_a_forced_exit_writes_the_stacks_of_the_peers_processes(tmp_path):
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=90, env=env)
     assert done.returncode == 1, done.stderr
     dht_pid, child_pid = map(int, re.search(r"pids: (\d+) (\d+)", done.stdout).groups())
+    assert "catch: True False" in done.stdout, done.stdout  # the peer's child answers; the child's child does not
     files = list(tmp_path.glob("collab-shutdown-*.log"))
     assert len(files) == 1, done.stderr
     text = files[0].read_text()
