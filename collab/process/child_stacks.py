@@ -75,6 +75,7 @@ def collect(processes: list) -> str:
     if _file is None or _owner != os.getpid():
         return ""
     fd = _file.fileno()
+    begin = os.fstat(fd).st_size  # (an earlier collect's stacks are not this one's)
     deadline = time.monotonic() + ALL_WAIT
     for proc in processes:
         if time.monotonic() >= deadline:
@@ -88,12 +89,14 @@ def collect(processes: list) -> str:
             continue
         if not _wait_for_dump(fd, min(deadline, time.monotonic() + EACH_WAIT)):
             os.write(fd, b"(no stacks in time: a frozen or starved process)\n")
-    return _read_all(fd)
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size - begin, begin).decode(errors="replace") if size > begin else ""
 
 
 def stacks_file(pids: list, prefix: str) -> Optional[str]:
-    """The stacks of processes `pids` (forked from this one) in a new file named with `prefix`; None if none dumped
-    them. For a process that hangs while the peer itself goes on: an averager's process that never said it was ready."""
+    """The stacks of processes `pids` (this process's children) in a new file named with `prefix`; None if none of them
+    catches SIGUSR1 (or this process is not armed). For a process that hangs while the peer itself goes on: an
+    averager's process that never said it was ready."""
     processes = []
     for pid in pids:
         try:
@@ -123,8 +126,3 @@ def _wait_for_dump(fd: int, until: float) -> bool:
             if time.monotonic() - quiet_since >= QUIET_FOR:
                 return True
     return os.fstat(fd).st_size > start
-
-
-def _read_all(fd: int) -> str:
-    size = os.fstat(fd).st_size
-    return os.pread(fd, size, 0).decode(errors="replace") if size else ""
