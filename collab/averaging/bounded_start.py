@@ -31,7 +31,10 @@ class StartsWithin(DecentralizedAverager):
             super().run_in_background(await_ready=await_ready, timeout=bound)
         except TimeoutError:
             # where its process waits is what a bug report needs (the peer's own stacks show only the wait for it)
-            path = stacks_file([self.pid], prefix="collab-stuck-") if self.pid is not None else None
+            try:
+                path = stacks_file([self.pid], prefix="collab-stuck-") if self.pid is not None else None
+            except OSError:  # (a full disk: the error itself still says what happened)
+                path = None
             where = f" (its stacks in {path})" if path else ""
             raise AveragerDidNotStart(f"the averager's process ({self.prefix}) did not say it was ready within "
                                       f"{bound:g} s{where}; start the peer again") from None

@@ -23,9 +23,9 @@ from typing import Optional
 import psutil
 
 SIGNAL = signal.SIGUSR1
-EACH_WAIT = 0.5  # seconds a process has to write its stacks (a frozen process never does: it is not waited for)
-ALL_WAIT = 2.0  # seconds all processes together have: a forced exit must still end the peer within its promise
-QUIET_FOR = 0.05  # seconds without a new byte after which a process's dump is taken as whole
+EACH_WAIT = 0.5  # seconds a process has to begin its stacks (a stopped one never does: it is not signalled)
+ALL_WAIT = 1.5  # seconds all processes together have: a forced exit must still end the peer within its promise
+QUIET_FOR = 0.2  # seconds without a new byte after which a process's dump is taken as whole (a busy one pauses)
 
 _file = None  # the unnamed file forked processes write into: this process's, or inherited from its armed parent
 _owner: Optional[int] = None  # the pid that armed _file: only it collects
@@ -57,26 +57,25 @@ def _dump_on_signal() -> None:
 
 
 def catches_signal(pid: int) -> bool:
-    """Whether process `pid` handles SIGUSR1 (bit 9 of SigCgt in /proc/PID/status); False where unknown."""
+    """Whether process `pid` handles SIGUSR1 (bit 9 of SigCgt in /proc/PID/status) and can act on it now (not stopped:
+    a frozen peer's process would cost the whole wait); False where unknown."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (SIGNAL - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return fields["State"].split()[0] not in ("T", "t") and bool(int(fields["SigCgt"], 16) >> (SIGNAL - 1) & 1)
+    except (OSError, ValueError, KeyError, IndexError):
+        return False
 
 
-def collect(processes: list) -> str:
+def collect(processes: list, each: float = EACH_WAIT, total: float = ALL_WAIT) -> str:
     """The stacks of each of `processes` (psutil.Process) that is this process's child and dumps them on SIGUSR1, one
-    after another (their dumps would interleave): each headed by its pid and name. Bounded by EACH_WAIT a process and
-    ALL_WAIT in all."""
+    after another (their dumps would interleave): each headed by its pid and name. Bounded by `each` s a process and
+    `total` in all. Raises OSError where the file cannot be written (a full disk)."""
     if _file is None or _owner != os.getpid():
         return ""
     fd = _file.fileno()
     begin = os.fstat(fd).st_size  # (an earlier collect's stacks are not this one's)
-    deadline = time.monotonic() + ALL_WAIT
+    deadline = time.monotonic() + total
     for proc in processes:
         if time.monotonic() >= deadline:
             break
@@ -87,7 +86,7 @@ def collect(processes: list) -> str:
             proc.send_signal(SIGNAL)
         except (psutil.Error, OSError):
             continue
-        if not _wait_for_dump(fd, min(deadline, time.monotonic() + EACH_WAIT)):
+        if not _wait_for_dump(fd, min(deadline, time.monotonic() + each)):
             os.write(fd, b"(no stacks in time: a frozen or starved process)\n")
     size = os.fstat(fd).st_size
     return os.pread(fd, size - begin, begin).decode(errors="replace") if size > begin else ""
@@ -96,14 +95,15 @@ def collect(processes: list) -> str:
 def stacks_file(pids: list, prefix: str) -> Optional[str]:
     """The stacks of processes `pids` (this process's children) in a new file named with `prefix`; None if none of them
     catches SIGUSR1 (or this process is not armed). For a process that hangs while the peer itself goes on: an
-    averager's process that never said it was ready."""
+    averager's process that never said it was ready: not a forced exit, so it waits longer for a busy process. Raises
+    OSError where the file cannot be written."""
     processes = []
     for pid in pids:
         try:
             processes.append(psutil.Process(pid))
         except psutil.Error:
             pass
-    text = collect(processes)
+    text = collect(processes, each=5.0, total=10.0)
     if not text:
         return None
     fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")

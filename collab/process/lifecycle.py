@@ -208,17 +208,27 @@ class StopOnSignal:
         for callback in self._before_force_exit:
             _quietly(callback, reason)
 
-        # where it hung is what a bug report needs: every thread's stack, its hivemind processes' too, in a file
+        path = _write_stacks()
+        where = f" (stacks in {path})" if path else ""
+        print(f"{reason}; stopping hivemind processes{where}", file=sys.stderr, flush=True)
+        reap_children(timeout=1.0)
+        remove_own_sockets()
+        os._exit(1)
+
+
+def _write_stacks() -> Optional[str]:
+    """Where it hung is what a bug report needs: every thread's stack, its hivemind processes' too, in a file; its
+    path, or None where it could not be written (a full disk: the forced exit must still reach its end)."""
+    try:
         fd, path = tempfile.mkstemp(prefix="collab-shutdown-", suffix=".log")
         with os.fdopen(fd, "w") as f:
             f.write(f"process {os.getpid()} (this peer):\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
             f.write(child_stacks.collect(descendants()))
-        print(f"{reason}; stopping hivemind processes (stacks in {path})", file=sys.stderr, flush=True)
-        reap_children(timeout=1.0)
-        remove_own_sockets()
-        os._exit(1)
+        return path
+    except (OSError, psutil.Error):
+        return None
 
 
 def _quietly(callback, *args) -> None:

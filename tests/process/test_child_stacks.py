@@ -4,11 +4,17 @@ guessed (collab.process.child_stacks)."""
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing as mp
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+
+from collab.process.child_stacks import catches_signal
 
 CHILD = textwrap.dedent("""
     import multiprocessing as mp, os, signal, sys, threading, time
@@ -22,11 +28,10 @@ CHILD = textwrap.dedent("""
     lock.acquire()
 
     def the_child_waits_here(grandchild_pid):
-        pid = os.fork()
-        if pid == 0:  # a grandchild: no handler, its dump would go into a file nobody reads
+        if os.fork() == 0:  # a grandchild: no handler, its dump would go into a file nobody reads
+            grandchild_pid.value = os.getpid()  # (after the fork's hooks)
             time.sleep(60)
             os._exit(0)
-        grandchild_pid.value = pid
         lock.acquire()
 
     grandchild_pid = mp.get_context("fork").Value("i", 0)
@@ -63,3 +68,28 @@ def test_a_forced_exit_writes_the_stacks_of_the_peers_processes(tmp_path):
     assert "hivemind/dht/dht.py" in _section(text, dht_pid), text
     headed = {int(pid) for pid in re.findall(r"^process (\d+) \(", text, re.M)}
     assert headed == {dht_pid, child_pid, int(re.search(r"^process (\d+) \(this peer\)", text, re.M).group(1))}, text
+
+
+def _catch_and_sleep(ready) -> None:
+    faulthandler.register(signal.SIGUSR1)
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_stopped_process_is_not_signalled():
+    """A frozen process (a `simulate` fault, a debugger) would cost the forced exit its whole wait, for nothing."""
+    fork = mp.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=_catch_and_sleep, args=(ready,), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(20)
+        assert catches_signal(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while catches_signal(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not catches_signal(child.pid), "a stopped process would be signalled and waited for"
+    finally:
+        child.kill()
+        child.join(10)

@@ -151,6 +151,8 @@ def test_an_averager_whose_process_never_says_it_is_ready_is_given_up_with_a_cle
     stuck sat at start-up until stopped. Here the process cannot report (another process holds the update lock, as a
     stuck one would) and the start gives up after its bound, naming the averager and where its process waits."""
     death_safe_locks()
+    monkeypatch.setattr(child_stacks, "_file", None)  # (this test worker's later forks get no handler)
+    monkeypatch.setattr(child_stacks, "_owner", None)
     child_stacks.arm()  # as a peer's StopOnSignal does
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, shutdown_timeout=1.0)
     holder = averager = None
