@@ -49,8 +49,8 @@ def test_an_out_of_step_replica_starts_no_state_round_and_cancels_its_pre_schedu
         # in-step peer, started at once, joined the round still being cancelled there (gathered 2); in another, also
         # when started 1 s later. So it starts once that process has ended the round it was told to cancel
         # (hivemind's step says FINISHED, through shared memory), within a bound: past its own timeout the round ends
-        # anyway (a unit-and-process run on 2 cores, 2f697b3 plus a day's changes: the 2-s bound this wait had ran out
-        # and the in-step peer joined the round being cancelled)
+        # anyway (with a 2-s bound, a unit-and-process run on 2 cores had the in-step peer join the round being
+        # cancelled: gathered 2)
         deadline = time.monotonic() + 3 * ROUND_TIMEOUT
         while out_of_step.rounds_sat_out and pre_scheduled.stage != AveragingStage.FINISHED \
                 and time.monotonic() < deadline:
