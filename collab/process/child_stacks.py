@@ -8,6 +8,11 @@ holds open, so nothing is left on disk until a forced exit copies it into its st
 own children get the handler (a grandchild's is taken off again: a peer that `collab simulate` forked arms a file of
 its own), and only a child that catches SIGUSR1 (its /proc status says so) is signalled: a program exec'd in between
 keeps the default action (exit), and p2pd (Go catches every signal) is no child of the peer's main process.
+
+Off unless COLLAB_CHILD_STACKS=1 (a peer started with it arms itself; `collab simulate` passes it to its peers): 32
+linreg peers on 2 cores (`benchmarks/scale.py --peers 32 --duration 180`) made 628 and 641 samples/s with it on and
+gave up 33-34 state rounds, against 787 and 0 with the same code not armed (and 730 and 7 before this module). Why a
+handler that no signal reaches costs that is not known; until it is, it is a tool for reproducing a hang.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Optional
 import psutil
 
 SIGNAL = signal.SIGUSR1
+ENV = "COLLAB_CHILD_STACKS"
 EACH_WAIT = 0.5  # seconds a process has to begin its stacks (a stopped one never does: it is not signalled)
 ALL_WAIT = 1.5  # seconds all processes together have: a forced exit must still end the peer within its promise
 QUIET_FOR = 0.2  # seconds without a new byte after which a process's dump is taken as whole (a busy one pauses)
@@ -30,6 +36,11 @@ QUIET_FOR = 0.2  # seconds without a new byte after which a process's dump is ta
 _file = None  # the unnamed file forked processes write into: this process's, or inherited from its armed parent
 _owner: Optional[int] = None  # the pid that armed _file: only it collects
 _hooked = False
+
+
+def wanted() -> bool:
+    """Whether this process was asked to arm itself (COLLAB_CHILD_STACKS=1)."""
+    return os.environ.get(ENV, "") == "1"
 
 
 def arm() -> None:

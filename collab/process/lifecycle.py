@@ -155,7 +155,8 @@ class StopOnSignal:
 
     def install(self) -> "StopOnSignal":
         self._owner = os.getpid()
-        child_stacks.arm()  # before hivemind's processes fork: a forced exit then has their stacks too
+        if child_stacks.wanted():  # before hivemind's processes fork: a forced exit then has their stacks too
+            child_stacks.arm()
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         StopOnSignal._active = self
